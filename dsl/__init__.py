@@ -1,0 +1,1 @@
+"""The .pps strategy language (installed as `piper.dsl`)."""

@@ -1,0 +1,1 @@
+"""Annotated example models for Piper; run one with `python examples/<name>.py`."""

@@ -1,0 +1,20 @@
+"""Piper: a programmable distributed training system for PyTorch.
+
+    with piper.annotate("PP"): ...          # mark regions in forward
+    @piper.strategy def zero3(s): ...       # or a .pps script
+    job = piper.compile(model, example_inputs=(x, y), strategy=zero3, mesh={"dp": 2})
+    loss = job.step(x, y)
+"""
+from .annotate import annotate
+from .diagnostics import Diagnostic, PiperError, Span
+from .mesh import Mesh
+from .strategy import strategy
+
+__all__ = ["annotate", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span"]
+
+
+def compile(*args, **kwargs):
+    """Compile a model and a strategy into a running job (see `piper.job.compile`)."""
+    from .job import compile as _compile
+
+    return _compile(*args, **kwargs)

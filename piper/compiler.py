@@ -1,0 +1,290 @@
+"""The compiler: strategy DAG -> lowered DAG -> one ordered plan per device.
+
+    compile_ir(ir) runs, in this order:
+      resolve_placement  (lower.py)  regions on groups, checked against the batch axes
+      add_transfers      (lower.py)  SEND/RECV where a value crosses groups
+      schedule                       one global topological order (cycles are errors)
+      add_collectives                DP/ZeRO collectives placed in that order
+      project                        each device's actions, with p2p peers and waits
+    and `verify` (simulate.py) runs every plan abstractly before anything runs.
+
+Every device's plan is a projection of one global order, so collectives are
+issued in the same order by every member of a group and every receive has
+its send earlier: the plans cannot deadlock by construction, and the
+simulator checks it.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .diagnostics import Diagnostic, Label, error
+from .ir import IR, Edge, Node
+from .lower import add_transfers, resolve_placement, zero_levels
+
+_PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a device's plan.
+
+    `peer` is the other rank of a SEND/RECV and `tag` its message tag;
+    `group` the ranks of a collective; `waits` the keys of communication this
+    action must see completed first; `release` the parameter units (owner
+    regions) whose gathered parameters can be freed after it (ZeRO-3).
+    """
+
+    node: Node
+    peer: int | None = None
+    tag: int | None = None
+    group: tuple[int, ...] | None = None
+    waits: tuple[str, ...] = ()
+    release: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return self.node.key
+
+    def __str__(self) -> str:
+        return self.node.key
+
+
+@dataclass
+class Compiled:
+    """The result of compilation: the lowered IR, the global order, and the plans."""
+
+    ir: IR
+    order: list[Node]
+    plans: dict[int, tuple[Action, ...]]
+    zero: int
+    warnings: list[Diagnostic] = field(default_factory=list)
+
+    def show(self) -> str:
+        """Each device's plan as one line of action tokens."""
+        return "\n".join(f"rank {r}: " + " ".join(a.key for a in plan) for r, plan in sorted(self.plans.items()))
+
+    def compute_order(self, rank: int) -> list[str]:
+        return [a.key for a in self.plans[rank] if a.node.is_compute]
+
+
+def _priority(node: Node) -> tuple:
+    """GPipe order for what no `order` constrains: forwards by microbatch, then backwards.
+
+    Communication goes first whenever it is ready: a send right after its
+    producer, a receive right after its send (so receives between two devices
+    come in the order of their sends).
+    """
+    if not node.is_compute:
+        return (0,)
+    mb = node.mb if node.mb is not None else 1 << 30
+    region = node.region if node.op == "F" else -node.region
+    return (1, _PHASE[node.op] if node.op != "UPD" else 9, mb, region, node.op)
+
+
+def schedule(ir: IR) -> list[Node]:
+    """A topological order of all nodes over data and temporal edges.
+
+    A cycle means the `order` statements contradict the data flow (or each
+    other); the error names the order statements whose edges close it.
+    """
+    index = ir.index()
+    succ: dict[str, list[str]] = defaultdict(list)
+    indeg = {k: 0 for k in index}
+    for e in ir.edges:
+        if e.src not in index or e.dst not in index:
+            raise AssertionError(f"edge to unknown node {e}")
+        succ[e.src].append(e.dst)
+        indeg[e.dst] += 1
+    heap = [(_priority(index[k]), k) for k, d in indeg.items() if d == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, key = heapq.heappop(heap)
+        out.append(index[key])
+        for nxt in succ[key]:
+            indeg[nxt] -= 1
+            if indeg[nxt] == 0:
+                heapq.heappush(heap, (_priority(index[nxt]), nxt))
+    if len(out) != len(index):
+        raise _cycle_error(ir, {k for k, d in indeg.items() if d > 0})
+    return out
+
+
+def _cycle_error(ir: IR, stuck: set[str]):
+    """Find one cycle among the stuck nodes and explain it with the order lines that close it."""
+    succ = defaultdict(list)
+    for e in ir.edges:
+        if e.src in stuck and e.dst in stuck:
+            succ[e.src].append(e)
+    # Walk until a node repeats: every stuck node lies on or behind a cycle.
+    start = min(stuck)
+    path, seen = [], {}
+    node = start
+    while node not in seen:
+        seen[node] = len(path)
+        edge = next(e for e in succ[node])
+        path.append(edge)
+        node = edge.dst
+    cycle = path[seen[node]:]
+    text = " -> ".join([e.src for e in cycle] + [cycle[0].src])
+    temporal = [e for e in cycle if e.kind == "temporal"]
+    span = temporal[0].span if temporal else None
+    labels = tuple(Label(e.span, f"orders {e.src} before {e.dst}") for e in temporal[1:] if e.span)
+    data = [f"{e.src} -> {e.dst}" for e in cycle if e.kind == "data"]
+    return error("order-cycle", f"the order contradicts the data flow: {text}", span=span, labels=labels,
+                 notes=(f"data edges in the cycle: {', '.join(data) or 'none'}",),
+                 hint="a forward must run before its backward and a region after the one that feeds it; "
+                      "reorder the slots so every microbatch's inputs come first")
+
+
+def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:
+    """Region -> the owner regions whose parameters it reads."""
+    owner = {p: r.index for r in ir.regions for p in r.owned}
+    return {r.index: tuple(sorted({owner[p] for p in r.params})) for r in ir.regions}
+
+
+def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], list[Edge], dict[str, tuple]]:
+    """Place DP/ZeRO collectives into the global order.
+
+    - gradients of each parameter unit (the parameters a region owns): one
+      ALL_REDUCE (replicated or ZeRO-1) or REDUCE_SCATTER (ZeRO-2/3) right
+      after the last compute that produces them, before UPD;
+    - ZeRO-1/2: ALL_GATHER of the updated shards right after UPD;
+    - ZeRO-3: ALL_GATHER_<pass><mb> before a compute that needs a unit not
+      already gathered, issued one compute early so it overlaps; the unit is
+      released after the last of a run of computes that use it.
+    Returns the new order, its extra edges, and per compute key the units to release.
+    """
+    units = _units_used(ir)
+    groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
+    owners = [r.index for r in ir.regions if r.owned and len(groups[r.index]) > 1]
+    shared = set(owners)
+    before: dict[int, list[Node]] = defaultdict(list)   # insert before position i
+    after: dict[int, list[Node]] = defaultdict(list)    # insert after position i
+    edges: list[Edge] = []
+    release: dict[str, tuple] = {}
+
+    computes = [(i, n) for i, n in enumerate(order) if n.is_compute]
+    grad_ops = ("B", "BW")
+    last_grad: dict[int, int] = {}
+    for i, n in computes:
+        if n.op in grad_ops:
+            for u in units[n.region]:
+                last_grad[u] = i
+    for u in owners:
+        reduce_op = "ALL_REDUCE" if zero <= 1 else "REDUCE_SCATTER"
+        red = Node(reduce_op, u, devices=groups[u])
+        pos = last_grad[u]
+        while pos + 1 < len(order) and order[pos + 1].op == "SEND":
+            pos += 1   # let the gradient sends that unblock other stages go first
+        after[pos].append(red)
+        upd = Node("UPD", u).key
+        edges.append(Edge(red.key, upd))
+        for i, n in computes:
+            if n.op in grad_ops and u in units[n.region]:
+                edges.append(Edge(n.key, red.key))
+        if zero in (1, 2):
+            gather = Node("ALL_GATHER", u, devices=groups[u])
+            pos = next(i for i, n in computes if n.key == upd)
+            after[pos].append(gather)
+            edges.append(Edge(upd, gather.key))
+
+    if zero == 3:
+        # Per device group, the computes in order: gather a unit when the previous
+        # compute on these devices did not use it; release it when the next will not.
+        by_group: dict[tuple, list[tuple[int, Node]]] = defaultdict(list)
+        for i, n in computes:
+            if n.op != "UPD":
+                by_group[n.devices].append((i, n))
+        for g, seq in by_group.items():
+            for j, (i, n) in enumerate(seq):
+                need = [u for u in units[n.region] if u in shared]
+                prev = set(units[seq[j - 1][1].region]) if j > 0 else set()
+                nxt = set(units[seq[j + 1][1].region]) if j + 1 < len(seq) else set()
+                for u in need:
+                    if u not in prev:
+                        gather = Node("ALL_GATHER", u, n.mb, n.op, devices=groups[u])
+                        # Prefetch: issue before the previous compute on these devices.
+                        where = seq[j - 1][0] if j > 0 else i
+                        before[where].append(gather)
+                        edges.append(Edge(gather.key, n.key))
+                release[n.key] = tuple(u for u in need if u not in nxt)
+    out: list[Node] = []
+    for i, n in enumerate(order):
+        out += before.get(i, [])
+        out.append(n)
+        out += after.get(i, [])
+    return out, edges, release
+
+
+def project(ir: IR, order: list[Node], edges: list[Edge], release: dict[str, tuple]) -> dict[int, tuple[Action, ...]]:
+    """Each device's actions in global order, with peers, tags and waits."""
+    mesh = ir.mesh
+    batch_axes = ir.batch_axes()
+
+    def shard_index(rank: int) -> tuple:
+        c = mesh.coords(rank)
+        return tuple(c[a] for a in batch_axes)
+
+    def peer_of(rank: int, group: tuple[int, ...]) -> int:
+        want = shard_index(rank)
+        for other in group:
+            if shard_index(other) == want:
+                return other
+        raise AssertionError(f"no peer for rank {rank} in {group}")
+
+    # An action waits for the receives and collectives that feed it, nothing else.
+    waits_of: dict[str, list[str]] = defaultdict(list)
+    waitable = {n.key for n in order if not n.is_compute and n.op != "SEND"}
+    for e in list(ir.edges) + edges:
+        if e.kind == "data" and e.src in waitable:
+            waits_of[e.dst].append(e.src)
+    groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
+    plans: dict[int, list[Action]] = {r: [] for r in range(mesh.world_size)}
+    tags: dict[str, int] = {}
+    for n in order:
+        if n.op in ("SEND", "RECV"):
+            # The tag names the transfer; both sides compute it from the SEND's key.
+            src = n.region if n.op == "SEND" else n.peer
+            dst = n.peer if n.op == "SEND" else n.region
+            send_key = Node("SEND", src, n.mb, n.phase, n.value, dst).key
+            tag = tags.setdefault(send_key, len(tags))
+            other = groups[n.peer]
+            for rank in n.devices:
+                plans[rank].append(Action(n, peer=peer_of(rank, other), tag=tag))
+        elif n.is_compute:
+            for rank in n.devices:
+                plans[rank].append(Action(n, waits=tuple(waits_of.get(n.key, ())),
+                                          release=release.get(n.key, ())))
+        else:
+            for rank in n.devices:
+                plans[rank].append(Action(n, group=n.devices, waits=tuple(waits_of.get(n.key, ()))))
+    return {r: tuple(p) for r, p in plans.items()}
+
+
+def compile_ir(ir: IR) -> Compiled:
+    """Lower, schedule and project; raise `PiperError` on a bad strategy."""
+    warnings: list[Diagnostic] = []
+    ir = resolve_placement(ir, warnings)
+    zero = zero_levels(ir)
+    _check_order_devices(ir)
+    ir = add_transfers(ir)
+    order = schedule(ir)
+    order, extra, release = add_collectives(ir, order, zero)
+    ir = ir.with_(nodes=tuple(order), edges=ir.edges + tuple(extra))
+    plans = project(ir, order, list(extra), release)
+    return Compiled(ir, order, plans, zero, warnings)
+
+
+def _check_order_devices(ir: IR) -> None:
+    """A temporal edge between nodes on different devices cannot be enforced without data."""
+    index = ir.index()
+    for e in ir.edges:
+        if e.kind == "temporal":
+            a, b = index[e.src], index[e.dst]
+            if a.devices != b.devices:
+                raise error("order-across-devices", f"this order puts {a.key} (on ranks {list(a.devices)}) "
+                            f"before {b.key} (on ranks {list(b.devices)}), which run on different devices",
+                            span=e.span, hint="order only the passes of regions placed on the same devices")

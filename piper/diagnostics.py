@@ -1,0 +1,99 @@
+"""Diagnostics as data: what went wrong, where, and what to do about it.
+
+Every user-facing error in Piper is a `Diagnostic` (stable kebab-case code,
+severity, message, spans, notes, hint). Rendering lives elsewhere
+(`piper.render`): the same diagnostic prints with rich, as plain text or JSON.
+User mistakes raise `PiperError`; internal invariants use `assert`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Severity = Literal["error", "warning", "note"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """A region of a source file, 1-based lines and columns, end exclusive.
+
+    `source` is the text of the whole file when known, so a renderer can show
+    the user's own line without reading the file again.
+    """
+
+    file: str
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+    source: str | None = field(default=None, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+@dataclass(frozen=True)
+class Label:
+    """A secondary span with a short message ("first placed here")."""
+
+    span: Span
+    message: str
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    code: str
+    message: str
+    severity: Severity = "error"
+    span: Span | None = None
+    labels: tuple[Label, ...] = ()
+    notes: tuple[str, ...] = ()
+    hint: str | None = None
+    # Where the failing statement was reached from: `use` sites, outermost first.
+    trace: tuple[Span, ...] = ()
+
+    def with_span(self, span: Span | None) -> "Diagnostic":
+        """The same diagnostic pointed at `span` (kept if `span` is None)."""
+        if span is None:
+            return self
+        return Diagnostic(self.code, self.message, self.severity, span, self.labels,
+                          self.notes, self.hint, self.trace)
+
+    def __str__(self) -> str:
+        where = f"{self.span}: " if self.span else ""
+        text = f"{where}{self.severity}[{self.code}]: {self.message}"
+        for note in self.notes:
+            text += f"\n  note: {note}"
+        if self.hint:
+            text += f"\n  hint: {self.hint}"
+        return text
+
+
+class PiperError(Exception):
+    """A user mistake, carrying one or more diagnostics.
+
+    `str(err)` is readable on its own; tools render `err.diagnostics`.
+    """
+
+    def __init__(self, *diagnostics: Diagnostic):
+        assert diagnostics, "PiperError needs at least one diagnostic"
+        self.diagnostics = tuple(diagnostics)
+        super().__init__("\n".join(str(d) for d in self.diagnostics))
+
+    @property
+    def code(self) -> str:
+        return self.diagnostics[0].code
+
+
+def error(code: str, message: str, *, span: Span | None = None, hint: str | None = None,
+          notes: tuple[str, ...] | list[str] = (), labels: tuple[Label, ...] = ()) -> PiperError:
+    """Build a one-diagnostic `PiperError`; the caller raises it."""
+    return PiperError(Diagnostic(code, message, "error", span, tuple(labels), tuple(notes), hint))
+
+
+def did_you_mean(name: str, choices) -> str | None:
+    """The closest of `choices` to `name`, phrased as a hint, or None."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else None

@@ -1,0 +1,282 @@
+"""The IR: one global training DAG holding every computation and communication
+of a training step.
+
+Nodes are small immutable values with a compact token in the style of
+PyTorch's pipelining actions:
+
+    2F0            region 2, forward, microbatch 0
+    2BI0 / 2BW0    backward for inputs / for weights (zero-bubble split)
+    0UPD           optimizer step for the parameters region 0 owns
+    0SEND_F3>2.1   region 0 sends forward value 1 of microbatch 3 to region 2's devices
+    2RECV_F3<0.1   ... and region 2's devices receive it
+    2SEND_B3>0.1   region 2 sends the gradient of that value back (RECV_B likewise)
+    0ALL_REDUCE    gradients of region 0's parameters (REDUCE_SCATTER likewise)
+    0ALL_GATHER    parameters of region 0 after the update (ZeRO-1/2)
+    0ALL_GATHER_F3 parameters of region 0 before 0F3 (ZeRO-3; _B3, _BI3, _BW3 too)
+
+`format_ir` prints an IR as text and `parse_ir` reads it back.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from .diagnostics import Span, error
+from .mesh import Mesh
+
+COMPUTE = ("F", "B", "BI", "BW", "UPD")
+P2P = ("SEND", "RECV")
+COLLECTIVES = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL")
+DEFAULT_STREAM = {"F": "compute", "B": "compute", "BI": "compute", "BW": "compute", "UPD": "compute",
+                  "SEND": "pp", "RECV": "pp", "ALL_REDUCE": "dp", "ALL_GATHER": "dp",
+                  "REDUCE_SCATTER": "dp", "ALL_TO_ALL": "ep"}
+
+
+@dataclass(frozen=True)
+class Node:
+    """One action of the step, on a device group (`devices`, None until placed).
+
+    For SEND/RECV, `phase` is "F" (an activation) or "B" (its gradient), `value`
+    the value index in the producer's outputs and `peer` the region on the other
+    side. For a collective, `phase` names the compute node it serves ("F", "B",
+    ...) with `mb`, or is None for the once-per-step ones.
+    """
+
+    op: str
+    region: int
+    mb: int | None = None
+    phase: str | None = None
+    value: int | None = None
+    peer: int | None = None
+    devices: tuple[int, ...] | None = field(default=None, compare=False)
+    stream: str | None = field(default=None, compare=False)
+
+    @property
+    def key(self) -> str:
+        r, op = self.region, self.op
+        if op in ("F", "B", "BI", "BW"):
+            return f"{r}{op}{self.mb}"
+        if op == "UPD":
+            return f"{r}UPD"
+        if op in P2P:
+            arrow = ">" if op == "SEND" else "<"
+            return f"{r}{op}_{self.phase}{self.mb}{arrow}{self.peer}.{self.value}"
+        suffix = f"_{self.phase}{self.mb}" if self.phase else ""
+        return f"{r}{op}{suffix}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE
+
+    def on_stream(self) -> str:
+        return self.stream or DEFAULT_STREAM[self.op]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+_KEY = re.compile(
+    r"(?P<r>\d+)(?:"
+    r"(?P<cop>BI|BW|F|B)(?P<cmb>\d+)"
+    r"|(?P<upd>UPD)"
+    r"|(?P<pop>SEND|RECV)_(?P<pph>F|B)(?P<pmb>\d+)[<>](?P<peer>\d+)\.(?P<val>\d+)"
+    r"|(?P<col>ALL_REDUCE|ALL_GATHER|REDUCE_SCATTER|ALL_TO_ALL)(?:_(?P<cph>BI|BW|F|B)(?P<colmb>\d+))?"
+    r")$")
+
+
+def parse_key(token: str) -> Node:
+    """Read a node token back: `parse_key("2F0") == Node("F", 2, 0)`."""
+    m = _KEY.match(token.strip())
+    if not m:
+        raise error("bad-ir", f"cannot read node token {token!r}",
+                    hint="tokens look like 2F0, 0UPD, 0SEND_F3>1.0, 1RECV_F3<0.0, 0ALL_GATHER_F3")
+    r = int(m["r"])
+    if m["cop"]:
+        return Node(m["cop"], r, int(m["cmb"]))
+    if m["upd"]:
+        return Node("UPD", r)
+    if m["pop"]:
+        return Node(m["pop"], r, int(m["pmb"]), m["pph"], int(m["val"]), int(m["peer"]))
+    mb = int(m["colmb"]) if m["colmb"] is not None else None
+    return Node(m["col"], r, mb, m["cph"])
+
+
+@dataclass(frozen=True)
+class Edge:
+    """`src -> dst`: data (a tensor flows) or temporal (an order constraint).
+
+    `span` points at the statement that made a temporal edge, for diagnostics.
+    """
+
+    src: str
+    dst: str
+    kind: str = "data"
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """What the IR needs to know of a captured region."""
+
+    index: int
+    tags: tuple[tuple[str, int], ...]
+    params: tuple[str, ...]          # parameters it uses
+    owned: tuple[str, ...]           # parameters it owns (updates)
+    loss: bool = False
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.tags)
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """A tensor passed between regions; `index` is its position in the producer's outputs."""
+
+    producer: int
+    index: int
+    consumers: tuple[int, ...]
+    differentiable: bool = True
+
+
+@dataclass(frozen=True)
+class IR:
+    """The global training DAG plus the attributes statements set on it.
+
+    `placement` maps region -> device ranks; `sharding` holds (what, axis)
+    records; the parallel `*_spans` say which statement made each.
+    """
+
+    mesh: Mesh
+    regions: tuple[RegionInfo, ...]
+    values: tuple[ValueInfo, ...]
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    microbatches: int = 1
+    backward_split: bool = False
+    placement: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    sharding: tuple[tuple[str, str], ...] = ()
+    # Where each placement / sharding record came from; not part of the value.
+    placement_spans: tuple[Span | None, ...] = field(default=(), compare=False)
+    sharding_spans: tuple[Span | None, ...] = field(default=(), compare=False)
+    split_span: Span | None = field(default=None, compare=False)
+
+    def node(self, key: str) -> Node:
+        for n in self.nodes:
+            if n.key == key:
+                return n
+        raise KeyError(key)
+
+    def index(self) -> dict[str, Node]:
+        return {n.key: n for n in self.nodes}
+
+    def devices_of(self, region: int) -> tuple[int, ...] | None:
+        for r, ranks in self.placement:
+            if r == region:
+                return ranks
+        return None
+
+    def sharded(self, what: str) -> str | None:
+        """The axis `what` ("batch", "optimizer", ...) is sharded over, or None."""
+        for w, axis in self.sharding:
+            if w == what:
+                return axis
+        return None
+
+    def batch_axes(self) -> tuple[str, ...]:
+        return tuple(axis for w, axis in self.sharding if w == "batch")
+
+    def placement_span(self, region: int) -> Span | None:
+        for (r, _), span in zip(self.placement, self.placement_spans):
+            if r == region:
+                return span
+        return None
+
+    def sharding_span(self, what: str) -> Span | None:
+        for (w, _), span in zip(self.sharding, self.sharding_spans):
+            if w == what:
+                return span
+        return None
+
+    def with_(self, **changes) -> "IR":
+        return replace(self, **changes)
+
+
+def format_ir(ir: IR) -> str:
+    """The IR as text; `parse_ir(format_ir(ir)) == ir`."""
+    lines = [f"mesh {ir.mesh}" if ir.mesh.axes else "mesh"]
+    for r in ir.regions:
+        own = ",".join(r.owned) or "-"
+        use = ",".join(r.params) or "-"
+        lines.append(f"region {r.index} {r.label or '-'} params={use} owns={own}{' loss' if r.loss else ''}")
+    for v in ir.values:
+        cons = ",".join(map(str, v.consumers))
+        lines.append(f"value {v.producer}.{v.index} -> {cons}{'' if v.differentiable else ' nograd'}")
+    lines.append(f"microbatches {ir.microbatches}{' backward-split' if ir.backward_split else ''}")
+    for r, ranks in ir.placement:
+        lines.append(f"place {r} @{','.join(map(str, ranks))}")
+    for what, axis in ir.sharding:
+        lines.append(f"shard {what} over {axis}")
+    for n in ir.nodes:
+        dev = f" @{','.join(map(str, n.devices))}" if n.devices is not None else ""
+        stream = f" {n.stream}" if n.stream else ""
+        lines.append(f"node {n.key}{dev}{stream}")
+    for e in ir.edges:
+        lines.append(f"{'edge' if e.kind == 'data' else 'order'} {e.src} -> {e.dst}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_ir(text: str) -> IR:
+    """Read the text form of `format_ir` back into an IR."""
+    mesh = Mesh(())
+    regions, values, nodes, edges, placement, sharding = [], [], [], [], [], []
+    microbatches, split = 1, False
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        word, _, rest = line.partition(" ")
+        try:
+            if word == "mesh":
+                mesh = Mesh.of(rest.replace(" ", "") or None)
+            elif word == "region":
+                idx, label, *attrs = rest.split(" ")
+                fields = dict(a.split("=", 1) for a in attrs if "=" in a)
+                tags = () if label == "-" else tuple(
+                    (k, int(v)) for k, v in (t.split("=") for t in label.split(" ")))
+                uses = () if fields.get("params", "-") == "-" else tuple(fields["params"].split(","))
+                owns = () if fields.get("owns", "-") == "-" else tuple(fields["owns"].split(","))
+                regions.append(RegionInfo(int(idx), tags, uses, owns, "loss" in attrs))
+            elif word == "value":
+                src, _, cons = rest.partition(" -> ")
+                producer, index = map(int, src.split("."))
+                cons_list, *flags = cons.split(" ")
+                values.append(ValueInfo(producer, index, tuple(map(int, cons_list.split(","))),
+                                        "nograd" not in flags))
+            elif word == "microbatches":
+                count, *flags = rest.split(" ")
+                microbatches, split = int(count), "backward-split" in flags
+            elif word == "place":
+                r, ranks = rest.split(" @")
+                placement.append((int(r), tuple(map(int, ranks.split(",")))))
+            elif word == "shard":
+                what, _, axis = rest.partition(" over ")
+                sharding.append((what.strip(), axis.strip()))
+            elif word == "node":
+                key, *attrs = rest.split(" ")
+                node = parse_key(key)
+                for a in attrs:
+                    if a.startswith("@"):
+                        node = replace(node, devices=tuple(map(int, a[1:].split(","))))
+                    else:
+                        node = replace(node, stream=a)
+                nodes.append(node)
+            elif word in ("edge", "order"):
+                src, _, dst = rest.partition(" -> ")
+                edges.append(Edge(src.strip(), dst.strip(), "data" if word == "edge" else "temporal"))
+            else:
+                raise ValueError(f"unknown line kind {word!r}")
+        except (ValueError, KeyError) as exc:
+            raise error("bad-ir", f"line {lineno}: cannot read {raw!r} ({exc})") from None
+    return IR(mesh, tuple(regions), tuple(values), tuple(nodes), tuple(edges), microbatches, split,
+              tuple(placement), tuple(sharding))

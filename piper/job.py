@@ -1,0 +1,294 @@
+"""`piper.compile`: model + strategy -> a running job on a Ray cluster.
+
+    job = piper.compile(model, example_inputs=(x, y), strategy=zero3_pp2,
+                        mesh={"dp": 2, "pp": 2},
+                        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    loss = job.step(x, y)        # one optimizer step on the global batch
+    state = job.state_dict()     # full parameters, model.state_dict() keys, on CPU
+    job.close()
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+
+from .capture import BATCH, BUFFER, Program, capture
+from .compiler import Compiled, compile_ir
+from .diagnostics import PiperError, error
+from .directives import Split
+from .mesh import Mesh
+from .runtime.executor import RegionSpec, WorkerSpec
+from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
+from .simulate import simulate
+from .statements import apply_all, initial_ir
+from .strategy import as_strategy
+
+
+def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
+    """Build and compile a strategy against a captured (or abstract) program."""
+    mesh, directives = build_strategy(strategy, mesh, overrides)
+    ir = apply_all(initial_ir(program, mesh), directives)
+    compiled = compile_ir(ir)
+    simulate(compiled.plans)       # raises on deadlock before anything runs
+    return compiled
+
+
+def build_strategy(strategy, mesh, overrides=None):
+    strat = as_strategy(strategy)
+    if overrides:
+        strat = strat.bind(**overrides)
+    mesh = Mesh.of(mesh) if mesh is not None else None
+    if mesh is None:
+        mesh = getattr(strat, "mesh", None) or Mesh(())
+    return strat.build(mesh)
+
+
+def _microbatch_inputs(example_inputs, mesh: Mesh, directives):
+    """Cut the global example batch to one microbatch: export fixes shapes."""
+    splits = [d for d in directives if isinstance(d, Split) and d.what == "MB"]
+    microbatches = splits[0].count if splits else 1
+    shards = 1
+    from .directives import Shard
+    for d in directives:
+        if isinstance(d, Shard) and "batch" in d.what:
+            shards *= mesh.size(d.over)
+    sizes = {int(x.shape[0]) for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise error("bad-inputs", "every example input needs the same batch size in dimension 0",
+                    hint="pass (inputs, targets) with one row per example")
+    batch = sizes.pop()
+    if batch % (microbatches * shards):
+        raise error("indivisible-batch", f"the global batch of {batch} does not divide into {microbatches} "
+                    f"microbatch(es) x {shards} data-parallel shard(s)",
+                    hint=f"use a batch size that is a multiple of {microbatches * shards}")
+    size = batch // (microbatches * shards)
+    return tuple(x[:size] for x in example_inputs), microbatches, shards, batch
+
+
+def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, optimizer=None, *,
+            address: str | None = None, device: str = "auto", timeout: float = 300.0,
+            overrides: dict | None = None) -> "Job":
+    """Capture `model`, apply `strategy` on `mesh`, verify, and start one worker per device.
+
+    `strategy` is a `@piper.strategy` function, a path to a `.pps` script, or
+    None (one device, no parallelism). `optimizer` is a callable taking a
+    list of tensors (default: AdamW with lr 1e-3); it must be elementwise
+    (AdamW, Adam, SGD with momentum...), since each device steps its own
+    shard. `timeout` bounds every collective and every step, in seconds.
+    """
+    mesh, directives = build_strategy(strategy, mesh, overrides)
+    mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
+    program = capture(model, mb_inputs)
+    ir = apply_all(initial_ir(program, mesh), directives)
+    compiled = compile_ir(ir)
+    simulate(compiled.plans)
+    return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
+               batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
+               timeout=timeout)
+
+
+class Job:
+    """A compiled strategy running on Ray actors, one per device."""
+
+    def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
+                 shards: int, address, device, timeout):
+        self.program = program
+        self.compiled = compiled
+        self.mesh = compiled.ir.mesh
+        self.batch_size = batch
+        self.microbatches = microbatches
+        self.shards = shards
+        self.timeout = timeout
+        self.actors = []
+        self._owns_ray = False
+        self._closed = False
+        ir = compiled.ir
+        self.layouts: dict[int, UnitLayout] = {
+            r.index: layout_unit(r.index, r.owned, program.params, ir.devices_of(r.index))
+            for r in ir.regions if r.owned}
+        self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
+        try:
+            self._start(model, optimizer, address, device)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- start-up ----------------------------------------------------------------------------
+    def _start(self, model, optimizer, address, device) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .runtime.worker import Worker
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster needs no token
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=True)
+            self._owns_ray = True
+        world = self.mesh.world_size
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world else "cpu"
+        self.device = device
+        bundle = {"GPU": 1, "CPU": 0.01} if device == "cuda" else {"CPU": 0.01}
+        self._pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        if not self._pg.wait(timeout_seconds=self.timeout):
+            raise error("no-resources", f"the cluster cannot host {world} workers ({bundle} each)",
+                        hint="shrink the mesh or add nodes/GPUs to the Ray cluster")
+        actor = ray.remote(Worker)
+        self.actors = [
+            actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r))
+            .remote(r, world, device)
+            for r in range(world)]
+        rendezvous = self._get([self.actors[0].rendezvous_address.remote()], "start")[0]
+        self.pids = self._get([a.init.remote(rendezvous, self.timeout) for a in self.actors], "join")
+        params = dict(model.named_parameters())
+        refs = [a.setup.remote(*self._spec(rank, params, optimizer)) for rank, a in enumerate(self.actors)]
+        self._get(refs, "set up")
+
+    def _spec(self, rank: int, params, optimizer):
+        ir, program = self.compiled.ir, self.program
+        mine = [r.index for r in ir.regions if rank in ir.devices_of(r.index)]
+        units_of = {r.index: tuple(sorted({program.owner(p) for p in r.params})) for r in ir.regions}
+        regions = {r: RegionSpec(r, program.regions[r].graph, program.regions[r].inputs, program.regions[r].outputs,
+                                 program.regions[r].loss, units_of[r]) for r in mine}
+        units = {u: self.layouts[u] for u in mine if u in self.layouts}
+        init = {}
+        for u, layout in units.items():
+            index = layout.group.index(rank)
+            flats = []
+            for bucket in layout.buckets:
+                flat = flatten(bucket, params)
+                if self.compiled.zero == 3:
+                    lo, hi = bucket.bounds(index)
+                    flat = flat[lo:hi].clone()    # a ZeRO-3 device never holds the full unit
+                flats.append(flat)
+            init[u] = flats
+        needed = {i.ref for r in mine for i in program.regions[r].inputs if i.kind == BUFFER}
+        values = {v.id: (v.producer, v.index, v.spec.shape, v.spec.dtype, v.differentiable) for v in program.values}
+        groups = sorted({a.group for plan in self.compiled.plans.values() for a in plan if a.group})
+        spec = WorkerSpec(rank, self.mesh.world_size, self.compiled.plans[rank], regions, values, units,
+                          self.compiled.zero, optimizer, 1.0 / (self.microbatches * self.shards),
+                          {k: self._buffers[k] for k in needed}, groups)
+        return spec, init
+
+    # -- running -----------------------------------------------------------------------------
+    def _get(self, refs, what: str):
+        """ray.get with a deadline; a dead or failing worker closes the job with a clear error."""
+        import ray
+
+        deadline = time.monotonic() + self.timeout
+        results = {}
+        remaining = list(refs)
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close()
+                raise error("worker-timeout", f"workers did not finish `{what}` within {self.timeout:.0f} s",
+                            hint="a worker is stuck or very slow; raise timeout= in piper.compile if the "
+                                 "model is large, or check the workers' logs")
+            for ref in ready:
+                try:
+                    results[ref] = ray.get(ref)
+                except Exception as exc:
+                    rank = refs.index(ref) if len(refs) == len(self.actors) else 0
+                    self.close()
+                    raise _worker_error(exc, rank, what) from None
+        return [results[r] for r in refs]
+
+    def step(self, *batch) -> float:
+        """One optimizer step on the global batch; returns its mean loss."""
+        if self._closed:
+            raise error("job-closed", "this job is closed", hint="compile a new job")
+        if len(batch) != len(self.program.batch):
+            raise error("bad-inputs", f"step takes {len(self.program.batch)} batch tensor(s), got {len(batch)}",
+                        hint="pass the same inputs as example_inputs")
+        for x in batch:
+            if x.shape[0] != self.batch_size:
+                raise error("bad-inputs", f"step got a batch of {x.shape[0]}; this job was compiled for "
+                            f"{self.batch_size}", hint="keep the global batch size fixed, or compile again")
+        ir = self.compiled.ir
+        per = self.batch_size // (self.microbatches * self.shards)
+        axes = ir.batch_axes()
+        refs = []
+        for rank, actor in enumerate(self.actors):
+            coords = self.mesh.coords(rank)
+            shard = 0
+            for a in axes:
+                shard = shard * self.mesh.size(a) + coords[a]
+            wanted = {i.ref for r in ir.regions if rank in ir.devices_of(r.index)
+                      for i in self.program.regions[r.index].inputs if i.kind == BATCH}
+            payload = {}
+            for i in wanted:
+                x = batch[i].detach().cpu()
+                start = shard * per * self.microbatches
+                payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
+            refs.append(actor.step.remote(payload))
+        losses = [loss for result in self._get(refs, "step") for loss in result]
+        return float(sum(losses) / len(losses))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded parameters (and buffers), keyed as model.state_dict(), on CPU."""
+        shards = self._get([a.shards.remote() for a in self.actors], "state_dict")
+        out: dict[str, torch.Tensor] = {}
+        for u, layout in self.layouts.items():
+            for b, bucket in enumerate(layout.buckets):
+                pieces = [shards[rank][u][b] for rank in layout.group]
+                out.update(unflatten(bucket, torch.cat(pieces)))
+        out.update({k: v.clone() for k, v in self._buffers.items()})
+        return out
+
+    def memory(self) -> dict[int, dict[str, int]]:
+        """Per rank: bytes of parameters, gradients and optimizer state held between steps."""
+        return dict(enumerate(self._get([a.memory.remote() for a in self.actors], "memory")))
+
+    def show(self) -> str:
+        return self.compiled.show()
+
+    def close(self) -> None:
+        """Stop the workers (and the Ray cluster, if this job started it)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            import ray
+
+            for a in self.actors:
+                ray.kill(a)
+            if getattr(self, "_pg", None) is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self._pg)
+            if self._owns_ray:
+                ray.shutdown()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _worker_error(exc, rank: int, what: str) -> PiperError:
+    import ray.exceptions as rex
+
+    if isinstance(exc, rex.RayActorError):
+        return error("worker-died", f"worker {rank} died during `{what}`: {str(exc).splitlines()[0]}",
+                     hint="the job was closed; check the worker's memory use and logs, then compile a new job")
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, PiperError):
+        return cause
+    text = str(cause or exc).strip().splitlines()
+    return error("worker-failed", f"worker {rank} failed during `{what}`: {text[-1] if text else type(exc).__name__}",
+                 hint="the job was closed; the message above comes from the worker")

@@ -1,0 +1,153 @@
+"""Lowering passes: from the strategy's DAG to one with every communication.
+
+Run by `piper.compiler.compile_ir` in this order:
+
+1. `resolve_placement`  every region on a device group; groups match the batch axes
+2. `add_transfers`      SEND/RECV on every data edge that crosses device groups
+3. `zero_levels`        which of optimizer / grads / params each region shards
+
+Collectives (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER) are placed by the
+scheduler once the compute order is known, since where a ZeRO-3 all-gather
+goes depends on what runs before it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .diagnostics import Diagnostic, Label, error
+from .ir import IR, Edge, Node
+
+
+def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
+    """Check placement and fill the default.
+
+    A strategy that places nothing runs every region on every device (pure
+    DP/ZeRO). Otherwise every region must be placed, and each region's group
+    must span exactly the axes the batch is sharded over: that is what makes
+    the replicas of a region divide its work rather than repeat it.
+    """
+    mesh = ir.mesh
+    if not ir.placement:
+        everyone = mesh.group().ranks
+        ir = ir.with_(placement=tuple((r.index, everyone) for r in ir.regions),
+                      nodes=tuple(replace(n, devices=everyone) for n in ir.nodes))
+    placed = {r for r, _ in ir.placement}
+    missing = [r for r in ir.regions if r.index not in placed]
+    if missing:
+        names = ", ".join(r.label for r in missing)
+        raise error("unplaced-region", f"region{'s' if len(missing) > 1 else ''} {names} "
+                    f"{'are' if len(missing) > 1 else 'is'} never placed",
+                    hint=f"add `place {missing[0].label} on ...` (or place nothing, to run every region "
+                         "on every device)")
+    batch_axes = ir.batch_axes()
+    spans = {r: ir.placement_span(r) for r, _ in ir.placement}
+    for region in ir.regions:
+        ranks = ir.devices_of(region.index)
+        coords = [mesh.coords(rank) for rank in ranks]
+        varying = {a for a in mesh.names if len({c[a] for c in coords}) > 1}
+        expected = 1
+        for a in batch_axes:
+            expected *= mesh.size(a)
+        if varying - set(batch_axes):
+            extra = sorted(varying - set(batch_axes))
+            raise error("undivided-work", f"region {region.label} runs on {len(ranks)} devices across "
+                        f"`{', '.join(extra)}` but nothing divides its work over {'them' if len(extra) > 1 else 'it'}",
+                        span=spans.get(region.index),
+                        hint=f"add `shard batch over {extra[0]}`, or place the region on a group with one "
+                             f"`{extra[0]}` coordinate, such as {extra[0]}[0]")
+        if len(ranks) != expected or set(batch_axes) - varying:
+            raise error("batch-not-covered", f"the batch is sharded over `{', '.join(batch_axes)}` "
+                        f"({expected} shards) but region {region.label} runs on {len(ranks)} device(s)",
+                        span=spans.get(region.index),
+                        hint="place every region on a group that spans the batch axes, e.g. pp[s] with the "
+                             "batch sharded over dp")
+    # A parameter used by regions on different devices (tied weights) is not supported yet.
+    for region in ir.regions:
+        for p in region.params:
+            for other in ir.regions:
+                if p in other.owned and ir.devices_of(other.index) != ir.devices_of(region.index):
+                    raise error("tied-across-devices", f"parameter `{p}` is used by regions {other.label} and "
+                                f"{region.label}, which run on different devices",
+                                span=spans.get(region.index),
+                                labels=(Label(spans[other.index], "owner placed here"),) if spans.get(
+                                    other.index) else (),
+                                hint="place both regions on the same devices, or untie the weights "
+                                     "(shared parameters across devices are not supported yet)")
+    for (what, axis), span in zip(ir.sharding, ir.sharding_spans + (None,) * len(ir.sharding)):
+        if mesh.size(axis) == 1:
+            warnings.append(Diagnostic("shard-size-one", f"`shard {what} over {axis}` divides over an axis "
+                                       "of size 1: it does nothing", "warning", span,
+                                       hint=f"grow `{axis}` in the mesh or drop the statement"))
+    return ir
+
+
+def zero_levels(ir: IR) -> int:
+    """0: replicated state, 1: optimizer sharded, 2: + gradients, 3: + parameters."""
+    axes = {what: axis for what, axis in ir.sharding if what != "batch"}
+    spans = {what: ir.sharding_span(what) for what, _ in ir.sharding}
+    batch = ir.batch_axes()
+    for what, axis in axes.items():
+        if axis not in batch:
+            raise error("shard-without-batch", f"`{what}` is sharded over `{axis}` but the batch is not",
+                        span=spans[what], hint=f"add `shard batch over {axis}`: ZeRO shards state over the "
+                                               "data-parallel axis")
+        if len(batch) > 1:
+            raise error("unsupported-sharding", f"ZeRO over `{axis}` with the batch sharded over "
+                        f"{', '.join(batch)} is not supported yet", span=spans[what],
+                        hint="shard the batch over one axis")
+    if "grads" in axes and "optimizer" not in axes:
+        raise error("incomplete-zero", "gradients are sharded but optimizer state is not", span=spans["grads"],
+                    hint="shard optimizer, grads over the same axis (ZeRO-2)")
+    if "params" in axes and not {"grads", "optimizer"} <= set(axes):
+        raise error("incomplete-zero", "parameters are sharded but not gradients and optimizer state",
+                    span=spans["params"], hint="write `shard optimizer, grads, params over dp` (ZeRO-3)")
+    if len(set(axes.values())) > 1:
+        raise error("unsupported-sharding", "optimizer, grads and params are sharded over different axes",
+                    span=spans.get("params") or spans.get("grads"), hint="shard them over one axis")
+    return 3 if "params" in axes else 2 if "grads" in axes else 1 if "optimizer" in axes else 0
+
+
+def add_transfers(ir: IR) -> IR:
+    """Insert SEND/RECV on each value edge whose regions run on different groups.
+
+    before: 0F0 -> 1F0, 1B0 -> 0B0            (regions 0 and 1 on different devices)
+    after:  0F0 -> 0SEND_F0>1.0 -> 1RECV_F0<0.0 -> 1F0,
+            1B0 -> 1SEND_B0>0.0 -> 0RECV_B0<1.0 -> 0B0
+    One transfer per value, microbatch and receiving region.
+    """
+    group = {r: ir.devices_of(r) for r in range(len(ir.regions))}
+    back = "BI" if ir.backward_split else "B"
+    nodes = list(ir.nodes)
+    drop: set[tuple[str, str]] = set()
+    edges: list[Edge] = []
+    for v in ir.values:
+        p = v.producer
+        # One activation transfer per receiving group, named after its first consumer.
+        first_on: dict[tuple, int] = {}
+        for c in v.consumers:
+            first_on.setdefault(group[c], c)
+        for c in v.consumers:
+            if group[p] == group[c]:
+                continue
+            for mb in range(ir.microbatches):
+                send = Node("SEND", p, mb, "F", v.index, first_on[group[c]], devices=group[p])
+                recv = Node("RECV", first_on[group[c]], mb, "F", v.index, p, devices=group[c])
+                f_p, f_c = Node("F", p, mb).key, Node("F", c, mb).key
+                if c == first_on[group[c]]:
+                    nodes += [send, recv]
+                    edges += [Edge(f_p, send.key), Edge(send.key, recv.key)]
+                drop.add((f_p, f_c))
+                edges.append(Edge(recv.key, f_c))
+                if not v.differentiable:
+                    continue
+                gsend = Node("SEND", c, mb, "B", v.index, p, devices=group[c])
+                grecv = Node("RECV", p, mb, "B", v.index, c, devices=group[p])
+                nodes += [gsend, grecv]
+                b_c = Node(back, c, mb).key
+                targets = [Node(op, p, mb).key for op in (("BI", "BW") if ir.backward_split else ("B",))]
+                for t in targets:
+                    drop.add((b_c, t))
+                    edges.append(Edge(grecv.key, t))
+                edges += [Edge(b_c, gsend.key), Edge(gsend.key, grecv.key)]
+    kept = [e for e in ir.edges if e.kind != "data" or (e.src, e.dst) not in drop]
+    return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(kept + edges)))

@@ -1,0 +1,137 @@
+"""The device mesh: named axes with sizes, ranks laid out row-major.
+
+`mesh["pp"][1]` is the device group at pp-coordinate 1 across every other axis.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .diagnostics import did_you_mean, error
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axes: tuple[tuple[str, int], ...]
+
+    @staticmethod
+    def of(spec) -> "Mesh":
+        """Build from `{"dp": 2, "pp": 2}`, `"dp=2,pp=2"`, a Mesh, or None (one device)."""
+        if isinstance(spec, Mesh):
+            return spec
+        if spec is None:
+            return Mesh(())
+        if isinstance(spec, str):
+            pairs = []
+            for part in filter(None, (p.strip() for p in spec.split(","))):
+                name, _, size = part.partition("=")
+                if not size.strip().isdigit():
+                    raise error("bad-mesh", f"cannot read mesh axis {part!r}",
+                                hint="write the mesh as NAME=SIZE pairs, e.g. dp=2,pp=4")
+                pairs.append((name.strip(), int(size)))
+            spec = dict(pairs)
+        axes = tuple((str(k), int(v)) for k, v in dict(spec).items())
+        for name, size in axes:
+            if size < 1:
+                raise error("bad-mesh", f"mesh axis `{name}` has size {size}",
+                            hint="every mesh axis needs a size of at least 1")
+            if not name.isidentifier():
+                raise error("bad-mesh", f"mesh axis name {name!r} is not a name",
+                            hint="use names such as dp, pp, ep")
+        return Mesh(axes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for _, s in self.axes:
+            size *= s
+        return size
+
+    def size(self, axis: str) -> int:
+        self.check_axis(axis)
+        return dict(self.axes)[axis]
+
+    def check_axis(self, axis: str, span=None) -> None:
+        if axis not in self.names:
+            raise error("unknown-axis", f"the mesh has no axis `{axis}`", span=span,
+                        hint=did_you_mean(axis, self.names)
+                        or f"the mesh axes are {', '.join(self.names) or '(none)'}; add `{axis}` to the mesh")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for name, size in reversed(self.axes):
+            out[name] = rank % size
+            rank //= size
+        return dict(reversed(list(out.items())))
+
+    def rank(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for name, size in self.axes:
+            rank = rank * size + coords[name]
+        return rank
+
+    def __getitem__(self, axis: str) -> "AxisView":
+        self.check_axis(axis)
+        return AxisView(self, axis)
+
+    def group(self, fixed: dict[str, int] | tuple = ()) -> "DeviceGroup":
+        return DeviceGroup(self, tuple(sorted(dict(fixed).items())))
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n}={s}" for n, s in self.axes) or "(one device)"
+
+
+@dataclass(frozen=True)
+class AxisView:
+    mesh: Mesh
+    axis: str
+
+    def __len__(self) -> int:
+        return self.mesh.size(self.axis)
+
+    def __getitem__(self, index: int) -> "DeviceGroup":
+        size = len(self)
+        if not isinstance(index, int) or not 0 <= index < size:
+            raise error("device-out-of-mesh", f"`{self.axis}[{index}]` is outside the mesh: axis `{self.axis}` "
+                        f"has size {size}", hint=f"use an index from 0 to {size - 1}, or grow the mesh")
+        return DeviceGroup(self.mesh, ((self.axis, index),))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """The devices whose coordinates equal `fixed` on those axes, any on the rest.
+
+    Ranks are ordered by the free coordinates, so two groups that vary over
+    the same axes pair up position by position.
+    """
+
+    mesh: Mesh
+    fixed: tuple[tuple[str, int], ...]
+
+    @property
+    def free_axes(self) -> tuple[str, ...]:
+        fixed = dict(self.fixed)
+        return tuple(n for n in self.mesh.names if n not in fixed)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        fixed = dict(self.fixed)
+        free = [(n, s) for n, s in self.mesh.axes if n not in fixed]
+        out = []
+        for values in itertools.product(*(range(s) for _, s in free)):
+            coords = dict(fixed)
+            coords.update({n: v for (n, _), v in zip(free, values)})
+            out.append(self.mesh.rank(coords))
+        return tuple(out)
+
+    def __str__(self) -> str:
+        if not self.fixed:
+            return "all devices"
+        return ", ".join(f"{a}[{i}]" for a, i in self.fixed)

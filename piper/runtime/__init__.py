@@ -1,0 +1,1 @@
+"""The strategy-agnostic runtime: Ray actors executing per-device plans."""

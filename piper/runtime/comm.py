@@ -1,0 +1,45 @@
+"""torch.distributed set-up and the few collectives the runtime issues,
+with fallbacks for the names older torch releases use."""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+def init(rank: int, world_size: int, address: str, backend: str, timeout_s: float) -> None:
+    # Gloo's default timeout is 30 minutes: a lone rank would hang that long.
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def new_groups(groups: list[tuple[int, ...]]) -> dict[tuple[int, ...], object]:
+    """Create every group on every rank in the same order (torch requires it)."""
+    out = {}
+    for ranks in groups:
+        group = dist.new_group(list(ranks))
+        if dist.get_rank() in ranks:
+            out[ranks] = group
+    return out
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group):
+    fn = getattr(dist, "all_gather_into_tensor", None) or dist.all_gather_single
+    return fn(out, shard, group=group, async_op=True)
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group):
+    fn = getattr(dist, "reduce_scatter_tensor", None) or dist.reduce_scatter_single
+    return fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_reduce(t: torch.Tensor, group):
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def backend_for(device: str) -> str:
+    """NCCL when every device is a CUDA GPU and NCCL exists, Gloo otherwise."""
+    if device == "cuda" and torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"

@@ -1,0 +1,82 @@
+"""Flat parameter units: the parameters one region owns, packed per dtype into
+one flat buffer padded to a multiple of the group size, so ZeRO can shard it
+into equal contiguous slices.
+
+The layout is computed once on the driver and shared by every worker and by
+`Job.state_dict`, so shards always mean the same elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """All parameters of one dtype in a unit."""
+
+    dtype: torch.dtype
+    entries: tuple[Entry, ...]
+    padded: int               # flat length, a multiple of the group size
+    group_size: int
+
+    @property
+    def shard_size(self) -> int:
+        return self.padded // self.group_size
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        """The slice of the flat buffer that group member `index` owns."""
+        return index * self.shard_size, (index + 1) * self.shard_size
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    owner: int                        # the region that owns these parameters
+    group: tuple[int, ...]            # ranks sharing (and sharding) the unit
+    buckets: tuple[Bucket, ...]
+
+
+def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...]) -> UnitLayout:
+    """Pack `names` (with `specs[name].shape/.dtype`) per dtype, in the given order."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for name in names:
+        by_dtype.setdefault(specs[name].dtype, []).append(name)
+    buckets = []
+    for dtype, members in by_dtype.items():
+        entries, offset = [], 0
+        for name in members:
+            e = Entry(name, tuple(specs[name].shape), offset)
+            entries.append(e)
+            offset += e.numel
+        size = len(group)
+        padded = -(-offset // size) * size if offset else size
+        buckets.append(Bucket(dtype, tuple(entries), padded, size))
+    return UnitLayout(owner, tuple(group), tuple(buckets))
+
+
+def flatten(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The full padded flat buffer of a bucket from named tensors (on CPU)."""
+    flat = torch.zeros(bucket.padded, dtype=bucket.dtype)
+    for e in bucket.entries:
+        flat[e.offset:e.offset + e.numel] = tensors[e.name].detach().reshape(-1).to(bucket.dtype)
+    return flat
+
+
+def unflatten(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Named tensors (copies) from a full flat buffer."""
+    return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).clone() for e in bucket.entries}

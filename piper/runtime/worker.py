@@ -1,0 +1,55 @@
+"""The Ray actor that owns one device: it joins torch.distributed and runs an
+`Executor` over its plan each step."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from . import comm
+from .executor import Executor
+
+
+class Worker:
+    def __init__(self, rank: int, world_size: int, device: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.executor = None
+        if device == "cpu":
+            # Ray gives actors one thread; keep torch in line so replicas don't oversubscribe.
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+
+    def rendezvous_address(self) -> str:
+        """Rank 0 picks where the others meet: its node's address and a free port."""
+        host = socket.gethostbyname(socket.gethostname()) if self.device != "cpu" else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"{host}:{port}"
+
+    def init(self, address: str, timeout_s: float) -> int:
+        if self.device == "cuda":
+            torch.cuda.set_device(0)   # Ray exposes exactly this actor's GPU as device 0
+        comm.init(self.rank, self.world_size, address, comm.backend_for(self.device), timeout_s)
+        return os.getpid()
+
+    def setup(self, spec, init) -> None:
+        device = "cuda:0" if self.device == "cuda" else "cpu"
+        self.executor = Executor(spec, init, device)
+
+    def step(self, batch):
+        return self.executor.run_step(batch)
+
+    def shards(self):
+        return self.executor.shards()
+
+    def memory(self):
+        return self.executor.memory()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,250 @@
+"""The four statements as rewrites of the IR: `split`, `place`, `shard`, `order`.
+
+Each takes an IR and a directive and returns a new IR; none mutates its input.
+The `.pps` interpreter and `@piper.strategy` both end here, through `apply`.
+Communication is not inserted here: the compiler's lowering passes add
+SEND/RECV and collectives once every statement has run, so `place` and `shard`
+commute.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .capture import Program
+from .diagnostics import Label, did_you_mean, error
+from .directives import Directive, Order, Place, Shard, Split
+from .ir import IR, Edge, Node, RegionInfo, ValueInfo
+from .mesh import Mesh
+from .selectors import Selector
+
+
+def initial_ir(program: Program, mesh: Mesh) -> IR:
+    """The unsplit, unplaced DAG of a captured program: one microbatch.
+
+    For a chain of two regions:  0F0 -> 1F0 -> 1B0 -> 0B0 -> 0UPD, 1B0 -> 1UPD
+    (plus 0F0 -> 0B0: backward needs what forward saved).
+    """
+    owner = {}
+    for region in program.regions:
+        for p in region.params:
+            owner.setdefault(p, region.index)
+    regions = tuple(RegionInfo(r.index, r.tags, r.params, tuple(p for p in r.params if owner[p] == r.index), r.loss)
+                    for r in program.regions)
+    values = tuple(ValueInfo(v.producer, v.index, v.consumers, v.differentiable) for v in program.values)
+    nodes = []
+    for r in regions:
+        nodes += [Node("F", r.index, 0), Node("B", r.index, 0)]
+    nodes += [Node("UPD", r.index) for r in regions if r.owned]
+    edges: dict[tuple, Edge] = {}
+
+    def add(src: Node, dst: Node):
+        edges.setdefault((src.key, dst.key), Edge(src.key, dst.key))
+
+    for v in values:
+        for c in v.consumers:
+            add(Node("F", v.producer, 0), Node("F", c, 0))
+            if v.differentiable:
+                add(Node("B", c, 0), Node("B", v.producer, 0))
+    for r in regions:
+        add(Node("F", r.index, 0), Node("B", r.index, 0))
+        for o in sorted({owner[p] for p in r.params}):
+            add(Node("B", r.index, 0), Node("UPD", o))
+    return IR(mesh, regions, values, tuple(nodes), tuple(edges.values()))
+
+
+def apply(ir: IR, directive: Directive) -> IR:
+    """Apply one directive; dispatch to the function for its statement."""
+    if isinstance(directive, Split):
+        return split_backward(ir, directive) if directive.what == "B" else split_microbatches(ir, directive)
+    if isinstance(directive, Place):
+        return place(ir, directive)
+    if isinstance(directive, Shard):
+        return shard(ir, directive)
+    if isinstance(directive, Order):
+        return order(ir, directive)
+    raise TypeError(f"not a directive: {directive!r}")
+
+
+def apply_all(ir: IR, directives) -> IR:
+    for d in directives:
+        ir = apply(ir, d)
+    return ir
+
+
+def split_microbatches(ir: IR, d: Split) -> IR:
+    """`split MB into n`: copy every F/B/BI/BW per microbatch; UPD waits for all.
+
+    before: 0F0 -> 0B0 -> 0UPD
+    after (n=2): 0F0 -> 0B0 -> 0UPD, 0F1 -> 0B1 -> 0UPD
+    """
+    if d.what != "MB":
+        raise error("bad-split", f"cannot split `{d.what}`", span=d.span,
+                    hint="write `split MB into N` for microbatches or `split B into BI, BW`")
+    if ir.microbatches != 1:
+        raise error("split-twice", f"the batch is already split into {ir.microbatches} microbatches",
+                    span=d.span, labels=(Label(ir.split_span, "split here first"),) if ir.split_span else (),
+                    hint="keep one `split MB into N`")
+    if any(e.kind == "temporal" for e in ir.edges):
+        raise error("order-before-split", "`split MB` comes after an `order` statement", span=d.span,
+                    hint="split the batch first, then order the microbatches")
+    n = d.count
+    index = ir.index()
+    nodes = []
+    for node in ir.nodes:
+        nodes += [replace(node, mb=m) for m in range(n)] if node.mb is not None else [node]
+    edges = []
+    for e in ir.edges:
+        src, dst = index[e.src], index[e.dst]
+        for m in range(n):
+            s = replace(src, mb=m) if src.mb is not None else src
+            t = replace(dst, mb=m) if dst.mb is not None else dst
+            edges.append(Edge(s.key, t.key, e.kind, e.span))
+    return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(edges)), microbatches=n, split_span=d.span)
+
+
+def split_backward(ir: IR, d: Split) -> IR:
+    """`split B into BI, BW`: backward for inputs, then backward for weights.
+
+    before: 1F0 -> 1B0 -> 0B0, 1B0 -> 1UPD
+    after:  1F0 -> 1BI0 -> 1BW0 -> 1UPD, 1BI0 -> 0BI0, 1BI0 -> 0BW0
+    BI carries the gradient on to earlier regions; BW may run later, filling bubbles.
+    """
+    if ir.backward_split:
+        raise error("split-twice", "backward is already split into BI and BW", span=d.span,
+                    hint="keep one `split B into BI, BW`")
+    index = ir.index()
+    nodes = []
+    for node in ir.nodes:
+        if node.op == "B":
+            nodes += [replace(node, op="BI"), replace(node, op="BW")]
+        else:
+            nodes.append(node)
+    edges = []
+    for e in ir.edges:
+        src, dst = index[e.src], index[e.dst]
+        if src.op == "B" and dst.op == "B":       # gradient to an earlier region
+            bi = replace(src, op="BI")
+            edges += [Edge(bi.key, replace(dst, op="BI").key, e.kind, e.span),
+                      Edge(bi.key, replace(dst, op="BW").key, e.kind, e.span)]
+        elif src.op == "B":                       # to UPD: weights' gradients
+            edges.append(Edge(replace(src, op="BW").key, dst.key, e.kind, e.span))
+        elif dst.op == "B":                       # saved activations: both halves need them
+            edges += [Edge(src.key, replace(dst, op="BI").key, e.kind, e.span),
+                      Edge(src.key, replace(dst, op="BW").key, e.kind, e.span)]
+        else:
+            edges.append(e)
+    for node in ir.nodes:
+        if node.op == "B":
+            edges.append(Edge(replace(node, op="BI").key, replace(node, op="BW").key))
+    return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(edges)), backward_split=True)
+
+
+def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
+    """The regions a selector's region tags pick; an error naming the known tags if none."""
+    found = [r for r in ir.regions if selector.matches_region(dict(r.tags))]
+    if not found:
+        known_tags = sorted({k for r in ir.regions for k, _ in r.tags})
+        labels = ", ".join(r.label for r in ir.regions) or "(none)"
+        hint = None
+        for name, _ in selector.region_tags():
+            if name not in known_tags:
+                hint = did_you_mean(name, known_tags)
+        raise error("unknown-region", f"`{selector}` matches no region of the model", span=span,
+                    notes=(f"the model's regions are {labels}",),
+                    hint=hint or "check the tag and index against the model's piper.annotate blocks")
+    return found
+
+
+def place(ir: IR, d: Place) -> IR:
+    """`place PP=1 on pp[1]`: the regions the selector picks run on that device group.
+
+    before: node 1F0          after: node 1F0 @1,3   (mesh dp=2, pp=2)
+    """
+    if d.selector.op is not None:
+        raise error("bad-place", f"place takes regions, not passes: `{d.selector}`", span=d.span,
+                    hint="write `place PP=1 on pp[1]`")
+    if d.group.mesh != ir.mesh:
+        raise error("mesh-mismatch", "this device group belongs to another mesh", span=d.span,
+                    hint="take groups from the job's mesh (s.mesh)")
+    ranks = d.group.ranks
+    placed = {r: ir.placement_span(r) for r, _ in ir.placement}
+    chosen = regions_matching(ir, d.selector, d.span)
+    for region in chosen:
+        if region.index in placed:
+            labels = (Label(placed[region.index], "first placed here"),) if placed[region.index] else ()
+            raise error("placed-twice", f"region {region.label} is placed twice", span=d.span, labels=labels,
+                        hint="place each region once; to run one region on several devices, place it on a "
+                             "group such as pp[0] and shard the batch over the other axis")
+    targets = {r.index for r in chosen}
+    nodes = tuple(replace(n, devices=ranks) if n.region in targets else n for n in ir.nodes)
+    placement = ir.placement + tuple((r, ranks) for r in sorted(targets))
+    spans = ir.placement_spans + tuple(d.span for _ in targets)
+    return ir.with_(nodes=nodes, placement=placement, placement_spans=spans)
+
+
+def shard(ir: IR, d: Shard) -> IR:
+    """`shard batch over dp` (data parallel), `shard optimizer, grads, params over dp` (ZeRO-3).
+
+    Records what is divided over which axis; lowering inserts the collectives
+    (ALL_REDUCE for DP, REDUCE_SCATTER + ALL_GATHER for ZeRO).
+    """
+    ir.mesh.check_axis(d.over, span=d.span)
+    records, spans = list(ir.sharding), list(ir.sharding_spans)
+    for what in d.what:
+        previous = ir.sharded(what) if what != "batch" else (d.over if d.over in ir.batch_axes() else None)
+        if previous is not None:
+            raise error("sharded-twice", f"`{what}` is already sharded over `{previous}`", span=d.span,
+                        hint="shard each thing once")
+        records.append((what, d.over))
+        spans.append(d.span)
+    return ir.with_(sharding=tuple(records), sharding_spans=tuple(spans))
+
+
+def order(ir: IR, d: Order) -> IR:
+    """`order PP=0: F(MB=0); F(MB=1); B(MB=0); ...`: the slots run one after another.
+
+    Adds a temporal edge from every node of a slot to every node of the next;
+    items inside one slot may overlap, so get no edge between them.
+    before: 0F0, 0F1, 0B0 unordered     after: order 0F0 -> 0F1, order 0F1 -> 0B0
+    """
+    scope = regions_matching(ir, d.selector, d.span)
+    scope_ids = {r.index for r in scope}
+    by_key = ir.index()
+    seen: dict[str, object] = {}
+    slots: list[list[Node]] = []
+    for s, slot in enumerate(d.slots):
+        chosen: list[Node] = []
+        for i, item in enumerate(slot):
+            span = (d.item_spans[s][i] if d.item_spans and len(d.item_spans) > s and len(d.item_spans[s]) > i
+                    else d.span)
+            if item.op is None or item.op == "UPD":
+                raise error("bad-order-item", f"`{item}` is not a pass of a microbatch", span=span,
+                            hint="order items are F, B, BI or BW with a microbatch, e.g. F(MB=0)")
+            if item.region_tags():
+                regions = {r.index for r in regions_matching(ir, Selector(None, item.region_tags()), span)}
+            else:
+                regions = scope_ids
+            mb = item.tag("MB")
+            matches = [n for n in ir.nodes if n.op == item.op and n.region in regions
+                       and (mb is None or mb == "*" or n.mb == mb)]
+            if not matches:
+                raise error("unknown-node", f"no node `{item}` in {d.selector}", span=span,
+                            notes=(f"the batch is split into {ir.microbatches} microbatch(es)"
+                                   + ("; backward is split into BI and BW" if ir.backward_split else
+                                      "; backward is one B (split B into BI, BW to order them apart)"),),
+                            hint="order only microbatches that exist, after `split MB into N`")
+            for n in sorted(matches, key=lambda n: (n.mb, n.region)):
+                if n.key in seen:
+                    raise error("ordered-twice", f"`{item}` ({n.key}) appears twice in this order", span=span,
+                                labels=(Label(seen[n.key], "first here"),) if seen[n.key] else (),
+                                hint="list each pass of each microbatch once")
+                seen[n.key] = span
+                chosen.append(n)
+        slots.append(chosen)
+    edges = list(ir.edges)
+    for before, after in zip(slots, slots[1:]):
+        for a in before:
+            for b in after:
+                edges.append(Edge(a.key, b.key, "temporal", d.span))
+    del by_key
+    return ir.with_(edges=tuple(dict.fromkeys(edges)))
