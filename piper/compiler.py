@@ -219,7 +219,7 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     return out, edges, release
 
 
-def project(ir: IR, order: list[Node], edges: list[Edge], release: dict[str, tuple]) -> dict[int, tuple[Action, ...]]:
+def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> dict[int, tuple[Action, ...]]:
     """Each device's actions in global order, with peers, tags and waits."""
     mesh = ir.mesh
     batch_axes = ir.batch_axes()
@@ -238,8 +238,8 @@ def project(ir: IR, order: list[Node], edges: list[Edge], release: dict[str, tup
     # An action waits for the receives and collectives that feed it, nothing else.
     waits_of: dict[str, list[str]] = defaultdict(list)
     waitable = {n.key for n in order if not n.is_compute and n.op != "SEND"}
-    for e in list(ir.edges) + edges:
-        if e.kind == "data" and e.src in waitable:
+    for e in ir.edges:
+        if e.kind == "data" and e.src in waitable and e.src not in waits_of[e.dst]:
             waits_of[e.dst].append(e.src)
     groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
     plans: dict[int, list[Action]] = {r: [] for r in range(mesh.world_size)}
@@ -273,8 +273,8 @@ def compile_ir(ir: IR) -> Compiled:
     ir = add_transfers(ir)
     order = schedule(ir)
     order, extra, release = add_collectives(ir, order, zero)
-    ir = ir.with_(nodes=tuple(order), edges=ir.edges + tuple(extra))
-    plans = project(ir, order, list(extra), release)
+    ir = ir.with_(nodes=tuple(order), edges=tuple(dict.fromkeys(ir.edges + tuple(extra))))
+    plans = project(ir, order, release)
     return Compiled(ir, order, plans, zero, warnings)
 
 

@@ -21,6 +21,7 @@ from .diagnostics import PiperError, error
 from .directives import Split
 from .mesh import Mesh
 from .runtime.executor import RegionSpec, WorkerSpec
+from .runtime.graphs import pack
 from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
 from .simulate import simulate
 from .statements import apply_all, initial_ir
@@ -153,7 +154,7 @@ class Job:
         ir, program = self.compiled.ir, self.program
         mine = [r.index for r in ir.regions if rank in ir.devices_of(r.index)]
         units_of = {r.index: tuple(sorted({program.owner(p) for p in r.params})) for r in ir.regions}
-        regions = {r: RegionSpec(r, program.regions[r].graph, program.regions[r].inputs, program.regions[r].outputs,
+        regions = {r: RegionSpec(r, pack(program.regions[r].graph), program.regions[r].inputs, program.regions[r].outputs,
                                  program.regions[r].loss, units_of[r]) for r in mine}
         units = {u: self.layouts[u] for u in mine if u in self.layouts}
         init = {}
@@ -289,6 +290,8 @@ def _worker_error(exc, rank: int, what: str) -> PiperError:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, PiperError):
         return cause
-    text = str(cause or exc).strip().splitlines()
-    return error("worker-failed", f"worker {rank} failed during `{what}`: {text[-1] if text else type(exc).__name__}",
+    inner = cause or exc
+    text = str(inner).strip().splitlines()
+    return error("worker-failed", f"worker {rank} failed during `{what}`: {type(inner).__name__}: "
+                 f"{text[-1] if text else ''}",
                  hint="the job was closed; the message above comes from the worker")

@@ -14,6 +14,7 @@ import torch
 
 from . import comm
 from .flat import UnitLayout
+from .graphs import unpack
 
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
 
@@ -21,7 +22,7 @@ PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
 @dataclass
 class RegionSpec:
     index: int
-    graph: object                 # fx.GraphModule taking the region's inputs in order
+    graph: object                 # PackedGraph; an fx.GraphModule once unpacked on the worker
     inputs: tuple                 # capture.RegionInput records
     outputs: tuple[int, ...]      # value ids
     loss: bool
@@ -84,7 +85,9 @@ class Unit:
             storage = full.untyped_storage()
             if storage.size() == 0:
                 storage.resize_(bucket.padded * full.element_size())
-            works.append(comm.all_gather_into(full.detach(), shard.detach(), group))
+            # `.data` has its own version counter: refilling the storage must not look like
+            # an in-place change to the views autograd saved in forward.
+            works.append(comm.all_gather_into(full.data, shard.detach(), group))
         self.live = True
         return works
 
@@ -98,7 +101,7 @@ class Unit:
         """ZeRO-1/2: share every member's updated slice."""
         works = []
         for full, shard in zip(self.full, self.shard):
-            works.append(comm.all_gather_into(full.detach(), shard.detach().clone(), group))
+            works.append(comm.all_gather_into(full.data, shard.detach().clone(), group))
         return works
 
     # -- gradients ----------------------------------------------------------------------
@@ -177,6 +180,8 @@ class Executor:
         self.spec = spec
         self.rank = spec.rank
         self.device = torch.device(device)
+        for region in spec.regions.values():
+            region.graph = unpack(region.graph, self.device)
         self.groups = comm.new_groups(spec.groups)
         self.units = {u: Unit(layout, spec.rank, spec.zero, init[u], spec.optimizer, self.device)
                       for u, layout in spec.units.items()}

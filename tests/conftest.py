@@ -1,0 +1,20 @@
+"""Shared fixtures: one local Ray cluster per test session, shut down at the end."""
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite golden files from the current output")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster; Gloo workers take a sliver of CPU each so any mesh fits."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()

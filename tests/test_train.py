@@ -1,0 +1,173 @@
+"""Distributed training equals single-device training: every strategy, 3 steps,
+same initial weights and global batches; losses and final parameters compared."""
+import functools
+
+import pytest
+import torch
+
+import piper
+from examples.gpt import _corpus_tokens, batches, make_model
+from piper.testing import train_both
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def gpt(n_regions=4, dtype=torch.float32):
+    model, cfg = make_model(n_layer=n_regions, n_regions=n_regions, n_embd=32, n_head=2, block_size=16)
+    return model.to(dtype)
+
+
+def gpt_batches(steps=3, batch=8):
+    stream = batches(_corpus_tokens()[1], batch, 16, seed=1)
+    return [next(stream) for _ in range(steps)]
+
+
+def assert_same_training(result, rtol=1e-5, atol=1e-5):
+    """Losses and parameters equal within `rtol`.
+
+    `atol` covers parameters whose true gradient is zero (an attention key's
+    bias: softmax ignores it): their gradient is rounding noise, which Adam
+    scales up to about lr-sized steps in float32. The float64 tests below
+    check the same strategies to 1e-10.
+    """
+    losses, ref_losses, state, ref_state = result
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), rtol=rtol, atol=atol)
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    assert losses[-1] < losses[0] or len(losses) < 2  # it really trained
+
+
+def one_f_one_b(stage: int, stages: int, microbatches: int) -> list:
+    """1F1B (PipeDream-Flush) order for one stage: warm-up forwards, steady F/B pairs, cool-down."""
+    warm = min(stages - stage - 1, microbatches)
+    order = [f"F(MB={m})" for m in range(warm)]
+    for m in range(microbatches - warm):
+        order += [f"F(MB={m + warm})", f"B(MB={m})"]
+    order += [f"B(MB={m})" for m in range(microbatches - warm, microbatches)]
+    return order
+
+
+def pipeline(microbatches, *, order=None, regions_per_device=1, batch_axis=None, zero=()):
+    @piper.strategy
+    def strategy(s):
+        p = s.size("pp")
+        s.split("MB", microbatches)
+        for r in range(p * regions_per_device):
+            s.place(f"PP={r}", s.mesh["pp"][r % p])
+        if batch_axis:
+            s.shard("batch", over=batch_axis)
+            if zero:
+                s.shard(*zero, over=batch_axis)
+        if order:
+            for stage in range(p):
+                s.order(f"PP={stage}", order(stage, p, microbatches))
+    return strategy
+
+
+def data_parallel(*what):
+    @piper.strategy
+    def strategy(s):
+        s.shard("batch", over="dp")
+        if what:
+            s.shard(*what, over="dp")
+    return strategy
+
+
+@pytest.mark.parametrize("what", [(), ("optimizer",), ("optimizer", "grads"), ("optimizer", "grads", "params")],
+                         ids=["dp", "zero1", "zero2", "zero3"])
+def test_data_parallel_and_zero(what):
+    assert_same_training(train_both(gpt(2), data_parallel(*what), mesh={"dp": 2}, batches=gpt_batches()))
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pipeline_gpipe(stages):
+    result = train_both(gpt(stages), pipeline(4), mesh={"pp": stages}, batches=gpt_batches())
+    assert_same_training(result)
+
+
+def test_pipeline_gpipe_float64_is_exact():
+    result = train_both(gpt(4, torch.float64), pipeline(4), mesh={"pp": 4}, batches=gpt_batches())
+    assert_same_training(result, rtol=1e-10, atol=1e-12)
+
+
+def test_pipeline_1f1b_order_is_followed():
+    plans = {}
+    result = train_both(gpt(4), pipeline(8, order=one_f_one_b), mesh={"pp": 4}, batches=gpt_batches(),
+                        job_hook=lambda job: plans.update({r: job.compiled.compute_order(r) for r in range(4)}))
+    assert_same_training(result)
+    assert plans[3][:4] == ["3F0", "3B0", "3F1", "3B1"]
+    assert plans[0][:5] == ["0F0", "0F1", "0F2", "0F3", "0B0"]
+
+
+def test_interleaved_two_regions_per_device():
+    result = train_both(gpt(4), pipeline(4, regions_per_device=2), mesh={"pp": 2}, batches=gpt_batches())
+    assert_same_training(result)
+
+
+def test_zero3_with_1f1b_on_dp2_pp2():
+    strategy = pipeline(4, order=one_f_one_b, batch_axis="dp", zero=("optimizer", "grads", "params"))
+    result = train_both(gpt(2), strategy, mesh={"dp": 2, "pp": 2}, batches=gpt_batches())
+    assert_same_training(result)
+
+
+def test_zero3_1f1b_float64_is_exact():
+    strategy = pipeline(4, order=one_f_one_b, batch_axis="dp", zero=("optimizer", "grads", "params"))
+    result = train_both(gpt(2, torch.float64), strategy, mesh={"dp": 2, "pp": 2}, batches=gpt_batches())
+    assert_same_training(result, rtol=1e-10, atol=1e-12)
+
+
+def test_bfloat16_and_sgd_momentum():
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    strategy = pipeline(2, batch_axis="dp", zero=("optimizer", "grads"))
+    result = train_both(gpt(2, torch.bfloat16), strategy, mesh={"dp": 2, "pp": 2}, batches=gpt_batches(),
+                        optimizer=sgd)
+    # bf16 keeps 8 bits of mantissa: sums in another order differ in the last bit.
+    assert_same_training(result, rtol=2e-2, atol=2e-2)
+
+
+class SkipModel(torch.nn.Module):
+    """Three regions; region 0's output feeds region 1 and, skipping it, region 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        with piper.annotate("PP"):
+            h = torch.tanh(self.a(x))
+        with piper.annotate("PP"):
+            g = torch.tanh(self.b(h))
+        with piper.annotate("PP"):
+            out = self.c(g + h).squeeze(-1)
+            loss = ((out - y) ** 2).mean()
+        return loss
+
+
+def test_skip_connection_over_three_devices():
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 8), torch.randn(8)) for _ in range(3)]
+    result = train_both(SkipModel(), pipeline(2), mesh={"pp": 3}, batches=data)
+    assert_same_training(result)
+
+
+def test_zero3_divides_memory():
+    mem = {}
+    model = gpt(2)
+    n_params = sum(p.numel() for p in model.parameters())
+    train_both(model, data_parallel("optimizer", "grads", "params"), mesh={"dp": 2}, batches=gpt_batches(1),
+               job_hook=lambda job: mem.update(job.memory()))
+    train_both(model, data_parallel(), mesh={"dp": 2}, batches=gpt_batches(1),
+               job_hook=lambda job: mem.update({("dp", r): m for r, m in job.memory().items()}))
+    full = n_params * 4
+    for rank in (0, 1):
+        zero3 = mem[rank]
+        assert zero3["params"] == pytest.approx(full / 2, rel=0.01)
+        assert zero3["grads"] == pytest.approx(full / 2, rel=0.01)
+        assert zero3["optimizer"] == pytest.approx(2 * full / 2, rel=0.01)   # AdamW: two moments
+        dp = mem[("dp", rank)]
+        assert dp["params"] == pytest.approx(full, rel=0.01)
+        assert dp["optimizer"] == pytest.approx(2 * full, rel=0.01)
