@@ -114,20 +114,19 @@ def schedule(ir: IR) -> list[Node]:
 
 def _cycle_error(ir: IR, stuck: set[str]):
     """Find one cycle among the stuck nodes and explain it with the order lines that close it."""
-    succ = defaultdict(list)
+    # Every stuck node has a stuck predecessor, so walking predecessors must repeat a node.
+    pred = defaultdict(list)
     for e in ir.edges:
         if e.src in stuck and e.dst in stuck:
-            succ[e.src].append(e)
-    # Walk until a node repeats: every stuck node lies on or behind a cycle.
-    start = min(stuck)
+            pred[e.dst].append(e)
     path, seen = [], {}
-    node = start
+    node = min(stuck)
     while node not in seen:
         seen[node] = len(path)
-        edge = next(e for e in succ[node])
+        edge = pred[node][0]
         path.append(edge)
-        node = edge.dst
-    cycle = path[seen[node]:]
+        node = edge.src
+    cycle = list(reversed(path[seen[node]:]))
     text = " -> ".join([e.src for e in cycle] + [cycle[0].src])
     temporal = [e for e in cycle if e.kind == "temporal"]
     span = temporal[0].span if temporal else None

@@ -1,0 +1,213 @@
+"""The `piper` command: check scripts, explain diagnostic codes, run a training job.
+
+    piper check examples/*.pps --mesh dp=2,pp=2 --set microbatches=8
+    piper explain unknown-axis
+    piper run examples/gpt_zero3_1f1b.pps --model examples/gpt.py:GPT --steps 10
+
+Exit status (as ruff): 0 when nothing is reported, 1 when `check` reports any
+error or warning (notes do not count), 2 for a usage error (bad flags, a file
+that cannot be read) or an internal error.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from .diagnostics import Diagnostic, PiperError, did_you_mean
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+class _Usage(Exception):
+    """A bad flag value: printed as `piper <command>: error: ...`, exit 2."""
+
+
+def _parse_sets(items) -> dict[str, str]:
+    out = {}
+    for item in items or ():
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise _Usage(f"--set takes NAME=VALUE, not {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _parse_regions(text: str | None) -> dict[str, int] | None:
+    if not text:
+        return None
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, count = part.partition("=")
+        if not eq or not name.strip().isidentifier() or not count.strip().isdigit():
+            raise _Usage(f"--regions takes TAG=COUNT pairs such as PP=8,EP=4, not {text!r}")
+        out[name.strip()] = int(count)
+    return out
+
+
+def _parse_mesh(text: str | None):
+    if not text:
+        return None
+    from .mesh import Mesh
+
+    try:
+        return Mesh.of(text)
+    except PiperError as err:
+        raise _Usage(err.diagnostics[0].message + " (write e.g. --mesh dp=2,pp=4)") from None
+
+
+def _note(code: str, message: str, hint: str | None = None) -> Diagnostic:
+    return Diagnostic(code, message, "note", hint=hint)
+
+
+def _model_checks(text: str, file: str, *, mesh, overrides, model, regions) -> list[Diagnostic]:
+    """What `piper.analysis.analyze` finds with the model or the region counts, if it is installed."""
+    try:
+        analysis = importlib.import_module("piper.analysis")
+    except ModuleNotFoundError as err:
+        if err.name != "piper.analysis":
+            raise
+        return [_note("analysis-unavailable", f"{file}: model checks are unavailable in this build "
+                      "(piper.analysis is missing); checked the script alone")]
+    from .dsl import load_strategy
+
+    try:
+        script = load_strategy(text, file=file, overrides=overrides)
+    except PiperError:
+        return []  # the script's own errors are already reported
+    run_mesh = mesh if mesh is not None else script.mesh
+    if run_mesh is None:
+        return [_note("analysis-unavailable", f"{file}: model checks need a mesh",
+                      hint="declare one in the script (`mesh dp=2, pp=4`) or pass --mesh dp=2,pp=4")]
+    try:
+        return list(analysis.analyze(script, mesh=run_mesh, model_spec=model, regions=regions))
+    except PiperError as err:
+        return list(err.diagnostics)
+
+
+def cmd_check(args) -> int:
+    from .dsl import check_source
+    from .render import render, summary
+
+    overrides = _parse_sets(args.set)
+    regions = _parse_regions(args.regions)
+    mesh = _parse_mesh(args.mesh)
+    diagnostics: list[Diagnostic] = []
+    unreadable, checked = False, 0
+    for file in args.files:
+        try:
+            with open(file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            print(f"piper check: error: cannot read {file}: {getattr(err, 'strerror', None) or err}", file=sys.stderr)
+            unreadable = True
+            continue
+        checked += 1
+        found = check_source(text, file, mesh=mesh, overrides=overrides)
+        if (args.model or regions) and not any(d.severity == "error" for d in found):
+            found += _model_checks(text, file, mesh=mesh, overrides=overrides, model=args.model, regions=regions)
+        diagnostics += found
+    fmt = args.format or ("rich" if sys.stdout.isatty() else "text")
+    sys.stdout.write(render(diagnostics, format=fmt, color=None if fmt == "rich" else False))
+    problems = [d for d in diagnostics if d.severity in ("error", "warning")]
+    if fmt != "json" and checked:
+        files = f"{checked} file{'s' if checked != 1 else ''}"
+        print(f"piper check: {summary(diagnostics)} in {files}" if diagnostics
+              else f"piper check: all checks passed ({files})", file=sys.stderr)
+    if unreadable:
+        return EXIT_USAGE
+    return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def cmd_explain(args) -> int:
+    from .dsl.codes import known_codes, page
+
+    text = page(args.code)
+    if text is None:
+        hint = did_you_mean(args.code, known_codes())
+        print(f"piper explain: error: no diagnostic code `{args.code}`" + (f"; {hint}" if hint else ""),
+              file=sys.stderr)
+        return EXIT_USAGE
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    args.overrides = _parse_sets(args.set)
+    try:
+        cli_run = importlib.import_module("piper.cli_run")
+    except ModuleNotFoundError as err:
+        if err.name != "piper.cli_run":
+            raise
+        print("piper run: error: running jobs is not available in this build (piper.cli_run is missing)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return int(cli_run.run(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="piper", description="Piper: strategies as scripts, one runtime.",
+        epilog="exit status: 0 clean, 1 errors or warnings reported, 2 usage or internal error")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    check = commands.add_parser("check", help="report every error and warning in .pps scripts",
+                                description="Check .pps scripts: syntax, names, types, arity, ranges, "
+                                "unused lets, shadowing; with --model or --regions, the schedule too.")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument("--model", metavar="PATH.py:FACTORY", help="the model, for region and deadlock checks")
+    check.add_argument("--regions", metavar="TAG=COUNT,...", help="region counts instead of a model, e.g. PP=8")
+    check.add_argument("--mesh", metavar="AXIS=SIZE,...", help="the mesh, e.g. dp=2,pp=4 (else the script's)")
+    check.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a top-level let or parameter")
+    check.add_argument("--format", choices=("text", "concise", "json", "rich"), help="output (default: rich on a terminal)")
+    check.set_defaults(func=cmd_check)
+
+    explain = commands.add_parser("explain", help="explain a diagnostic code, with an example and the fix")
+    explain.add_argument("code", metavar="CODE")
+    explain.set_defaults(func=cmd_explain)
+
+    run = commands.add_parser("run", help="train with a script")
+    run.add_argument("script", metavar="SCRIPT")
+    run.add_argument("--model", metavar="PATH.py:FACTORY")
+    run.add_argument("--mesh", metavar="AXIS=SIZE,...")
+    run.add_argument("--set", action="append", metavar="NAME=VALUE")
+    run.add_argument("--steps", type=int, default=None, metavar="N")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def _internal_error(err: BaseException) -> None:
+    detail = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+    print(f"error[internal-error]: piper failed on its own bug ({detail}); please report it "
+          "(set PIPER_DEBUG=1 for the traceback)", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    """Entry point of the `piper` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    try:
+        return args.func(args)
+    except _Usage as err:
+        print(f"piper {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except PiperError as err:
+        from .render import print_diagnostics
+
+        print_diagnostics(err.diagnostics, file=sys.stderr)
+        return EXIT_PROBLEMS
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # noqa: BLE001 - never a traceback for any input
+        if os.environ.get("PIPER_DEBUG"):
+            raise
+        _internal_error(err)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The IR, the statements and the compiler, without running anything: printed
+forms, plans in action notation, simulated step counts, and the errors a bad
+order gets."""
+import pytest
+
+import piper
+from piper.capture import Program
+from piper.compiler import Action, compile_ir
+from piper.ir import Node, format_ir, parse_ir, parse_key
+from piper.job import plan
+from piper.mesh import Mesh
+from piper.simulate import simulate
+from piper.statements import apply_all, initial_ir
+from tests.test_train import one_f_one_b, pipeline
+
+
+def chain_plan(strategy, regions=2, **mesh):
+    return plan(strategy, mesh=mesh, program=Program.chain(f"PP={regions}"))
+
+
+def test_node_tokens_parse_back():
+    for token in ["2F0", "0UPD", "3BI12", "1BW0", "0SEND_F3>2.1", "2RECV_B3<0.1", "0ALL_REDUCE",
+                  "0ALL_GATHER_F3", "1REDUCE_SCATTER", "0ALL_GATHER"]:
+        assert parse_key(token).key == token
+    assert parse_key("2F0") == Node("F", 2, 0)
+
+
+def test_ir_text_round_trips():
+    @piper.strategy
+    def s(s):
+        s.split("MB", 2)
+        s.place("PP=0", s.mesh["pp"][0])
+        s.place("PP=1", s.mesh["pp"][1])
+        s.shard("batch", over="dp")
+        s.shard("optimizer", "grads", over="dp")
+        s.split("B")
+        s.order("PP=0", ["F(MB=0)", "F(MB=1)", ["BI(MB=0)", "BW(MB=0)"]])
+
+    mesh = Mesh.of({"dp": 2, "pp": 2})
+    ir = apply_all(initial_ir(Program.chain("PP=2"), mesh), s.build(mesh)[1])
+    text = format_ir(ir)
+    assert parse_ir(text) == ir
+    assert "order 0F1 -> 0BI0" in text and "node 1BW1 @1,3" in text
+
+
+def test_gpipe_plan_in_action_notation():
+    compiled = chain_plan(pipeline(2), pp=2)
+    assert compiled.show() == (
+        "rank 0: 0F0 0SEND_F0>1.0 0F1 0SEND_F1>1.0 0RECV_B0<1.0 0B0 0RECV_B1<1.0 0B1 0UPD\n"
+        "rank 1: 1RECV_F0<0.0 1F0 1RECV_F1<0.0 1F1 1B0 1SEND_B0>0.0 1B1 1SEND_B1>0.0 1UPD")
+
+
+def test_zero_collectives_are_placed():
+    zero2 = chain_plan(pipeline(2, batch_axis="dp", zero=("optimizer", "grads")), pp=2, dp=2)
+    plan0 = [a.key for a in zero2.plans[0]]
+    assert plan0[-3:] == ["0REDUCE_SCATTER", "0UPD", "0ALL_GATHER"]
+    assert zero2.plans[0][-3].group == (0, 1)   # mesh pp=2, dp=2: pp[0] is ranks 0 and 1
+    zero3 = chain_plan(pipeline(2, batch_axis="dp", zero=("optimizer", "grads", "params")), pp=2, dp=2)
+    keys = [a.key for a in zero3.plans[0]]
+    assert keys[0] == "0ALL_GATHER_F0" and "0ALL_GATHER" not in keys
+    assert zero3.plans[0][keys.index("0B1")].release == (0,)   # freed after the last use
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])
+def test_simulated_1f1b_and_gpipe_steps(p, m):
+    gpipe = simulate(chain_plan(pipeline(m), regions=p, pp=p).plans)
+    ofob = simulate(chain_plan(pipeline(m, order=one_f_one_b), regions=p, pp=p).plans)
+    # Unit costs F=1, B=2: m(F+B) of work plus a (p-1)(F+B) bubble on every device.
+    assert gpipe.step_time == ofob.step_time == (m + p - 1) * 3
+    assert ofob.bubble(0) == (p - 1) * 3
+
+
+def test_order_that_contradicts_data_flow_is_a_cycle_with_its_line():
+    @piper.strategy
+    def backwards_first(s):
+        s.split("MB", 2)
+        s.place("PP=0", s.mesh["pp"][0])
+        s.place("PP=1", s.mesh["pp"][1])
+        s.order("PP=1", ["B(MB=0)", "F(MB=0)"])
+
+    with pytest.raises(piper.PiperError) as err:
+        chain_plan(backwards_first, pp=2)
+    diag = err.value.diagnostics[0]
+    assert diag.code == "order-cycle"
+    assert "1F0" in diag.message and "1B0" in diag.message
+    assert diag.span.file.endswith("test_compiler.py")
+
+
+def test_deadlock_is_shown_as_a_grid():
+    send = Node("SEND", 0, 0, "F", 0, 1)
+    recv = Node("RECV", 1, 0, "F", 0, 0)
+    back = Node("SEND", 1, 0, "B", 0, 0)
+    brecv = Node("RECV", 0, 0, "B", 0, 1)
+    plans = {  # each device first waits for the other's message
+        0: (Action(brecv, peer=1, tag=1), Action(Node("B", 0, 0), waits=(brecv.key,)), Action(send, peer=1, tag=0)),
+        1: (Action(recv, peer=0, tag=0), Action(Node("F", 1, 0), waits=(recv.key,)), Action(back, peer=0, tag=1)),
+    }
+    with pytest.raises(piper.PiperError) as err:
+        simulate(plans)
+    diag = err.value.diagnostics[0]
+    assert diag.code == "deadlock"
+    assert "rank 0 at step 0" in diag.message and "rank 1 at step 0" in diag.message
+    assert "*0RECV_B0<1.0" in diag.notes[0]
+
+
+def test_unknown_microbatch_in_order():
+    @piper.strategy
+    def too_many(s):
+        s.split("MB", 2)
+        s.order("PP=0", ["F(MB=0)", "F(MB=5)"])
+
+    with pytest.raises(piper.PiperError) as err:
+        chain_plan(too_many, pp=1)
+    assert err.value.code == "unknown-node"
+    assert "2 microbatch" in err.value.diagnostics[0].notes[0]
+
+
+def test_placed_twice_points_at_both_places():
+    @piper.strategy
+    def twice(s):
+        s.place("PP=0", s.mesh["pp"][0])
+        s.place("PP=0", s.mesh["pp"][1])
+
+    with pytest.raises(piper.PiperError) as err:
+        chain_plan(twice, pp=2)
+    diag = err.value.diagnostics[0]
+    assert diag.code == "placed-twice" and diag.labels[0].message == "first placed here"
+    assert diag.labels[0].span.line == diag.span.line - 1

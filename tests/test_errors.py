@@ -1,0 +1,163 @@
+"""Bad input gets a clear error naming the cause and the fix, never a hang."""
+import os
+import time
+
+import pytest
+import torch
+
+import piper
+from piper.capture import capture
+from tests.test_train import SkipModel, data_parallel, gpt, gpt_batches, pipeline
+
+
+class Unannotated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        with piper.annotate("PP"):
+            h = self.a(x)
+        h = torch.relu(h)                      # outside every region
+        with piper.annotate("PP"):
+            return ((self.b(h).squeeze(-1) - y) ** 2).mean()
+
+
+class GraphBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        with piper.annotate("PP"):
+            out = self.a(x).squeeze(-1)
+            if out.sum().item() > 0:           # data-dependent Python branch
+                out = out * 2
+            return ((out - y) ** 2).mean()
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x, y):
+        with piper.annotate("PP"):
+            h = x @ self.w
+        with piper.annotate("PP"):
+            return ((h @ self.w.t()).sum(-1) - y).pow(2).mean()
+
+
+XY = (torch.randn(4, 4), torch.randn(4))
+
+
+def test_compute_outside_regions_names_the_line():
+    with pytest.raises(piper.PiperError) as err:
+        capture(Unannotated(), XY)
+    assert err.value.code == "unannotated-compute"
+    assert "relu" in str(err.value) and "test_errors.py:" in str(err.value)
+    assert "piper.annotate" in err.value.diagnostics[0].hint
+
+
+def test_graph_break_names_the_line():
+    with pytest.raises(piper.PiperError) as err:
+        capture(GraphBreak(), XY)
+    assert err.value.code == "graph-break"
+    assert "test_errors.py:" in str(err.value)
+
+
+def test_tied_weights_across_devices():
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(Tied(), XY, strategy=pipeline(1), mesh={"pp": 2})
+    assert err.value.code == "tied-across-devices"
+    assert "`w`" in str(err.value)
+
+
+def test_region_never_placed():
+    @piper.strategy
+    def half(s):
+        s.place("PP=0", s.mesh["pp"][0])
+
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(SkipModel(), (torch.randn(4, 8), torch.randn(4)), strategy=half, mesh={"pp": 2})
+    assert err.value.code == "unplaced-region"
+    assert "PP=1, PP=2" in str(err.value)
+
+
+def test_undivided_work_suggests_sharding_the_batch():
+    @piper.strategy
+    def replicated(s):
+        s.place("PP=0 ", s.mesh["pp"][0])
+        s.place("PP=1", s.mesh["pp"][0])
+        s.place("PP=2", s.mesh["pp"][1])
+
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(SkipModel(), (torch.randn(4, 8), torch.randn(4)), strategy=replicated,
+                      mesh={"dp": 2, "pp": 2})
+    assert err.value.code == "undivided-work"
+    assert "shard batch over dp" in err.value.diagnostics[0].hint
+
+
+def test_indivisible_batch():
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(SkipModel(), (torch.randn(6, 8), torch.randn(6)), strategy=pipeline(4), mesh={"pp": 3})
+    assert err.value.code == "indivisible-batch"
+
+
+def test_unknown_axis_and_region_have_suggestions():
+    @piper.strategy
+    def typo(s):
+        s.shard("batch", over="dpp")
+
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(SkipModel(), (torch.randn(4, 8), torch.randn(4)), strategy=typo, mesh={"dp": 2})
+    assert err.value.code == "unknown-axis" and "`dp`" in err.value.diagnostics[0].hint
+
+    @piper.strategy
+    def bad_tag(s):
+        s.place("P=0", s.mesh["pp"][0])
+
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(SkipModel(), (torch.randn(4, 8), torch.randn(4)), strategy=bad_tag, mesh={"pp": 3})
+    assert err.value.code == "unknown-region" and "PP" in err.value.diagnostics[0].hint
+    # The span points at the user's own call.
+    assert err.value.diagnostics[0].span.file.endswith("test_errors.py")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_dead_worker_is_reported_and_the_job_cleaned_up():
+    import ray
+
+    batch = gpt_batches(1)[0]
+    job = piper.compile(gpt(2), batch, strategy=pipeline(2), mesh={"pp": 2}, timeout=60)
+    job.step(*batch)
+    ray.kill(job.actors[1])
+    with pytest.raises(piper.PiperError) as err:
+        job.step(*batch)
+    assert err.value.code in ("worker-died", "worker-failed")
+    assert "compile a new job" in err.value.diagnostics[0].hint
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in job.pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(pid) for pid in job.pids), "a worker process outlived its job"
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_closed_job_leaves_no_workers():
+    batch = gpt_batches(1)[0]
+    with piper.compile(gpt(2), batch, strategy=data_parallel(), mesh={"dp": 2}) as job:
+        job.step(*batch)
+        pids = job.pids
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(pid) for pid in pids)
