@@ -203,6 +203,11 @@ def example_batch(batch_size: int = 8, *, block_size: int = GPTConfig.block_size
     return next(batches(_corpus_tokens()[1], batch_size, block_size, seed=seed))
 
 
+def training_batches(batch_size: int, *, seed: int = 0):
+    """Endless corpus batches shaped for `small_gpt()`; `piper run` trains on these."""
+    return batches(_corpus_tokens()[1], batch_size, GPTConfig.block_size, seed=seed)
+
+
 if __name__ == "__main__":
     model, cfg = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
