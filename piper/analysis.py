@@ -5,7 +5,7 @@ from __future__ import annotations
 from .capture import Program, capture
 from .compiler import compile_ir
 from .diagnostics import Diagnostic, PiperError
-from .simulate import simulate
+from .simulate import verify
 from .statements import apply_all, initial_ir
 
 
@@ -30,7 +30,7 @@ def analyze(script, *, mesh, model_spec: str | None = None, regions: dict | None
             inputs = example_batch(module, batch_size or micro * shards)
             program = capture(model, _microbatch_inputs(inputs, mesh, directives)[0])
         compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
-        simulate(compiled.plans)
+        verify(compiled)
         return list(compiled.warnings)
     except PiperError as err:
         return list(err.diagnostics)

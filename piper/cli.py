@@ -126,7 +126,7 @@ def cmd_explain(args) -> int:
     text = page(args.code)
     if text is None:
         hint = did_you_mean(args.code, known_codes())
-        print(f"piper explain: error: no diagnostic code `{args.code}`" + (f"; {hint}" if hint else ""),
+        print(f"piper explain: error: no page for the code `{args.code}`" + (f"; {hint}" if hint else ""),
               file=sys.stderr)
         return EXIT_USAGE
     sys.stdout.write(text if text.endswith("\n") else text + "\n")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
@@ -57,13 +58,13 @@ class Compiled:
 
     ir: IR
     order: list[Node]
-    plans: dict[int, tuple[Action, ...]]
+    plans: "Plans"
     zero: int
     warnings: list[Diagnostic] = field(default_factory=list)
 
     def show(self) -> str:
         """Each device's plan as one line of action tokens."""
-        return "\n".join(f"rank {r}: " + " ".join(a.key for a in plan) for r, plan in sorted(self.plans.items()))
+        return "\n".join(f"rank {r}: " + " ".join(a.key for a in self.plans[r]) for r in self.plans)
 
     def compute_order(self, rank: int) -> list[str]:
         return [a.key for a in self.plans[rank] if a.node.is_compute]
@@ -168,10 +169,13 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     computes = [(i, n) for i, n in enumerate(order) if n.is_compute]
     grad_ops = ("B", "BW")
     last_grad: dict[int, int] = {}
+    grad_producers: dict[int, list[str]] = defaultdict(list)
     for i, n in computes:
         if n.op in grad_ops:
             for u in units[n.region]:
                 last_grad[u] = i
+                grad_producers[u].append(n.key)
+    position = {n.key: i for i, n in computes}
     for u in owners:
         reduce_op = "ALL_REDUCE" if zero <= 1 else "REDUCE_SCATTER"
         red = Node(reduce_op, u, devices=groups[u])
@@ -181,13 +185,10 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
         after[pos].append(red)
         upd = Node("UPD", u).key
         edges.append(Edge(red.key, upd))
-        for i, n in computes:
-            if n.op in grad_ops and u in units[n.region]:
-                edges.append(Edge(n.key, red.key))
+        edges += [Edge(k, red.key) for k in grad_producers[u]]
         if zero in (1, 2):
             gather = Node("ALL_GATHER", u, devices=groups[u])
-            pos = next(i for i, n in computes if n.key == upd)
-            after[pos].append(gather)
+            after[position[upd]].append(gather)
             edges.append(Edge(upd, gather.key))
 
     if zero == 3:
@@ -218,21 +219,60 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     return out, edges, release
 
 
-def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> dict[int, tuple[Action, ...]]:
+class Plans(Mapping):
+    """rank -> that device's actions, built on first use.
+
+    Every device of a group runs the same node sequence; only the peers of
+    its sends and receives differ. So the sequence is kept once per group and
+    a device's plan is made when asked for: a runtime asks for its own, the
+    verifier for one replica per data-parallel shard.
+    """
+
+    def __init__(self, world_size: int, group_of: dict[int, tuple], sequences: dict[tuple, list],
+                 peer_of, shard_of: dict[int, tuple]):
+        self._world = world_size
+        self._group_of = group_of
+        self._sequences = sequences
+        self._peer_of = peer_of
+        self._shard_of = shard_of
+        self._cache: dict[int, tuple[Action, ...]] = {}
+
+    def __getitem__(self, rank: int) -> tuple[Action, ...]:
+        if rank not in self._cache:
+            if not 0 <= rank < self._world:
+                raise KeyError(rank)
+            seq = self._sequences.get(self._group_of.get(rank), [])
+            self._cache[rank] = tuple(
+                Action(a.node, self._peer_of(rank, peer_group), a.tag) if peer_group is not None else a
+                for a, peer_group in seq)
+        return self._cache[rank]
+
+    def __iter__(self):
+        return iter(range(self._world))
+
+    def __len__(self) -> int:
+        return self._world
+
+    def representatives(self) -> dict[int, tuple[Action, ...]]:
+        """One replica per group: the devices holding the first batch shard."""
+        first = self._shard_of[0]
+        return {r: self[r] for r in range(self._world) if self._shard_of[r] == first}
+
+
+def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
     """Each device's actions in global order, with peers, tags and waits."""
     mesh = ir.mesh
     batch_axes = ir.batch_axes()
-
-    def shard_index(rank: int) -> tuple:
+    shard_of = {}
+    for rank in range(mesh.world_size):
         c = mesh.coords(rank)
-        return tuple(c[a] for a in batch_axes)
+        shard_of[rank] = tuple(c[a] for a in batch_axes)
+    groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
+    # A transfer pairs the devices that hold the same shard of the batch.
+    member_by_shard = {g: {shard_of[r]: r for r in g} for g in set(groups.values())}
 
     def peer_of(rank: int, group: tuple[int, ...]) -> int:
-        want = shard_index(rank)
-        for other in group:
-            if shard_index(other) == want:
-                return other
-        raise AssertionError(f"no peer for rank {rank} in {group}")
+        return member_by_shard[group][shard_of[rank]]
 
     # An action waits for the receives and collectives that feed it, nothing else.
     waits_of: dict[str, list[str]] = defaultdict(list)
@@ -240,27 +280,32 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> dict[int, t
     for e in ir.edges:
         if e.kind == "data" and e.src in waitable and e.src not in waits_of[e.dst]:
             waits_of[e.dst].append(e.src)
-    groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
-    plans: dict[int, list[Action]] = {r: [] for r in range(mesh.world_size)}
+    sequences: dict[tuple, list] = defaultdict(list)
     tags: dict[str, int] = {}
+    waited: dict[tuple, set[str]] = defaultdict(set)
+
+    def first_waits(group: tuple, key: str) -> tuple[str, ...]:
+        """Each communication is waited for once per device: after `split B` a
+        received gradient feeds both BI and BW, and BI's wait already completed it."""
+        waits = tuple(k for k in waits_of.get(key, ()) if k not in waited[group])
+        waited[group].update(waits)
+        return waits
+
     for n in order:
+        g = n.devices
         if n.op in ("SEND", "RECV"):
             # The tag names the transfer; both sides compute it from the SEND's key.
             src = n.region if n.op == "SEND" else n.peer
             dst = n.peer if n.op == "SEND" else n.region
             send_key = Node("SEND", src, n.mb, n.phase, n.value, dst).key
             tag = tags.setdefault(send_key, len(tags))
-            other = groups[n.peer]
-            for rank in n.devices:
-                plans[rank].append(Action(n, peer=peer_of(rank, other), tag=tag))
+            sequences[g].append((Action(n, tag=tag), groups[n.peer]))
         elif n.is_compute:
-            for rank in n.devices:
-                plans[rank].append(Action(n, waits=tuple(waits_of.get(n.key, ())),
-                                          release=release.get(n.key, ())))
+            sequences[g].append((Action(n, waits=first_waits(g, n.key), release=release.get(n.key, ())), None))
         else:
-            for rank in n.devices:
-                plans[rank].append(Action(n, group=n.devices, waits=tuple(waits_of.get(n.key, ()))))
-    return {r: tuple(p) for r, p in plans.items()}
+            sequences[g].append((Action(n, group=g, waits=first_waits(g, n.key)), None))
+    group_of = {rank: g for g in sequences for rank in g}
+    return Plans(mesh.world_size, group_of, dict(sequences), peer_of, shard_of)
 
 
 def compile_ir(ir: IR) -> Compiled:

@@ -51,8 +51,17 @@ class Node:
     devices: tuple[int, ...] | None = field(default=None, compare=False)
     stream: str | None = field(default=None, compare=False)
 
-    @property
-    def key(self) -> str:
+    def but(self, *, op: str | None = None, mb: int | None = None,
+            devices: tuple[int, ...] | None = None) -> "Node":
+        """A copy with `op`, `mb` or `devices` changed (`dataclasses.replace`, made cheap)."""
+        return Node(op or self.op, self.region, self.mb if mb is None else mb, self.phase, self.value, self.peer,
+                    self.devices if devices is None else devices, self.stream)
+
+    def __post_init__(self):
+        # The key is asked for constantly (edges name nodes by it): compute it once.
+        object.__setattr__(self, "key", self._make_key())
+
+    def _make_key(self) -> str:
         r, op = self.region, self.op
         if op in ("F", "B", "BI", "BW"):
             return f"{r}{op}{self.mb}"
@@ -168,7 +177,12 @@ class IR:
         raise KeyError(key)
 
     def index(self) -> dict[str, Node]:
-        return {n.key: n for n in self.nodes}
+        """Nodes by key (cached per node tuple: most rewrites keep the nodes)."""
+        return _index_of(self.nodes)[0]
+
+    def by_pass(self) -> dict[tuple[str, int], dict]:
+        """Compute nodes by (pass, region), then by microbatch."""
+        return _index_of(self.nodes)[1]
 
     def devices_of(self, region: int) -> tuple[int, ...] | None:
         for r, ranks in self.placement:
@@ -202,6 +216,23 @@ class IR:
         return replace(self, **changes)
 
 
+_INDEX_CACHE: dict[int, tuple] = {}
+
+
+def _index_of(nodes: tuple[Node, ...]):
+    hit = _INDEX_CACHE.get(id(nodes))
+    if hit is not None and hit[0] is nodes:
+        return hit[1]
+    by_key = {n.key: n for n in nodes}
+    by_pass: dict[tuple[str, int], dict] = {}
+    for n in nodes:
+        if n.op in COMPUTE:
+            by_pass.setdefault((n.op, n.region), {})[n.mb] = n
+    _INDEX_CACHE.clear()    # one entry: the IR being rewritten now
+    _INDEX_CACHE[id(nodes)] = (nodes, (by_key, by_pass))
+    return by_key, by_pass
+
+
 def format_ir(ir: IR) -> str:
     """The IR as text; `parse_ir(format_ir(ir)) == ir`."""
     lines = [f"mesh {ir.mesh}" if ir.mesh.axes else "mesh"]
@@ -217,8 +248,10 @@ def format_ir(ir: IR) -> str:
         lines.append(f"place {r} @{','.join(map(str, ranks))}")
     for what, axis in ir.sharding:
         lines.append(f"shard {what} over {axis}")
+    placed = dict(ir.placement)
     for n in ir.nodes:
-        dev = f" @{','.join(map(str, n.devices))}" if n.devices is not None else ""
+        devices = n.devices if n.devices is not None else placed.get(n.region) if n.is_compute else None
+        dev = f" @{','.join(map(str, devices))}" if devices is not None else ""
         stream = f" {n.stream}" if n.stream else ""
         lines.append(f"node {n.key}{dev}{stream}")
     for e in ir.edges:

@@ -23,7 +23,7 @@ from .mesh import Mesh
 from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
 from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
-from .simulate import simulate
+from .simulate import verify
 from .statements import apply_all, initial_ir
 from .strategy import as_strategy
 
@@ -33,7 +33,7 @@ def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None
     mesh, directives = build_strategy(strategy, mesh, overrides)
     ir = apply_all(initial_ir(program, mesh), directives)
     compiled = compile_ir(ir)
-    simulate(compiled.plans)       # raises on deadlock before anything runs
+    verify(compiled)       # raises on deadlock before anything runs
     return compiled
 
 
@@ -85,7 +85,7 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     program = capture(model, mb_inputs)
     ir = apply_all(initial_ir(program, mesh), directives)
     compiled = compile_ir(ir)
-    simulate(compiled.plans)
+    verify(compiled)
     return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
                batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
                timeout=timeout)

@@ -12,7 +12,6 @@ goes depends on what runs before it.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 from .diagnostics import Diagnostic, Label, error
 from .ir import IR, Edge, Node
@@ -29,8 +28,7 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
     mesh = ir.mesh
     if not ir.placement:
         everyone = mesh.group().ranks
-        ir = ir.with_(placement=tuple((r.index, everyone) for r in ir.regions),
-                      nodes=tuple(replace(n, devices=everyone) for n in ir.nodes))
+        ir = ir.with_(placement=tuple((r.index, everyone) for r in ir.regions))
     placed = {r for r, _ in ir.placement}
     missing = [r for r in ir.regions if r.index not in placed]
     if missing:
@@ -73,6 +71,8 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
                                     other.index) else (),
                                 hint="place both regions on the same devices, or untie the weights "
                                      "(shared parameters across devices are not supported yet)")
+    placed = dict(ir.placement)
+    ir = ir.with_(nodes=tuple(n.but(devices=placed[n.region]) for n in ir.nodes))
     for (what, axis), span in zip(ir.sharding, ir.sharding_spans + (None,) * len(ir.sharding)):
         if mesh.size(axis) == 1:
             warnings.append(Diagnostic("shard-size-one", f"`shard {what} over {axis}` divides over an axis "

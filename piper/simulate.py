@@ -19,6 +19,67 @@ from .diagnostics import error
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "UPD": 0.0}
 
 
+@dataclass(frozen=True)
+class _Overlapped:
+    """The compute actions of one overlapped slot (`[F(...), B(...)]`), run as one unit.
+
+    `name` is its cost key: the members' passes joined by `&`, a BI and BW of
+    the same region and microbatch counted as one B (DualPipe's `F&B`).
+    """
+
+    members: tuple[Action, ...]
+    name: str
+
+    @property
+    def key(self) -> str:
+        return "&".join(a.key for a in self.members)
+
+    @property
+    def waits(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(k for a in self.members for k in a.waits))
+
+
+def _unit_name(members: tuple[Action, ...]) -> str:
+    backward = {(a.node.region, a.node.mb) for a in members if a.node.op == "BI"} & \
+               {(a.node.region, a.node.mb) for a in members if a.node.op == "BW"}
+    ops = []
+    for a in members:
+        n = a.node
+        if (n.region, n.mb) in backward and n.op in ("BI", "BW"):
+            if n.op == "BI":
+                ops.append("B")
+        else:
+            ops.append(n.op)
+    rank = {"F": 0, "B": 1, "BI": 2, "BW": 3}
+    return "&".join(sorted(ops, key=lambda op: rank.get(op, 9)))
+
+
+def _fuse_overlaps(plan: tuple, groups) -> tuple:
+    """One device's plan with each overlapped group made one `_Overlapped` step.
+
+    The group's span of the plan becomes: the receives and collectives its
+    members wait for, the unit, then the rest of the span in order (its sends,
+    and receives that later actions wait for).
+    A group whose span holds another compute action stays as it is.
+    """
+    plan = tuple(plan)
+    for group in groups:
+        index = {a.key: i for i, a in enumerate(plan) if isinstance(a, Action) and a.node.is_compute}
+        if len(group) < 2 or not all(k in index for k in group):
+            continue
+        at = sorted(index[k] for k in group)
+        lo, hi = at[0], at[-1]
+        members = tuple(plan[i] for i in at)
+        others = [plan[i] for i in range(lo, hi + 1) if i not in at]
+        if any(a.node.is_compute for a in others):
+            continue
+        needed = {k for a in members for k in a.waits}
+        first = [a for a in others if a.key in needed]
+        rest = [a for a in others if a not in first]
+        plan = plan[:lo] + tuple(first) + (_Overlapped(members, _unit_name(members)),) + tuple(rest) + plan[hi + 1:]
+    return plan
+
+
 @dataclass
 class Simulation:
     step_time: float
@@ -35,12 +96,23 @@ class Simulation:
         return 0.0 if total == 0 else 1 - sum(self.busy.values()) / total
 
 
-def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None) -> Simulation:
+def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, overlap=()) -> Simulation:
     """Simulate `plans`; raise `PiperError(deadlock)` with a step x device grid if stuck.
 
     `costs` maps a pass (F, B, BI, BW, UPD) or a node key to its time
     (default: F=BI=BW=1, B=2); `comm_cost(node)` gives communication time (default 0).
+
+    `overlap` lists groups of compute keys that a device runs as one unit (an
+    overlapped slot such as DualPipeV's `[F(PP=0, MB=7), B(PP=7, MB=3)]`, found
+    by `piper.interop.overlapped_slots`): the unit starts when the device is
+    free and every member's inputs have arrived, its outputs leave when it
+    ends, and it takes `costs["F&B"]` (its members' passes joined by `&`,
+    BI+BW counted as B), or the sum of its members' costs when that is not
+    given. Without `overlap`, every action runs one after another.
     """
+    if overlap:
+        groups = [tuple(g) for g in overlap]
+        plans = {r: _fuse_overlaps(plan, groups) for r, plan in plans.items()}
     costs = {**UNIT_COSTS, **(costs or {})}
     comm_cost = comm_cost or (lambda node: 0.0)
     pos = {r: 0 for r in plans}
@@ -51,7 +123,6 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None) -
     done: dict[tuple[int, str], float] = {}    # (rank, key) -> completion of waitable comm
     issued: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> time
     group_last: dict[tuple, float] = defaultdict(float)
-    collective_done: dict[str, float] = {}
 
     def ready_time(rank: int, action: Action) -> float | None:
         t = clock[rank]
@@ -67,6 +138,19 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None) -
         for rank, plan in plans.items():
             while pos[rank] < len(plan):
                 a = plan[pos[rank]]
+                if isinstance(a, _Overlapped):
+                    t = ready_time(rank, a)
+                    if t is None:
+                        break
+                    cost = costs.get(a.name)
+                    if cost is None:
+                        cost = sum(costs.get(m.key, costs.get(m.node.op, 1.0)) for m in a.members)
+                    timeline[rank].append((t, t + cost, a.key))
+                    clock[rank] = t + cost
+                    busy[rank] += cost
+                    pos[rank] += 1
+                    progress = True
+                    continue
                 op = a.node.op
                 if op == "SEND":
                     sent[(a.tag, rank, a.peer)] = clock[rank]
@@ -89,7 +173,9 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None) -
                 else:  # collective
                     members = issued[(a.key, a.group)]
                     members[rank] = clock[rank]
-                    if len(members) == len(a.group):
+                    # Only simulated ranks count: a plan set holding one replica per
+                    # data-parallel shard stands for its (identical) peers.
+                    if len(members) == sum(1 for m in a.group if m in plans):
                         start = max(max(members.values()), group_last[a.group])
                         end = start + comm_cost(a.node)
                         group_last[a.group] = end
@@ -129,8 +215,15 @@ def deadlock_error(plans, pos, done):
             a = plans[r][pos[r]]
             missing = [k for k in a.waits if (r, k) not in done]
             what = (f"waits for {', '.join(missing)}" if missing else
-                    f"waits for the matching send from rank {a.peer}" if a.node.op == "RECV" else "blocked")
+                    f"waits for the matching send from rank {a.peer}" if isinstance(a, Action) and a.node.op == "RECV"
+                    else "blocked")
             waiting.append(f"rank {r} at step {pos[r]} ({a.key}) {what}")
     return error("deadlock", "the plans deadlock: " + "; ".join(waiting),
                  notes=("`*` marks where each device waits; `.` what it never reaches\n" + "\n".join(lines),),
                  hint="reorder the slots so every device's sends come before the receives they unblock")
+
+
+def verify(compiled) -> Simulation:
+    """Simulate one replica per data-parallel shard (the others run identical
+    plans with their own peers): a deadlock is found, and costs nothing per replica."""
+    return simulate(compiled.plans.representatives())

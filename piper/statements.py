@@ -8,7 +8,6 @@ commute.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 from .capture import Program
 from .diagnostics import Label, did_you_mean, error
@@ -91,13 +90,13 @@ def split_microbatches(ir: IR, d: Split) -> IR:
     index = ir.index()
     nodes = []
     for node in ir.nodes:
-        nodes += [replace(node, mb=m) for m in range(n)] if node.mb is not None else [node]
+        nodes += [node.but(mb=m) for m in range(n)] if node.mb is not None else [node]
     edges = []
     for e in ir.edges:
         src, dst = index[e.src], index[e.dst]
         for m in range(n):
-            s = replace(src, mb=m) if src.mb is not None else src
-            t = replace(dst, mb=m) if dst.mb is not None else dst
+            s = src.but(mb=m) if src.mb is not None else src
+            t = dst.but(mb=m) if dst.mb is not None else dst
             edges.append(Edge(s.key, t.key, e.kind, e.span))
     return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(edges)), microbatches=n, split_span=d.span)
 
@@ -116,26 +115,26 @@ def split_backward(ir: IR, d: Split) -> IR:
     nodes = []
     for node in ir.nodes:
         if node.op == "B":
-            nodes += [replace(node, op="BI"), replace(node, op="BW")]
+            nodes += [node.but(op="BI"), node.but(op="BW")]
         else:
             nodes.append(node)
     edges = []
     for e in ir.edges:
         src, dst = index[e.src], index[e.dst]
         if src.op == "B" and dst.op == "B":       # gradient to an earlier region
-            bi = replace(src, op="BI")
-            edges += [Edge(bi.key, replace(dst, op="BI").key, e.kind, e.span),
-                      Edge(bi.key, replace(dst, op="BW").key, e.kind, e.span)]
+            bi = src.but(op="BI")
+            edges += [Edge(bi.key, dst.but(op="BI").key, e.kind, e.span),
+                      Edge(bi.key, dst.but(op="BW").key, e.kind, e.span)]
         elif src.op == "B":                       # to UPD: weights' gradients
-            edges.append(Edge(replace(src, op="BW").key, dst.key, e.kind, e.span))
+            edges.append(Edge(src.but(op="BW").key, dst.key, e.kind, e.span))
         elif dst.op == "B":                       # saved activations: both halves need them
-            edges += [Edge(src.key, replace(dst, op="BI").key, e.kind, e.span),
-                      Edge(src.key, replace(dst, op="BW").key, e.kind, e.span)]
+            edges += [Edge(src.key, dst.but(op="BI").key, e.kind, e.span),
+                      Edge(src.key, dst.but(op="BW").key, e.kind, e.span)]
         else:
             edges.append(e)
     for node in ir.nodes:
         if node.op == "B":
-            edges.append(Edge(replace(node, op="BI").key, replace(node, op="BW").key))
+            edges.append(Edge(node.but(op="BI").key, node.but(op="BW").key))
     return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(edges)), backward_split=True)
 
 
@@ -158,7 +157,7 @@ def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
 def place(ir: IR, d: Place) -> IR:
     """`place PP=1 on pp[1]`: the regions the selector picks run on that device group.
 
-    before: node 1F0          after: node 1F0 @1,3   (mesh dp=2, pp=2)
+    before: node 1F0          after: place 1 @1,3   (mesh dp=2, pp=2)
     """
     if d.selector.op is not None:
         raise error("bad-place", f"place takes regions, not passes: `{d.selector}`", span=d.span,
@@ -176,10 +175,10 @@ def place(ir: IR, d: Place) -> IR:
                         hint="place each region once; to run one region on several devices, place it on a "
                              "group such as pp[0] and shard the batch over the other axis")
     targets = {r.index for r in chosen}
-    nodes = tuple(replace(n, devices=ranks) if n.region in targets else n for n in ir.nodes)
     placement = ir.placement + tuple((r, ranks) for r in sorted(targets))
     spans = ir.placement_spans + tuple(d.span for _ in targets)
-    return ir.with_(nodes=nodes, placement=placement, placement_spans=spans)
+    # Nodes get their devices in lowering (`resolve_placement`), in one pass.
+    return ir.with_(placement=placement, placement_spans=spans)
 
 
 def shard(ir: IR, d: Shard) -> IR:
@@ -206,10 +205,12 @@ def order(ir: IR, d: Order) -> IR:
     Adds a temporal edge from every node of a slot to every node of the next;
     items inside one slot may overlap, so get no edge between them.
     before: 0F0, 0F1, 0B0 unordered     after: order 0F0 -> 0F1, order 0F1 -> 0B0
+    After `split B into BI, BW`, an item `B(MB=m)` still names the whole
+    backward: its BI and BW together, in that slot (DualPipeV mixes whole and
+    split backwards in one schedule).
     """
     scope = regions_matching(ir, d.selector, d.span)
     scope_ids = {r.index for r in scope}
-    by_key = ir.index()
     seen: dict[str, object] = {}
     slots: list[list[Node]] = []
     for s, slot in enumerate(d.slots):
@@ -225,15 +226,20 @@ def order(ir: IR, d: Order) -> IR:
             else:
                 regions = scope_ids
             mb = item.tag("MB")
-            matches = [n for n in ir.nodes if n.op == item.op and n.region in regions
-                       and (mb is None or mb == "*" or n.mb == mb)]
+            ops = ("BI", "BW") if item.op == "B" and ir.backward_split else (item.op,)
+            by_pass = ir.by_pass()
+            if mb is None or mb == "*":
+                matches = [n for op in ops for r in sorted(regions) for n in by_pass.get((op, r), {}).values()]
+            else:
+                matches = [by_pass[(op, r)][mb] for op in ops for r in sorted(regions)
+                           if mb in by_pass.get((op, r), ())]
             if not matches:
                 raise error("unknown-node", f"no node `{item}` in {d.selector}", span=span,
                             notes=(f"the batch is split into {ir.microbatches} microbatch(es)"
                                    + ("; backward is split into BI and BW" if ir.backward_split else
                                       "; backward is one B (split B into BI, BW to order them apart)"),),
                             hint="order only microbatches that exist, after `split MB into N`")
-            for n in sorted(matches, key=lambda n: (n.mb, n.region)):
+            for n in sorted(matches, key=lambda n: (n.mb, n.region, n.op)):
                 if n.key in seen:
                     raise error("ordered-twice", f"`{item}` ({n.key}) appears twice in this order", span=span,
                                 labels=(Label(seen[n.key], "first here"),) if seen[n.key] else (),
@@ -241,10 +247,9 @@ def order(ir: IR, d: Order) -> IR:
                 seen[n.key] = span
                 chosen.append(n)
         slots.append(chosen)
-    edges = list(ir.edges)
+    added = []
     for before, after in zip(slots, slots[1:]):
         for a in before:
             for b in after:
-                edges.append(Edge(a.key, b.key, "temporal", d.span))
-    del by_key
-    return ir.with_(edges=tuple(dict.fromkeys(edges)))
+                added.append(Edge(a.key, b.key, "temporal", d.span))
+    return ir.with_(edges=ir.edges + tuple(dict.fromkeys(added)))

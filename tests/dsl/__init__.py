@@ -1,0 +1,1 @@
+"""Tests of the .pps language, the checker, the renderer and the `piper` CLI."""
