@@ -292,6 +292,7 @@ def _worker_error(exc, rank: int, what: str) -> PiperError:
         return cause
     inner = cause or exc
     text = str(inner).strip().splitlines()
+    trace = [line for line in str(exc).splitlines() if line.strip()][-8:]
     return error("worker-failed", f"worker {rank} failed during `{what}`: {type(inner).__name__}: "
-                 f"{text[-1] if text else ''}",
+                 f"{text[-1] if text else ''}", notes=("worker traceback (last lines):\n" + "\n".join(trace),),
                  hint="the job was closed; the message above comes from the worker")

@@ -25,12 +25,13 @@ def new_groups(groups: list[tuple[int, ...]]) -> dict[tuple[int, ...], object]:
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group):
-    fn = getattr(dist, "all_gather_into_tensor", None) or dist.all_gather_single
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; older GPU machines have only the first.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, shard, group=group, async_op=True)
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group):
-    fn = getattr(dist, "reduce_scatter_tensor", None) or dist.reduce_scatter_single
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
