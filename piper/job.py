@@ -243,8 +243,13 @@ class Job:
         return out
 
     def memory(self) -> dict[int, dict[str, int]]:
-        """Per rank: bytes of parameters, gradients and optimizer state held between steps."""
+        """Per rank: bytes of parameters, gradients and optimizer state held between
+        steps, and `activations_peak`, the most bytes saved for backward at once in the last step."""
         return dict(enumerate(self._get([a.memory.remote() for a in self.actors], "memory")))
+
+    def timings(self) -> dict[int, dict[str, float]]:
+        """Per rank: seconds each compute action took in the last step (`0F3`: 0.012, ...)."""
+        return dict(enumerate(self._get([a.timings.remote() for a in self.actors], "timings")))
 
     def show(self) -> str:
         return self.compiled.show()

@@ -171,3 +171,13 @@ def test_zero3_divides_memory():
         dp = mem[("dp", rank)]
         assert dp["params"] == pytest.approx(full, rel=0.01)
         assert dp["optimizer"] == pytest.approx(2 * full, rel=0.01)
+
+
+def test_one_f_one_b_holds_fewer_activations_than_gpipe():
+    peaks = {}
+    for name, order in (("gpipe", None), ("1f1b", one_f_one_b)):
+        train_both(gpt(2), pipeline(8, order=order), mesh={"pp": 2}, batches=gpt_batches(1),
+                   job_hook=lambda job, name=name: peaks.update({name: job.memory()[0]["activations_peak"]}))
+    # Stage 0 keeps all 8 microbatches under GPipe and at most 2 under 1F1B.
+    assert peaks["1f1b"] * 3 < peaks["gpipe"]
+    assert peaks["gpipe"] == pytest.approx(4 * peaks["1f1b"], rel=0.1)

@@ -8,6 +8,7 @@ entry names.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -189,6 +190,9 @@ class Executor:
         self.by_value = {(p, i): v for v, (p, i, *_rest) in spec.values.items()}
         self.pending: dict[str, tuple[list, object]] = {}
         self.sends: list = []
+        self.timings: dict[str, float] = {}       # compute seconds per action, last step
+        self.activation_peak = 0                  # bytes saved for backward, at most, last step
+        self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
 
     # -- one step -------------------------------------------------------------------------
     def run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
@@ -198,10 +202,16 @@ class Executor:
         self.grad_out: dict[tuple[int, int, int], torch.Tensor] = {}
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
+        self.saved_bytes: dict[tuple[int, int], int] = {}
+        self.activations = self.activation_peak = 0
+        clock = time.perf_counter
         for action in self.spec.plan:
             for key in action.waits:
                 self._wait(key)
+            start = clock()
             getattr(self, "_" + action.node.op.lower())(action)
+            if action.node.is_compute:
+                self.timings[action.key] = clock() - start
         for key in list(self.pending):
             self._wait(key)
         for work in self.sends:
@@ -244,8 +254,23 @@ class Executor:
         node = action.node
         region = self.spec.regions[node.region]
         args, leaves = self._args(region, node.mb)
-        with torch.enable_grad():
+        counted: set = set()
+        size = 0
+
+        def pack(t):
+            # Count what autograd keeps for backward, once per storage, parameters excluded.
+            nonlocal size
+            storage = t.untyped_storage()
+            if storage._cdata not in counted and storage._cdata not in self._param_storages:
+                counted.add(storage._cdata)
+                size += storage.nbytes()
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outs = region.graph(*args)
+        self.saved_bytes[(node.region, node.mb)] = size
+        self.activations += size
+        self.activation_peak = max(self.activation_peak, self.activations)
         for v, out in zip(region.outputs, outs):
             self.values[(v, node.mb)] = out
         if region.loss:
@@ -291,6 +316,7 @@ class Executor:
         tensors, grads = self._backward_targets(region, node.mb, outs)
         if tensors:
             torch.autograd.backward(tensors, grads)
+        self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
         self._deliver_input_grads(node, leaves, {v: leaf.grad for v, leaf in leaves.items()})
         self._release(action)
 
@@ -316,6 +342,7 @@ class Executor:
         params = [full for u in region.units for full in self.units[u].full]
         if tensors and params:
             torch.autograd.backward(tensors, grads, inputs=params)
+        self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
         self._release(action)
 
     def _upd(self, action) -> None:
@@ -371,8 +398,11 @@ class Executor:
         return {u: unit.shards() for u, unit in self.units.items()}
 
     def memory(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state held between steps,
+        and the peak of activations saved for backward during the last step."""
         total = {"params": 0, "grads": 0, "optimizer": 0}
         for unit in self.units.values():
             for k, v in unit.memory().items():
                 total[k] += v
+        total["activations_peak"] = self.activation_peak
         return total

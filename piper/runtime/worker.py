@@ -48,6 +48,9 @@ class Worker:
     def memory(self):
         return self.executor.memory()
 
+    def timings(self):
+        return dict(self.executor.timings)
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
