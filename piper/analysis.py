@@ -1,36 +1,52 @@
-"""Model-aware checks for `piper check --model/--regions`: the whole lowering
-and verification of the compiler, reported against the script's spans."""
+"""Compile a strategy script without running it: for `piper check --model/--regions`,
+`piper show`, `piper simulate` and `piper export`. Errors come back as
+diagnostics against the script's spans."""
 from __future__ import annotations
 
 from .capture import Program, capture
-from .compiler import compile_ir
-from .diagnostics import Diagnostic, PiperError
+from .compiler import Compiled, compile_ir
+from .diagnostics import Diagnostic, PiperError, error
+from .directives import Shard, Split
 from .simulate import verify
 from .statements import apply_all, initial_ir
+
+
+def program_for(mesh, directives, *, model_spec: str | None = None, regions=None,
+                batch_size: int | None = None) -> Program:
+    """The regions to plan for: an abstract chain (`PP=8`) or a model captured on meta."""
+    if regions:
+        return Program.chain(regions)
+    if not model_spec:
+        raise error("no-regions", "planning needs the model's regions",
+                    hint="pass --model PATH.py:FACTORY or --regions PP=N")
+    from .job import _microbatch_inputs
+    from .models import example_batch, load_model
+
+    model, module = load_model(model_spec)
+    micro = next((d.count for d in directives if isinstance(d, Split) and d.what == "MB"), 1)
+    shards = 1
+    for d in directives:
+        if isinstance(d, Shard) and "batch" in d.what:
+            shards *= mesh.size(d.over)
+    inputs = example_batch(module, batch_size or micro * shards)
+    return capture(model, _microbatch_inputs(inputs, mesh, directives)[0])
+
+
+def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=None,
+                   batch_size: int | None = None) -> Compiled:
+    """Build, lower, schedule and verify `script` (a loaded script or strategy)."""
+    mesh, directives = script.build(mesh)
+    program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
+    compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
+    verify(compiled)
+    return compiled
 
 
 def analyze(script, *, mesh, model_spec: str | None = None, regions: dict | None = None,
             batch_size: int | None = None) -> list[Diagnostic]:
     """Every problem the compiler finds for `script` on `mesh`; [] when it would run."""
     try:
-        mesh, directives = script.build(mesh)
-        if regions:
-            program = Program.chain(regions)
-        else:
-            from .job import _microbatch_inputs
-            from .models import example_batch, load_model
-
-            model, module = load_model(model_spec)
-            shards = 1
-            from .directives import Shard, Split
-            micro = next((d.count for d in directives if isinstance(d, Split) and d.what == "MB"), 1)
-            for d in directives:
-                if isinstance(d, Shard) and "batch" in d.what:
-                    shards *= mesh.size(d.over)
-            inputs = example_batch(module, batch_size or micro * shards)
-            program = capture(model, _microbatch_inputs(inputs, mesh, directives)[0])
-        compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
-        verify(compiled)
+        compiled = compile_script(script, mesh=mesh, model_spec=model_spec, regions=regions, batch_size=batch_size)
         return list(compiled.warnings)
     except PiperError as err:
         return list(err.diagnostics)

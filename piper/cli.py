@@ -146,6 +146,74 @@ def cmd_run(args) -> int:
     return int(cli_run.run(args) or 0)
 
 
+def _compile_for(args):
+    from .analysis import compile_script
+    from .dsl import load_strategy
+
+    script = load_strategy(args.script, overrides=_parse_sets(args.set))
+    return compile_script(script, mesh=_parse_mesh(args.mesh), model_spec=args.model,
+                          regions=_parse_regions(args.regions))
+
+
+def _parse_costs(text: str | None) -> dict[str, float]:
+    out = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, eq, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise _Usage(f"--costs takes PASS=SECONDS pairs such as F=1,B=2,BI=1,BW=1, not {text!r}") from None
+        if not eq:
+            raise _Usage(f"--costs takes PASS=SECONDS pairs such as F=1,B=2, not {text!r}")
+    return out
+
+
+def cmd_show(args) -> int:
+    from .ir import format_ir
+
+    compiled = _compile_for(args)
+    if args.what == "ir":
+        sys.stdout.write(format_ir(compiled.ir))
+    else:
+        print(compiled.show())
+    return EXIT_OK
+
+
+def cmd_simulate(args) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .report import summary_rows, timeline_text
+    from .simulate import simulate
+
+    costs = _parse_costs(args.costs)
+    compiled = _compile_for(args)
+    if args.timings:
+        with open(args.timings, encoding="utf-8") as f:
+            costs.update({k: float(v) for k, v in json.load(f).items()})
+    sim = simulate(compiled.plans.representatives(), costs=costs)
+    table = Table(title=f"{args.script}: predicted step {sim.step_time:g}, bubble {sim.bubble_fraction:.1%}")
+    for column in ("rank", "busy", "idle", "bubble", "peak microbatches in flight"):
+        table.add_column(column, justify="right")
+    for rank, busy, idle, frac, peak in summary_rows(compiled, sim):
+        table.add_row(str(rank), f"{busy:g}", f"{idle:g}", f"{frac:.1%}", str(peak))
+    console = Console()
+    console.print(table)
+    if args.timeline:
+        console.print(timeline_text(sim), markup=False, highlight=False)
+    return EXIT_OK
+
+
+def _planning_flags(p) -> None:
+    p.add_argument("script", metavar="SCRIPT")
+    p.add_argument("--model", metavar="PATH.py:FACTORY", help="the model (captured on meta, no weights)")
+    p.add_argument("--regions", metavar="TAG=COUNT", help="an abstract chain of regions instead, e.g. PP=8")
+    p.add_argument("--mesh", metavar="AXIS=SIZE,...", help="the mesh (else the script's)")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a strategy parameter")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="piper", description="Piper: strategies as scripts, one runtime.",
@@ -166,6 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help="explain a diagnostic code, with an example and the fix")
     explain.add_argument("code", metavar="CODE")
     explain.set_defaults(func=cmd_explain)
+
+    show = commands.add_parser("show", help="print each device's plan (or the IR) for a script")
+    _planning_flags(show)
+    show.add_argument("--what", choices=("plans", "ir"), default="plans")
+    show.set_defaults(func=cmd_show)
+
+    sim = commands.add_parser("simulate", help="predict step time, bubbles and microbatches in flight")
+    _planning_flags(sim)
+    sim.add_argument("--costs", metavar="PASS=TIME,...", help="per-pass costs (default F=1,B=2,BI=1,BW=1)")
+    sim.add_argument("--timings", metavar="FILE.json", help="measured costs per action key (job.timings())")
+    sim.add_argument("--timeline", action="store_true", help="draw each device's timeline")
+    sim.set_defaults(func=cmd_simulate)
 
     run = commands.add_parser("run", help="train with a script")
     run.add_argument("script", metavar="SCRIPT")

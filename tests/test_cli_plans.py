@@ -1,0 +1,38 @@
+"""`piper show` and `piper simulate`: plans and predictions for a script, without running it."""
+from piper.cli import main
+
+
+def test_show_prints_each_devices_plan(capsys):
+    assert main(["show", "stdlib/one_f_one_b.pps", "--regions", "PP=2", "--mesh", "pp=2",
+                 "--set", "microbatches=2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "rank 0: 0F0 0SEND_F0>1.0 0F1 0SEND_F1>1.0 0RECV_B0<1.0 0B0 0RECV_B1<1.0 0B1 0UPD"
+    # Receives are posted as soon as their send is issued, ahead of the compute that waits on them.
+    assert out[1] == "rank 1: 1RECV_F0<0.0 1F0 1RECV_F1<0.0 1B0 1SEND_B0>0.0 1F1 1B1 1SEND_B1>0.0 1UPD"
+
+
+def test_show_ir_round_trips(capsys):
+    from piper.ir import parse_ir
+
+    assert main(["show", "examples/gpt_zero3_1f1b.pps", "--regions", "PP=2", "--what", "ir"]) == 0
+    ir = parse_ir(capsys.readouterr().out)
+    assert ir.microbatches == 8 and ("params", "dp") in ir.sharding
+
+
+def test_simulate_predicts_the_1f1b_bubble(capsys):
+    assert main(["simulate", "stdlib/one_f_one_b.pps", "--regions", "PP=4", "--mesh", "pp=4",
+                 "--set", "microbatches=8", "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step 33" in out            # (m + p - 1)(F + B) with F=1, B=2
+    assert "rank 3   |   FBBFBB" in out
+
+
+def test_simulate_takes_costs(capsys):
+    assert main(["simulate", "stdlib/gpipe.pps", "--regions", "PP=2", "--mesh", "pp=2",
+                 "--set", "microbatches=2", "--costs", "F=2,B=4"]) == 0
+    assert "predicted step 18" in capsys.readouterr().out   # (2 + 2 - 1) * (2 + 4)
+
+
+def test_simulate_bad_costs_is_a_usage_error(capsys):
+    assert main(["simulate", "stdlib/gpipe.pps", "--regions", "PP=2", "--mesh", "pp=2", "--costs", "F=x"]) == 2
+    assert "--costs" in capsys.readouterr().err
