@@ -198,6 +198,11 @@ def small_gpt() -> GPT:
     return make_model()[0]
 
 
+def two_stage_gpt() -> GPT:
+    """`small_gpt` cut into 2 PP regions, one per device of a 2-stage pipeline (`--model examples/gpt.py:two_stage_gpt`)."""
+    return make_model(n_regions=2)[0]
+
+
 def example_batch(batch_size: int = 8, *, block_size: int = GPTConfig.block_size, seed: int = 0):
     """One (idx, targets) batch from the corpus, shaped for `small_gpt()`."""
     return next(batches(_corpus_tokens()[1], batch_size, block_size, seed=seed))

@@ -206,6 +206,12 @@ def cmd_simulate(args) -> int:
     return EXIT_OK
 
 
+def _interop(name: str, args) -> int:
+    from . import interop
+
+    return int(getattr(interop, name)(args) or 0)
+
+
 def _planning_flags(p) -> None:
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("--model", metavar="PATH.py:FACTORY", help="the model (captured on meta, no weights)")
@@ -246,6 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--timings", metavar="FILE.json", help="measured costs per action key (job.timings())")
     sim.add_argument("--timeline", action="store_true", help="draw each device's timeline")
     sim.set_defaults(func=cmd_simulate)
+
+    export = commands.add_parser("export", help="write a script's schedule for torch.distributed.pipelining")
+    _planning_flags(export)
+    export.add_argument("--format", choices=("torch-csv",), default="torch-csv")
+    export.add_argument("-o", "--output", metavar="FILE", help="where to write (default: stdout)")
+    export.add_argument("--axis", help="the pipeline axis (default: the one regions are placed along)")
+    export.add_argument("--batch-size", type=int, help="the example batch for --model")
+    export.set_defaults(func=lambda args: _interop("export_main", args))
+
+    imp = commands.add_parser("import", help="turn a torch schedule CSV into a .pps script")
+    imp.add_argument("file", metavar="FILE.csv")
+    imp.add_argument("-o", "--output", metavar="OUT.pps", help="where to write (default: stdout)")
+    imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
+    imp.set_defaults(func=lambda args: _interop("import_main", args))
 
     run = commands.add_parser("run", help="train with a script")
     run.add_argument("script", metavar="SCRIPT")

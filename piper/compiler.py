@@ -128,6 +128,11 @@ def _cycle_error(ir: IR, stuck: set[str]):
         path.append(edge)
         node = edge.src
     cycle = list(reversed(path[seen[node]:]))
+    index = ir.index()
+    if len({index[e.src].devices for e in cycle}) > 1:
+        deadlock = _deadlock_error(ir, cycle)
+        if deadlock is not None:
+            return deadlock
     text = " -> ".join([e.src for e in cycle] + [cycle[0].src])
     temporal = [e for e in cycle if e.kind == "temporal"]
     span = temporal[0].span if temporal else None
@@ -137,6 +142,88 @@ def _cycle_error(ir: IR, stuck: set[str]):
                  notes=(f"data edges in the cycle: {', '.join(data) or 'none'}",),
                  hint="a forward must run before its backward and a region after the one that feeds it; "
                       "reorder the slots so every microbatch's inputs come first")
+
+
+def _deadlock_error(ir: IR, cycle: list[Edge]):
+    """A cycle through several devices is a deadlock: run each device's own
+    order until every device waits on another, and show where as a step x
+    device grid. None if some device's order is cyclic on its own."""
+    index = ir.index()
+    compute = [n for n in ir.nodes if n.is_compute and n.op != "UPD"]
+    groups = sorted({n.devices for n in compute})
+    # Cross-device dependencies run compute -> SEND -> RECV -> compute.
+    feeds: dict[str, list[str]] = defaultdict(list)      # SEND key -> producing computes
+    preds: dict[str, list[str]] = defaultdict(list)       # compute -> computes it needs, any device
+    for e in ir.edges:
+        src, dst = index[e.src], index[e.dst]
+        if dst.op == "SEND" and src.is_compute:
+            feeds[dst.key].append(src.key)
+    for e in ir.edges:
+        src, dst = index[e.src], index[e.dst]
+        if not dst.is_compute:
+            continue
+        if src.is_compute:
+            preds[dst.key].append(src.key)
+        elif src.op == "RECV":
+            send = Node("SEND", src.peer, src.mb, src.phase, src.value, src.region).key
+            preds[dst.key] += feeds.get(send, [])
+    local_orders = {}
+    for g in groups:
+        mine = {n.key for n in compute if n.devices == g}
+        indeg = {k: sum(1 for p in preds[k] if p in mine) for k in mine}
+        succ = defaultdict(list)
+        for k in mine:
+            for p in preds[k]:
+                if p in mine:
+                    succ[p].append(k)
+        heap = [(_priority(index[k]), k) for k, d in indeg.items() if d == 0]
+        heapq.heapify(heap)
+        seq = []
+        while heap:
+            _, k = heapq.heappop(heap)
+            seq.append(k)
+            for nxt in succ[k]:
+                indeg[nxt] -= 1
+                if indeg[nxt] == 0:
+                    heapq.heappush(heap, (_priority(index[nxt]), nxt))
+        if len(seq) != len(mine):
+            return None
+        local_orders[g] = seq
+    done: set[str] = set()
+    pos = {g: 0 for g in groups}
+    progress = True
+    while progress:
+        progress = False
+        for g in groups:
+            seq = local_orders[g]
+            while pos[g] < len(seq) and all(p in done for p in preds[seq[pos[g]]]):
+                done.add(seq[pos[g]])
+                pos[g] += 1
+                progress = True
+    rank_of = {g: g[0] for g in groups}
+    width = max(len(k) for k in index) + 3
+    lines = ["step  " + "".join(f"rank {rank_of[g]}".ljust(width) for g in groups)]
+    for i in range(max(len(s) for s in local_orders.values())):
+        cells = []
+        for g in groups:
+            seq = local_orders[g]
+            cell = "" if i >= len(seq) else seq[i] if i < pos[g] else "*" + seq[i] if i == pos[g] else "."
+            cells.append(cell.ljust(width))
+        lines.append(f"{i:<6}" + "".join(cells))
+    waits = []
+    for g in groups:
+        if pos[g] < len(local_orders[g]):
+            k = local_orders[g][pos[g]]
+            missing = [p for p in preds[k] if p not in done]
+            owner = {p: rank_of[index[p].devices] for p in missing}
+            waits.append(f"rank {rank_of[g]} waits at {k} for " + ", ".join(f"{p} (rank {owner[p]})" for p in missing))
+    temporal = [e for e in cycle if e.kind == "temporal"]
+    span = temporal[0].span if temporal else None
+    labels = tuple(Label(e.span, f"orders {e.src} before {e.dst}") for e in temporal[1:] if e.span)
+    return error("deadlock", "the schedule deadlocks: " + "; ".join(waits), span=span, labels=labels,
+                 notes=("`*` marks where each device waits, `.` what it never reaches:\n" + "\n".join(lines),),
+                 hint="the devices' orders wait on each other; reorder the slots so each device's sends "
+                      "come before the receives that unblock the other")
 
 
 def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:

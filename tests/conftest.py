@@ -9,6 +9,13 @@ def pytest_addoption(parser):
                      help="rewrite golden files from the current output")
 
 
+def pytest_collection_modifyitems(items):
+    # Everything that needs the cluster is slow: mark it, so `-m "not ray"` runs the rest in seconds.
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster; Gloo workers take a sliver of CPU each so any mesh fits."""
