@@ -16,6 +16,7 @@ import torch
 from . import comm
 from .flat import UnitLayout
 from .graphs import unpack
+from .split_backward import backward_inputs, backward_weights
 
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
 
@@ -325,23 +326,21 @@ class Executor:
         region = self.spec.regions[node.region]
         outs, leaves = self.saved[(node.region, node.mb)]
         tensors, grads = self._backward_targets(region, node.mb, outs)
-        got = {}
-        if tensors and leaves:
-            keys = list(leaves)
-            result = torch.autograd.grad(tensors, [leaves[k] for k in keys], grads, retain_graph=True,
-                                         allow_unused=True)
-            got = dict(zip(keys, result))
-        self.saved[(node.region, node.mb)] = (tensors, grads)
-        self._deliver_input_grads(node, leaves, got)
+        keys = list(leaves)
+        weights = [full for u in region.units for full in self.units[u].full]
+        if tensors:
+            result, state = backward_inputs(tensors, grads, [leaves[k] for k in keys], weights)
+        else:
+            result, state = [], ("graph", ([], []))
+        self.saved[(node.region, node.mb)] = state
+        self._deliver_input_grads(node, leaves, dict(zip(keys, result)))
         self._release(action)
 
     def _bw(self, action) -> None:
         node = action.node
         region = self.spec.regions[node.region]
-        tensors, grads = self.saved.pop((node.region, node.mb))
-        params = [full for u in region.units for full in self.units[u].full]
-        if tensors and params:
-            torch.autograd.backward(tensors, grads, inputs=params)
+        state = self.saved.pop((node.region, node.mb))
+        backward_weights([full for u in region.units for full in self.units[u].full], state)
         self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
         self._release(action)
 

@@ -1,0 +1,54 @@
+"""Backward split into BI (gradients for a region's inputs) and BW (for its
+weights) without doing the backward twice.
+
+BI runs autograd to the inputs only and keeps the gradients that reach the
+nodes where weights join the input paths; BW starts from those. This is
+torch.distributed.pipelining's own method (`stage_backward_input` /
+`stage_backward_weight`), used here when torch has it and when every weight
+joins an input path. Otherwise BI keeps the graph and BW runs autograd again
+from the outputs to the weights: correct, but it repeats the activation
+gradients.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # a private module of torch's pipelining: guard every use
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups, stage_backward_input,
+        stage_backward_weight)
+except ImportError:  # pragma: no cover - older or newer torch
+    stage_backward_input = None
+
+
+def _covers_every_weight(tensors, inputs, weights) -> bool:
+    outs = [f for f in map(_get_grad_fn_or_grad_acc, tensors) if f is not None]
+    ins = [f for f in map(_get_grad_fn_or_grad_acc, inputs) if f is not None]
+    ws = [f for f in map(_get_grad_fn_or_grad_acc, weights) if f is not None]
+    groups = get_param_groups(ins, ws, construct_reverse_graph(outs))
+    covered = set()
+    for group in groups:
+        covered |= group["params"]
+    return covered == set(ws)
+
+
+def backward_inputs(tensors, grads, inputs: list[torch.Tensor], weights: list[torch.Tensor]):
+    """Gradients of `inputs`; returns them and what `backward_weights` needs."""
+    if stage_backward_input is not None and inputs and weights and _covers_every_weight(tensors, inputs, weights):
+        for leaf in inputs:
+            leaf.grad = None
+        dinputs, groups = stage_backward_input(list(tensors), list(grads), list(inputs), iter(weights))
+        return list(dinputs), ("groups", groups)
+    result = torch.autograd.grad(tensors, inputs, grads, retain_graph=True, allow_unused=True) if inputs else []
+    return list(result), ("graph", (tensors, grads))
+
+
+def backward_weights(weights: list[torch.Tensor], state) -> None:
+    """Accumulate the weights' gradients into their `.grad`."""
+    kind, data = state
+    if kind == "groups":
+        stage_backward_weight(iter(weights), data)
+    else:
+        tensors, grads = data
+        if tensors and weights:
+            torch.autograd.backward(tensors, grads, inputs=weights)
