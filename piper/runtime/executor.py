@@ -47,38 +47,55 @@ class WorkerSpec:
 
 
 class Unit:
-    """One owner region's parameters on this rank: flat buffers, shards, optimizer."""
+    """One owner region's parameters on this rank: flat buffers, shards, optimizer.
+
+    Each parameter is a leaf tensor viewing the flat buffer `full`, and its
+    `.grad` views the flat gradient buffer, so autograd accumulates straight
+    into the buffer the collectives reduce (DDP's gradient-as-bucket-view).
+    A view of one flat leaf would instead make every parameter's backward
+    write a full-size gradient.
+    """
 
     def __init__(self, layout: UnitLayout, rank: int, zero: int, init: list[torch.Tensor], optimizer, device):
         self.layout = layout
         self.zero = zero
         self.index = layout.group.index(rank)
-        self.full: list[torch.Tensor] = []        # flat leaves autograd accumulates into
+        self.device = device
+        self.full: list[torch.Tensor] = []        # flat parameters (storage freed between uses in ZeRO-3)
         self.shard: list[torch.Tensor] = []       # what the optimizer updates
+        self.flat_grad: list[torch.Tensor | None] = []
         self.grad_shard: list[torch.Tensor | None] = []
+        self.leaves: dict[str, torch.Tensor] = {}
+        self._by_bucket: list[list[tuple[torch.Tensor, object]]] = []
         for bucket, data in zip(layout.buckets, init):
             data = data.to(device)
             lo, hi = bucket.bounds(self.index)
             if zero == 3:
                 shard = torch.nn.Parameter(data.clone())
-                full = torch.zeros(bucket.padded, dtype=bucket.dtype, device=device).requires_grad_()
-                full.untyped_storage().resize_(0)
+                full = torch.zeros(bucket.padded, dtype=bucket.dtype, device=device)
             else:
-                full = data.clone().requires_grad_()
-                shard = full if zero == 0 else torch.nn.Parameter(full.detach()[lo:hi])
+                full = data.clone()
+                shard = torch.nn.Parameter(full if zero == 0 else full[lo:hi])   # shares full's storage
             self.full.append(full)
             self.shard.append(shard)
+            self.flat_grad.append(None)
             self.grad_shard.append(None)
+            leaves = []
+            for e in bucket.entries:
+                leaf = full[e.offset:e.offset + e.numel].view(e.shape).requires_grad_()
+                self.leaves[e.name] = leaf
+                leaves.append((leaf, e))
+            self._by_bucket.append(leaves)
+        if zero == 3:
+            self.release()          # views made; the parameters come back on each gather
         self.optimizer = optimizer(self.shard)
-        self.live = False
 
     # -- parameters ---------------------------------------------------------------------
     def views(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for bucket, full in zip(self.layout.buckets, self.full):
-            for e in bucket.entries:
-                out[e.name] = full[e.offset:e.offset + e.numel].view(e.shape)
-        return out
+        return self.leaves
+
+    def weights(self) -> list[torch.Tensor]:
+        return list(self.leaves.values())
 
     def gather(self, group):
         """ZeRO-3: refill the full buffers from every member's shard (async)."""
@@ -88,16 +105,14 @@ class Unit:
             if storage.size() == 0:
                 storage.resize_(bucket.padded * full.element_size())
             # `.data` has its own version counter: refilling the storage must not look like
-            # an in-place change to the views autograd saved in forward.
+            # an in-place change to the parameters autograd saved in forward.
             works.append(comm.all_gather_into(full.data, shard.detach(), group))
-        self.live = True
         return works
 
     def release(self) -> None:
         """ZeRO-3: free the gathered parameters (saved activations keep the storage object)."""
         for full in self.full:
             full.untyped_storage().resize_(0)
-        self.live = False
 
     def gather_updated(self, group):
         """ZeRO-1/2: share every member's updated slice."""
@@ -107,40 +122,48 @@ class Unit:
         return works
 
     # -- gradients ----------------------------------------------------------------------
+    def attach_grads(self) -> None:
+        """Point every parameter's `.grad` into a zeroed flat buffer (once per step)."""
+        for i, (bucket, leaves) in enumerate(zip(self.layout.buckets, self._by_bucket)):
+            if self.flat_grad[i] is None:
+                self.flat_grad[i] = torch.zeros(bucket.padded, dtype=bucket.dtype, device=self.device)
+                for leaf, e in leaves:
+                    leaf.grad = self.flat_grad[i][e.offset:e.offset + e.numel].view(e.shape)
+
     def reduce(self, group):
         works = []
-        for i, (bucket, full) in enumerate(zip(self.layout.buckets, self.full)):
-            if full.grad is None:
-                full.grad = torch.zeros_like(full)
+        for i, bucket in enumerate(self.layout.buckets):
+            flat = self.flat_grad[i]
             if self.zero <= 1:
-                works.append(comm.all_reduce(full.grad, group))
+                works.append(comm.all_reduce(flat, group))
             else:
-                out = torch.empty(bucket.shard_size, dtype=bucket.dtype, device=full.device)
+                out = torch.empty(bucket.shard_size, dtype=bucket.dtype, device=flat.device)
                 self.grad_shard[i] = out
-                works.append(comm.reduce_scatter_into(out, full.grad, group))
+                works.append(comm.reduce_scatter_into(out, flat, group))
         return works
 
     def after_reduce(self) -> None:
-        if self.zero >= 2:
-            for full in self.full:
-                full.grad = None          # only the shard of the gradient is kept
+        if self.zero >= 2:     # only the shard of the gradient is kept
+            for i, leaves in enumerate(self._by_bucket):
+                self.flat_grad[i] = None
+                for leaf, _ in leaves:
+                    leaf.grad = None
 
     def step(self) -> None:
-        for i, (bucket, full, shard) in enumerate(zip(self.layout.buckets, self.full, self.shard)):
-            if full.grad is None and self.grad_shard[i] is None:
-                full.grad = torch.zeros_like(full)   # a unit no microbatch touched
-            if self.zero == 1:
+        for i, (bucket, shard) in enumerate(zip(self.layout.buckets, self.shard)):
+            if self.zero == 0:
+                shard.grad = self.flat_grad[i]
+            elif self.zero == 1:
                 lo, hi = bucket.bounds(self.index)
-                shard.grad = full.grad[lo:hi]
-            elif self.zero >= 2:
+                shard.grad = self.flat_grad[i][lo:hi]
+            else:
                 shard.grad = self.grad_shard[i]
         self.optimizer.step()
-        for i, (full, shard) in enumerate(zip(self.full, self.shard)):
-            if full.grad is not None:
-                full.grad.zero_()       # replicated gradients stay allocated, as in DDP
-            if shard is not full:
-                shard.grad = None
-            if self.zero >= 2 and self.grad_shard[i] is not None:
+        for i, shard in enumerate(self.shard):
+            shard.grad = None
+            if self.flat_grad[i] is not None:
+                self.flat_grad[i].zero_()       # replicated gradients stay allocated, as in DDP
+            if self.grad_shard[i] is not None:
                 self.grad_shard[i].zero_()
 
     def shards(self) -> list[torch.Tensor]:
@@ -148,8 +171,7 @@ class Unit:
         out = []
         for bucket, full, shard in zip(self.layout.buckets, self.full, self.shard):
             lo, hi = bucket.bounds(self.index)
-            src = shard if self.zero == 3 else full
-            out.append((src.detach()[lo:hi] if self.zero != 3 else src.detach()).cpu().clone())
+            out.append((shard.detach() if self.zero == 3 else full[lo:hi]).cpu().clone())
         return out
 
     def memory(self) -> dict[str, int]:
@@ -165,10 +187,10 @@ class Unit:
             seen.add(storage.data_ptr())
             out[kind] += storage.size()
 
-        for full, shard, gshard in zip(self.full, self.shard, self.grad_shard):
+        for full, shard, flat, gshard in zip(self.full, self.shard, self.flat_grad, self.grad_shard):
             count("params", full)
             count("params", shard)
-            count("grads", full.grad)
+            count("grads", flat)
             count("grads", gshard)
         for state in self.optimizer.state.values():
             for value in state.values():
@@ -204,6 +226,8 @@ class Executor:
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
         self.saved_bytes: dict[tuple[int, int], int] = {}
+        for unit in self.units.values():
+            unit.attach_grads()
         self.activations = self.activation_peak = 0
         clock = time.perf_counter
         for action in self.spec.plan:
@@ -327,7 +351,7 @@ class Executor:
         outs, leaves = self.saved[(node.region, node.mb)]
         tensors, grads = self._backward_targets(region, node.mb, outs)
         keys = list(leaves)
-        weights = [full for u in region.units for full in self.units[u].full]
+        weights = [w for u in region.units for w in self.units[u].weights()]
         if tensors:
             result, state = backward_inputs(tensors, grads, [leaves[k] for k in keys], weights)
         else:
@@ -340,7 +364,7 @@ class Executor:
         node = action.node
         region = self.spec.regions[node.region]
         state = self.saved.pop((node.region, node.mb))
-        backward_weights([full for u in region.units for full in self.units[u].full], state)
+        backward_weights([w for u in region.units for w in self.units[u].weights()], state)
         self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
         self._release(action)
 
