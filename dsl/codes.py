@@ -1,11 +1,13 @@
-"""Every diagnostic code the language, the checker and the CLI emit, with a one-line summary.
+"""Every diagnostic code Piper emits (the language, the checker, the compiler, capture, jobs
+and the CLI), with a one-line summary.
 
-`piper explain CODE` prints the page docs/codes/CODE.md; this table is what it
-falls back to when the pages are not installed, and what the tests hold every
-page against.
+`piper explain CODE` prints the page docs/codes/CODE.md, installed as the package
+data of `piper.docs`; this table is what it falls back to when the pages are
+missing, and what the tests hold every page against.
 """
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 SYNTAX = {
@@ -72,11 +74,80 @@ PYTHON_API = {
     "bad-strategy": "something that is not a strategy passed as one",
 }
 
-CODES: dict[str, str] = {**SYNTAX, **NAMES_AND_TYPES, **VALUES, **FILES, **WARNINGS, **TOOLS, **PYTHON_API}
+# The four statements applied to the model's regions (statements.py), in the order they run.
+STATEMENTS = {
+    "unknown-region": "a selector matches no region of the model",
+    "placed-twice": "a region is placed by two `place` statements",
+    "split-twice": "`split MB` or `split B` appears twice",
+    "order-before-split": "`split MB` comes after an `order` statement",
+    "sharded-twice": "one thing is sharded by two `shard` statements",
+    "bad-order-item": "an order item that is not a pass of a microbatch (UPD, or a region alone)",
+    "unknown-node": "an order item names a microbatch or pass that does not exist",
+    "ordered-twice": "one pass of one microbatch appears twice in an `order`",
+}
+# Placement and sharding, checked as the strategy is lowered (lower.py).
+PLACEMENT = {
+    "unplaced-region": "some regions are placed and others are not",
+    "undivided-work": "a region runs on several devices along an axis the batch is not sharded over",
+    "batch-not-covered": "a region's device group does not span the axes the batch is sharded over",
+    "tied-across-devices": "a parameter shared by regions that run on different devices",
+    "shard-size-one": "`shard ... over` an axis of size 1 does nothing (warning)",
+    "shard-without-batch": "optimizer, grads or params sharded over an axis the batch is not sharded over",
+    "incomplete-zero": "grads sharded without optimizer, or params without grads and optimizer",
+    "unsupported-sharding": "ZeRO while the batch is sharded over several axes",
+}
+# The global schedule and the plans (compiler.py, lower.py's check_orders, simulate.py).
+SCHEDULE = {
+    "order-across-devices": "an `order` puts passes that run on different devices one after another",
+    "order-cycle": "the `order` statements contradict the data flow or each other",
+    "deadlock": "the devices' orders wait on each other",
+    "collective-mismatch": "the devices of a group would issue their collectives in different orders",
+    "partial-order": "an `order` lists a pass for some microbatches but not all (warning)",
+    "bi-without-bw": "an `order` lists BW of a region but not for every microbatch whose BI it lists (warning)",
+}
+# Loading and capturing a model (models.py, capture.py, job.py).
+MODEL = {
+    "model-not-found": "the file of `--model PATH.py:FACTORY` does not exist",
+    "bad-model-spec": "`--model` is not PATH.py:FACTORY, or the file has no FACTORY",
+    "no-example-batch": "the model's file defines no `example_batch(batch_size)`",
+    "no-regions": "planning without `--model` or `--regions`",
+    "bad-model": "not an nn.Module, forward does not return one scalar loss, or the loss is outside every region",
+    "bad-inputs": "example or step inputs that are not tensors with one batch size",
+    "indivisible-batch": "the batch does not divide into microbatches x data-parallel shards",
+    "graph-break": "TorchDynamo cannot capture forward as one graph",
+    "unannotated-compute": "compute outside every `piper.annotate` block when others are annotated",
+    "bad-annotation": "a region annotation whose value is not an integer index",
+    "unsupported-model": "a constant tensor, a buffer update or a non-tensor between regions",
+}
+# A running job (job.py).
+JOBS = {
+    "no-resources": "the Ray cluster cannot host one worker per device",
+    "worker-timeout": "workers did not finish within the job's timeout",
+    "worker-died": "a worker process died (killed, out of memory)",
+    "worker-failed": "a worker raised an exception",
+    "job-closed": "`step` on a job that is closed",
+}
+# The other commands: show, simulate, export, import; the IR's text form.
+COMMANDS = {
+    "bad-flag": "a `piper export` flag that cannot be used",
+    "export-unsupported": "a schedule torch's CSV cannot express (regions other than PP=k, no pipeline axis)",
+    "bad-schedule-csv": "a torch schedule CSV that `piper import` cannot read",
+    "bad-ir": "IR text that `parse_ir` cannot read",
+}
+
+CODES: dict[str, str] = {**SYNTAX, **NAMES_AND_TYPES, **VALUES, **FILES, **WARNINGS, **TOOLS, **PYTHON_API,
+                         **STATEMENTS, **PLACEMENT, **SCHEDULE, **MODEL, **JOBS, **COMMANDS}
 
 
-def docs_dir() -> Path:
-    """docs/codes in the source tree this package runs from."""
+def docs_dir():
+    """The folder of pages: `codes/` of the installed package `piper.docs`, else docs/codes
+    in the source tree this runs from. A `pathlib.Path` or another importlib Traversable."""
+    try:
+        installed = resources.files("piper.docs") / "codes"
+    except ModuleNotFoundError:
+        installed = None
+    if installed is not None and installed.is_dir():
+        return installed
     return Path(__file__).resolve().parent.parent / "docs" / "codes"
 
 
@@ -92,5 +163,6 @@ def page(code: str) -> str | None:
 
 def known_codes() -> list[str]:
     """Codes with a page or a summary, for "did you mean"."""
-    pages = [p.stem for p in docs_dir().glob("*.md")] if docs_dir().is_dir() else []
+    folder = docs_dir()
+    pages = [p.name[:-3] for p in folder.iterdir() if p.name.endswith(".md")] if folder.is_dir() else []
     return sorted(set(pages) | set(CODES))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
 from .ir import IR, Edge, Node
-from .lower import add_transfers, resolve_placement, zero_levels
+from .lower import add_transfers, check_orders, resolve_placement, zero_levels
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
 
@@ -401,6 +401,7 @@ def compile_ir(ir: IR) -> Compiled:
     ir = resolve_placement(ir, warnings)
     zero = zero_levels(ir)
     _check_order_devices(ir)
+    check_orders(ir, warnings)
     ir = add_transfers(ir)
     order = schedule(ir)
     order, extra, release = add_collectives(ir, order, zero)

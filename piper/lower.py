@@ -151,3 +151,35 @@ def add_transfers(ir: IR) -> IR:
                 edges += [Edge(b_c, gsend.key), Edge(gsend.key, grecv.key)]
     kept = [e for e in ir.edges if e.kind != "data" or (e.src, e.dst) not in drop]
     return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(kept + edges)))
+
+
+def check_orders(ir: IR, warnings: list[Diagnostic]) -> None:
+    """Warn where an `order` covers a pass for some microbatches but not all, or
+    orders a BI but not its BW: the rest then run wherever the default puts them."""
+    index = ir.index()
+    statements: dict[tuple, set[str]] = {}
+    for e in ir.edges:
+        if e.kind == "temporal":
+            src, dst = index[e.src], index[e.dst]
+            statements.setdefault((e.span, src.devices), set()).update((e.src, e.dst))
+    for (span, _), keys in statements.items():
+        nodes = [index[k] for k in keys]
+        by_pass: dict[tuple[str, int], set[int]] = {}
+        for n in nodes:
+            by_pass.setdefault((n.op, n.region), set()).add(n.mb)
+        for (op, region), mbs in sorted(by_pass.items()):
+            if len(mbs) < ir.microbatches:
+                missing = sorted(set(range(ir.microbatches)) - mbs)
+                warnings.append(Diagnostic(
+                    "partial-order", f"this order lists {op} of region {ir.regions[region].label} for "
+                    f"{len(mbs)} of {ir.microbatches} microbatches (not {', '.join(map(str, missing[:6]))}"
+                    f"{', ...' if len(missing) > 6 else ''})", "warning", span,
+                    hint="list every microbatch, or check the loop bounds against `split MB into N`"))
+            if op == "BI" and ("BW", region) in by_pass:
+                orphans = sorted(mbs - by_pass[("BW", region)])
+                if orphans:
+                    warnings.append(Diagnostic(
+                        "bi-without-bw", f"this order runs BI of region {ir.regions[region].label} for "
+                        f"microbatch {orphans[0]} but never its BW", "warning", span,
+                        hint="add the BW(MB=...) slot; without it the weight gradient runs wherever the "
+                             "default order puts it"))

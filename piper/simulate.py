@@ -110,6 +110,7 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     BI+BW counted as B), or the sum of its members' costs when that is not
     given. Without `overlap`, every action runs one after another.
     """
+    check_collective_order(plans)
     if overlap:
         groups = [tuple(g) for g in overlap]
         plans = {r: _fuse_overlaps(plan, groups) for r, plan in plans.items()}
@@ -188,6 +189,30 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
         raise deadlock_error(plans, pos, done)
     step = max(list(clock.values()) + [t for t in group_last.values()] + [0.0])
     return Simulation(step, busy, dict(timeline))
+
+
+def check_collective_order(plans) -> None:
+    """Every member of a group must issue the group's collectives in the same
+    order: Gloo and NCCL match them by position, so a mismatch hangs or mixes data."""
+    issued: dict[tuple, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for rank, plan in plans.items():
+        for a in plan:
+            if isinstance(a, Action) and a.group:
+                issued[a.group][rank].append(a.key)
+    for group, by_rank in issued.items():
+        sequences = list(by_rank.items())
+        first_rank, first = sequences[0]
+        for rank, seq in sequences[1:]:
+            if seq != first:
+                at = next((i for i, (x, y) in enumerate(zip(first, seq)) if x != y), min(len(first), len(seq)))
+                mine = first[at] if at < len(first) else "(nothing)"
+                theirs = seq[at] if at < len(seq) else "(nothing)"
+                raise error("collective-mismatch", f"the devices of group {list(group)} issue their collectives in "
+                            f"different orders: collective {at} is {mine} on rank {first_rank} but {theirs} on "
+                            f"rank {rank}", notes=(f"rank {first_rank}: {' '.join(first)}",
+                                                   f"rank {rank}: {' '.join(seq)}"),
+                            hint="give every device of a group the same order of the passes that need "
+                                 "collectives (ZeRO gathers and reductions follow the compute order)")
 
 
 def deadlock_error(plans, pos, done):

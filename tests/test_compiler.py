@@ -126,3 +126,34 @@ def test_placed_twice_points_at_both_places():
     diag = err.value.diagnostics[0]
     assert diag.code == "placed-twice" and diag.labels[0].message == "first placed here"
     assert diag.labels[0].span.line == diag.span.line - 1
+
+
+def test_collectives_in_different_orders_are_caught():
+    a = Node("ALL_REDUCE", 0, devices=(0, 1))
+    b = Node("ALL_REDUCE", 1, devices=(0, 1))
+    plans = {0: (Action(a, group=(0, 1)), Action(b, group=(0, 1))),
+             1: (Action(b, group=(0, 1)), Action(a, group=(0, 1)))}
+    with pytest.raises(piper.PiperError) as err:
+        simulate(plans)
+    assert err.value.code == "collective-mismatch"
+    assert "0ALL_REDUCE on rank 0 but 1ALL_REDUCE on rank 1" in err.value.diagnostics[0].message
+
+
+def test_partial_order_and_bi_without_bw_are_warnings():
+    @piper.strategy
+    def partial(s):
+        s.split("MB", 4)
+        s.split("B")
+        s.place("PP=0", s.mesh["pp"][0])
+        s.place("PP=1", s.mesh["pp"][1])
+        s.order("PP=0", ["F(MB=0)", "F(MB=1)", "BI(MB=0)", "BW(MB=0)", "BI(MB=1)"])
+
+    compiled = chain_plan(partial, pp=2)
+    codes = sorted({w.code for w in compiled.warnings})
+    assert codes == ["bi-without-bw", "partial-order"]
+    assert all(w.severity == "warning" and w.span.file.endswith("test_compiler.py") for w in compiled.warnings)
+    # The full stdlib schedules order everything: no warnings.
+    from piper.dsl import load_strategy
+    full = plan(load_strategy("stdlib/zero_bubble.pps").bind(microbatches=4), mesh={"pp": 2},
+                program=Program.chain("PP=2"))
+    assert full.warnings == []
