@@ -1,0 +1,198 @@
+"""Measurement probes the harness installs inside worker processes.
+
+Piper's runtime reports parameter/gradient/optimizer bytes (`job.memory()`)
+but neither compute time per action nor saved activations, so the harness
+installs probes into each Piper worker through Ray's `actor.__ray_call__`
+(a function run inside the actor with the actor as its first argument)
+without touching `piper/`:
+
+- `time_compute`: wraps each region's forward graph, `torch.autograd.backward`
+  / `torch.autograd.grad` and the optimizer step, and times `run_step`; what
+  is not compute is runtime overhead (argument plumbing, issuing and waiting
+  on communication, the plan loop).
+- `SavedActivations`: a `torch.autograd.graph.saved_tensors_hooks` pair that
+  counts the bytes of every storage autograd saves for backward (parameters
+  excluded) while it is alive; the peak is the activation memory a schedule
+  keeps. The packed handle's `__del__` fires when autograd frees the saved
+  tensor, so the count follows the real lifetime.
+
+The same `SavedActivations` probe wraps the torch baselines' stage modules.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+
+
+class _Saved:
+    """What the pack hook returns: the tensor plus a release on deletion."""
+
+    __slots__ = ("tensor", "tracker", "ptr")
+
+    def __init__(self, tensor, tracker, ptr):
+        self.tensor, self.tracker, self.ptr = tensor, tracker, ptr
+
+    def __del__(self):
+        self.tracker._release(self.ptr)
+
+
+class SavedActivations:
+    """Live and peak bytes of storages autograd saved for backward (excluding parameters)."""
+
+    def __init__(self):
+        self.live: dict[int, list[int]] = {}      # storage pointer -> [bytes, handles]
+        self.current = 0
+        self.peak = 0
+        self.params: set[int] = set()
+        self.param_source = None                  # callable giving parameter tensors (refreshed per step)
+
+    def reset(self) -> None:
+        """Start a new step: the peak restarts from what is alive now."""
+        self.peak = self.current
+        if self.param_source is not None:
+            self.params = {t.untyped_storage().data_ptr() for t in self.param_source()}
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter):
+            return t
+        storage = t.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or ptr in self.params:
+            return t
+        entry = self.live.get(ptr)
+        if entry is None:
+            self.live[ptr] = [size, 1]
+            self.current += size
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[1] += 1
+        return _Saved(t, self, ptr)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[ptr]
+
+    def wrap_module(self, module: torch.nn.Module) -> None:
+        """Count what `module`'s forward saves (torch baselines)."""
+        self.param_source = lambda: list(module.parameters())
+        self.reset()
+        forward = module.forward
+
+        def tracked(*args, **kwargs):
+            with self.hooks():
+                return forward(*args, **kwargs)
+
+        module.forward = tracked
+
+    def wrap_callable(self, fn):
+        def tracked(*args, **kwargs):
+            with self.hooks():
+                return fn(*args, **kwargs)
+
+        return tracked
+
+
+class ProbeState:
+    """Per-worker counters, read back by `read_probes`."""
+
+    def __init__(self):
+        self.compute = 0.0
+        self.run_step = 0.0
+        self.ops: Counter = Counter()          # calls per kind (forward, backward, grad, optimizer)
+        self.seconds: Counter = Counter()      # seconds per kind
+        self.activations: SavedActivations | None = None
+
+
+# -- functions run inside a Piper worker via actor.__ray_call__ ------------------------------------
+
+def install_probes(worker, time_compute: bool = False, track_activations: bool = False) -> int:
+    """Instrument `worker.executor` (a piper.runtime.executor.Executor); returns the plan's length."""
+    ex = worker.executor
+    state = ProbeState()
+    worker._bench_probes = state
+
+    if track_activations:
+        tracker = SavedActivations()
+        tracker.param_source = lambda: [full for unit in ex.units.values() for full in unit.full]
+        tracker.reset()
+        for region in ex.spec.regions.values():
+            region.graph = tracker.wrap_callable(region.graph)
+        state.activations = tracker
+
+    if time_compute:
+        def timed(fn, what):
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    dt = time.perf_counter() - t0
+                    state.compute += dt
+                    state.seconds[what] += dt
+                    state.ops[what] += 1
+            return wrapper
+
+        for region in ex.spec.regions.values():
+            region.graph = timed(region.graph, "forward")
+        # The executor calls torch.autograd.backward / .grad for B, BI and BW: time those calls
+        # (this worker process only), and the optimizer step of each unit.
+        torch.autograd.backward = timed(torch.autograd.backward, "backward")
+        torch.autograd.grad = timed(torch.autograd.grad, "grad")
+        for unit in ex.units.values():
+            unit.optimizer.step = timed(unit.optimizer.step, "optimizer")
+
+    run_step = ex.run_step
+
+    def probed_run_step(batch):
+        state.compute = 0.0
+        state.ops.clear()
+        state.seconds.clear()
+        if state.activations is not None:
+            state.activations.reset()
+        t0 = time.perf_counter()
+        out = run_step(batch)
+        state.run_step = time.perf_counter() - t0
+        return out
+
+    ex.run_step = probed_run_step
+    return len(ex.spec.plan)
+
+
+def read_probes(worker) -> dict:
+    """The last step's numbers: seconds in run_step and in compute, op counts, peak saved activations."""
+    state = worker._bench_probes
+    return {"run_step": state.run_step, "compute": state.compute, "ops": dict(state.ops),
+            "seconds": dict(state.seconds),
+            "peak_activations": None if state.activations is None else state.activations.peak}
+
+
+def noop(worker) -> None:
+    """An empty call: the Ray round-trip floor."""
+    return None
+
+
+def install(job, **kw) -> list[int]:
+    """Install probes in every worker of a Piper job; returns each rank's plan length."""
+    import ray
+
+    return ray.get([a.__ray_call__.remote(install_probes, **kw) for a in job.actors], timeout=job.timeout)
+
+
+def read(job) -> list[dict]:
+    import ray
+
+    return ray.get([a.__ray_call__.remote(read_probes) for a in job.actors], timeout=job.timeout)

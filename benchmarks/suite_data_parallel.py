@@ -1,0 +1,109 @@
+"""Suite 2, `data-parallel`: Piper `dp` vs DistributedDataParallel, Piper `zero3` vs FSDP2 `fully_shard`.
+
+Same GPT, same global batch split evenly over the devices, one microbatch
+per device per step (no gradient accumulation on either side), AdamW, on 2
+and 4 devices. Ratio = PyTorch step time / Piper step time.
+
+    python -m benchmarks --suite data-parallel
+"""
+from __future__ import annotations
+
+import functools
+import traceback
+
+import torch
+
+import piper
+
+from .baselines import TorchGroup
+from .harness import SuiteResult, Table, alternate, ms, ray_cluster, short_error
+from .workloads import GPTWorkload, gpt_batches, make_gpt, zero_strategy
+
+PAIRS = (("dp", "ddp", "DistributedDataParallel"), ("zero3", "fsdp2", "FSDP2 fully_shard"))
+
+
+def workload(quick: bool) -> tuple[GPTWorkload, int]:
+    """The model and its region count (one flat unit per region in Piper, one FSDP2 group per region)."""
+    if quick:
+        return GPTWorkload(n_layer=2, n_embd=32, n_head=2, block_size=16, batch=8), 2
+    return GPTWorkload(n_layer=4, n_embd=128, n_head=4, block_size=64, batch=32), 4
+
+
+def run(ctx) -> SuiteResult:
+    quick = ctx.quick
+    wl, regions = workload(quick)
+    devices = (2,) if quick else (2, 4)
+    warmup, steps = (1, 2) if quick else (2, 7)
+    timeout = 120.0
+    batches = gpt_batches(wl, warmup + steps)
+    kw = wl.model_kw(regions)
+    result = SuiteResult("data-parallel", 2, "Data parallel and ZeRO-3 vs DDP and FSDP2", ctx.command("data-parallel"))
+    table = Table(f"Steady-state step time (median of {steps} steps after {warmup} warm-up, A/B alternated); "
+                  f"{wl.describe(regions)}, split evenly over the devices",
+                  ["devices", "Piper", "torch", "torch ms", "Piper ms", "ratio torch/Piper", "spread torch",
+                   "spread Piper", "max |Δloss|"])
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    sources = {}
+    with ray_cluster():
+        for n in devices:
+            group = None
+            for level, baseline, label in PAIRS:
+                ctx.log(f"data-parallel: Piper {level} vs {label} on {n} devices")
+                torch_error = piper_error = None
+                try:
+                    if group is None:
+                        group = TorchGroup(n, timeout=timeout)
+                    group.setup(baseline, model_kw=kw)
+                except Exception as exc:
+                    torch_error = f"failed: {short_error(exc)}"
+                    ctx.log(traceback.format_exc())
+                    if group is not None:
+                        group.close()
+                    group = None
+                strategy, source, _ = zero_strategy(level, dp=n)
+                sources[level] = source
+                job = None
+                try:
+                    model, _ = make_gpt(kw)
+                    job = piper.compile(model, batches[0], strategy=strategy, mesh={"dp": n}, optimizer=optimizer,
+                                        timeout=timeout)
+                except Exception as exc:
+                    piper_error = f"failed: {short_error(exc)}"
+                    ctx.log(traceback.format_exc())
+                systems = {}
+                if torch_error is None and group is not None:
+                    systems["torch"] = group.step
+                if job is not None:
+                    systems["piper"] = job.step
+                try:
+                    timings = alternate(systems, batches, warmup=warmup, steps=steps)
+                finally:
+                    if job is not None:
+                        job.close()
+                if "torch" in timings.errors:
+                    torch_error = f"step failed: {short_error(timings.errors['torch'])}"
+                    group.close()
+                    group = None
+                if "piper" in timings.errors:
+                    piper_error = f"step failed: {short_error(timings.errors['piper'])}"
+                t_ms, p_ms = ms(timings.median("torch")), ms(timings.median("piper"))
+                ratio = t_ms / p_ms if t_ms and p_ms else None
+                gap = timings.max_loss_gap("torch", "piper")
+                table.add(n, f"{level} ({source})", label, t_ms if torch_error is None else torch_error,
+                          p_ms if piper_error is None else piper_error, None if ratio is None else f"{ratio:.2f}x",
+                          timings.spread("torch"), timings.spread("piper"), None if gap is None else f"{gap:.1e}")
+                for name, value in (("torch_ms", t_ms), ("piper_ms", p_ms), ("ratio", ratio)):
+                    if value is not None:
+                        result.metrics[f"{level}.dp{n}.{name}"] = value
+            if group is not None:
+                group.close()
+    table.notes += [
+        "ratio > 1 means Piper's step is faster; 'max |Δloss|' compares the two systems' losses step by step.",
+        "DDP: DistributedDataParallel(model) with default buckets; FSDP2: fully_shard on each region's modules "
+        "(the same parameter groups as Piper's flat units: embeddings + first blocks, ..., last blocks + head), "
+        "then on the root; reshard_after_forward=True (ZeRO-3). Both call optimizer.zero_grad() (set_to_none).",
+        "Piper dp keeps one flat gradient buffer per region and all-reduces it after the region's last backward; "
+        "zero3 all-gathers each region's parameters one compute ahead and reduce-scatters its gradients.",
+    ]
+    result.tables.append(table)
+    return result

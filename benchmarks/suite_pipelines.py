@@ -1,0 +1,129 @@
+"""Suite 1, `pipelines`: torch.distributed.pipelining schedules vs Piper's equivalent strategies.
+
+The example GPT is cut into the same regions for both (one region per stage;
+two per device for interleaved and V schedules), on 2 and 4 devices with 8
+microbatches. Ratio = PyTorch step time / Piper step time (> 1: Piper faster).
+
+    python -m benchmarks --suite pipelines
+"""
+from __future__ import annotations
+
+import functools
+import traceback
+
+import torch
+
+import piper
+
+from .baselines import TorchGroup
+from .harness import SuiteResult, Table, alternate, ms, ray_cluster, short_error
+from .workloads import PIPELINE_SCHEDULES, GPTWorkload, gpt_batches, make_gpt, schedule_strategy
+
+MICROBATCHES = 8
+
+
+def workload(quick: bool) -> GPTWorkload:
+    if quick:
+        return GPTWorkload(n_layer=4, n_embd=32, n_head=2, block_size=16, batch=16)
+    return GPTWorkload(n_layer=8, n_embd=128, n_head=4, block_size=64, batch=32)
+
+
+def run(ctx) -> SuiteResult:
+    quick = ctx.quick
+    wl = workload(quick)
+    devices = (2,) if quick else (2, 4)
+    kinds = tuple(PIPELINE_SCHEDULES)
+    warmup, steps = (1, 2) if quick else (2, 6)
+    timeout = 120.0
+    batches = gpt_batches(wl, warmup + steps)
+    result = SuiteResult("pipelines", 1, "Pipeline schedules: torch.distributed.pipelining vs Piper", ctx.command("pipelines"))
+    table = Table(f"Steady-state step time (median of {steps} steps after {warmup} warm-up, A/B alternated); "
+                  f"{wl.describe()}, {MICROBATCHES} microbatches",
+                  ["devices", "torch schedule", "Piper strategy", "torch ms", "Piper ms", "ratio torch/Piper",
+                   "spread torch", "spread Piper", "max |Δloss|"])
+    stdlib_notes: dict[str, str] = {}
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+    with ray_cluster():
+        for p in devices:
+            group = None
+            for kind in kinds:
+                torch_name, per_rank = PIPELINE_SCHEDULES[kind]
+                regions = p * per_rank
+                kw = wl.model_kw(regions)
+                ctx.log(f"pipelines: {torch_name} vs Piper on {p} devices ({regions} regions)")
+                torch_error = piper_error = None
+                # -- torch ----------------------------------------------------------------------
+                try:
+                    if group is None:
+                        group = TorchGroup(p, timeout=timeout)
+                    group.setup("pipeline", schedule=torch_name, model_kw=kw, microbatches=MICROBATCHES)
+                except Exception as exc:
+                    torch_error = f"failed: {short_error(exc)}"
+                    ctx.log(traceback.format_exc())
+                    if group is not None:
+                        group.close()
+                    group = None
+                # -- Piper ----------------------------------------------------------------------
+                strategy, source, note = schedule_strategy(kind, pp=p, microbatches=MICROBATCHES)
+                if note:
+                    stdlib_notes[kind] = note
+                job = None
+                if strategy is None:
+                    piper_error = "not yet available"
+                else:
+                    try:
+                        model, _ = make_gpt(kw)
+                        job = piper.compile(model, batches[0], strategy=strategy, mesh={"pp": p},
+                                            optimizer=optimizer, timeout=timeout)
+                    except Exception as exc:
+                        piper_error = f"failed: {short_error(exc)}"
+                        ctx.log(traceback.format_exc())
+                # -- alternate --------------------------------------------------------------------
+                systems = {}
+                if group is not None and torch_error is None:
+                    systems["torch"] = group.step
+                if job is not None:
+                    systems["piper"] = job.step
+                try:
+                    timings = alternate(systems, batches, warmup=warmup, steps=steps)
+                finally:
+                    if job is not None:
+                        job.close()
+                if "torch" in timings.errors:
+                    torch_error = f"step failed: {short_error(timings.errors['torch'])}"
+                    group.close()            # a failed schedule can leave ranks mid-collective
+                    group = None
+                if "piper" in timings.errors:
+                    piper_error = f"step failed: {short_error(timings.errors['piper'])}"
+                t_ms, p_ms = ms(timings.median("torch")), ms(timings.median("piper"))
+                ratio = t_ms / p_ms if t_ms and p_ms else None
+                gap = timings.max_loss_gap("torch", "piper")
+                table.add(p, torch_name.removeprefix("Schedule"), source,
+                          t_ms if torch_error is None else torch_error,
+                          p_ms if piper_error is None else piper_error,
+                          None if ratio is None else f"{ratio:.2f}x",
+                          timings.spread("torch"), timings.spread("piper"),
+                          None if gap is None else f"{gap:.1e}")
+                key = f"{kind}.pp{p}"
+                for name, value in (("torch_ms", t_ms), ("piper_ms", p_ms), ("ratio", ratio)):
+                    if value is not None:
+                        result.metrics[f"{key}.{name}"] = value
+            if group is not None:
+                group.close()
+
+    table.notes += [
+        "ratio > 1 means Piper's step is faster. Both systems start from the same weights and see the same "
+        "batches in the same order; 'max |Δloss|' compares their losses step by step (a fairness check).",
+        "spread = (max - min) / median of the timed steps.",
+        "torch: PipelineStage per stage module (GPTStage: the GPT's own embeddings/blocks/head), loss_fn = the "
+        "GPT's cross-entropy, scale_grads=True; Piper: the GPT captured with piper.annotate regions.",
+        "Piper strategy: the stdlib script when stdlib/ has one that loads; otherwise a Python strategy "
+        "(interleaved: the exact per-rank order torch's ScheduleInterleaved1F1B computes, from "
+        "torch.distributed.pipelining._schedule_visualizer.get_schedule_ops; ZBV/DualPipeV: not yet available).",
+        "'step failed' in a Piper cell is the runtime's own error, reported as is; the torch side still runs.",
+    ]
+    for kind, note in stdlib_notes.items():
+        table.notes.append(f"stdlib for {kind}: {note}")
+    result.tables.append(table)
+    return result
