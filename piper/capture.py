@@ -115,7 +115,12 @@ class Program:
 def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A structural copy of `model` whose tensors live on the meta device (no data copied)."""
     memo = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    tensors = list(model.parameters()) + list(model.buffers())
+    # Plain tensor attributes too, so they reach the "make it a buffer" error rather than a device mismatch.
+    tensors += [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if id(t) in memo:
+            continue
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
             t, torch.nn.Parameter) else meta
@@ -212,6 +217,17 @@ def _cut(exported, model) -> Program:
                     hint="compute the loss inside forward and return it alone, as nanoGPT does")
     loss_node = results[0]
 
+    for n in graph.nodes:
+        # Export keeps in-place updates of parameters and buffers (BatchNorm statistics, counters) in the graph.
+        schema = getattr(n.target, "_schema", None)
+        if n.op == "call_function" and schema is not None and schema.is_mutable and n.args \
+                and isinstance(n.args[0], fx.Node) and kind_of.get(n.args[0].name, RegionInput(BATCH, 0)).kind in (
+                    PARAM, BUFFER):
+            where = _stack_line(n)
+            raise error("unsupported-model", f"forward updates `{kind_of[n.args[0].name].ref}` in place "
+                        f"(`{n.target}`{f' at {where}' if where else ''})",
+                        hint="buffer and parameter updates inside forward are not supported yet: use "
+                             "LayerNorm instead of BatchNorm, or move the update out of forward")
     compute = [n for n in graph.nodes if n.op == "call_function"]
     # Export adds shape asserts with no users; they carry no data, so drop them.
     compute = [n for n in compute if n.users or "assert" not in str(n.target)]

@@ -200,10 +200,13 @@ class Job:
                     raise _worker_error(exc, rank, what) from None
         return [results[r] for r in refs]
 
-    def step(self, *batch) -> float:
-        """One optimizer step on the global batch; returns its mean loss."""
+    def _check_open(self) -> None:
         if self._closed:
             raise error("job-closed", "this job is closed", hint="compile a new job")
+
+    def step(self, *batch) -> float:
+        """One optimizer step on the global batch; returns its mean loss."""
+        self._check_open()
         if len(batch) != len(self.program.batch):
             raise error("bad-inputs", f"step takes {len(self.program.batch)} batch tensor(s), got {len(batch)}",
                         hint="pass the same inputs as example_inputs")
@@ -233,6 +236,7 @@ class Job:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded parameters (and buffers), keyed as model.state_dict(), on CPU."""
+        self._check_open()
         shards = self._get([a.shards.remote() for a in self.actors], "state_dict")
         out: dict[str, torch.Tensor] = {}
         for u, layout in self.layouts.items():
@@ -245,10 +249,12 @@ class Job:
     def memory(self) -> dict[int, dict[str, int]]:
         """Per rank: bytes of parameters, gradients and optimizer state held between
         steps, and `activations_peak`, the most bytes saved for backward at once in the last step."""
+        self._check_open()
         return dict(enumerate(self._get([a.memory.remote() for a in self.actors], "memory")))
 
     def timings(self) -> dict[int, dict[str, float]]:
         """Per rank: seconds each compute action took in the last step (`0F3`: 0.012, ...)."""
+        self._check_open()
         return dict(enumerate(self._get([a.timings.remote() for a in self.actors], "timings")))
 
     def show(self) -> str:

@@ -46,19 +46,24 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
         expected = 1
         for a in batch_axes:
             expected *= mesh.size(a)
+        # Where nothing was placed, the statement to blame is the `shard batch`.
+        span = spans.get(region.index) or ir.sharding_span("batch")
         if varying - set(batch_axes):
             extra = sorted(varying - set(batch_axes))
             raise error("undivided-work", f"region {region.label} runs on {len(ranks)} devices across "
                         f"`{', '.join(extra)}` but nothing divides its work over {'them' if len(extra) > 1 else 'it'}",
-                        span=spans.get(region.index),
-                        hint=f"add `shard batch over {extra[0]}`, or place the region on a group with one "
-                             f"`{extra[0]}` coordinate, such as {extra[0]}[0]")
-        if len(ranks) != expected or set(batch_axes) - varying:
+                        span=span,
+                        hint=f"add `shard batch over {extra[0]}`, or place the region on a group that fixes "
+                             f"`{extra[0]}` (and every other axis the batch is not sharded over)")
+        # An axis of size 1 never varies: sharding over it covers nothing and needs nothing.
+        missing = {a for a in batch_axes if mesh.size(a) > 1} - varying
+        if len(ranks) != expected or missing:
+            others = [a for a in mesh.names if a not in batch_axes]
+            example = f", e.g. {others[0]}[s] with the batch sharded over {batch_axes[0]}" if others else ""
             raise error("batch-not-covered", f"the batch is sharded over `{', '.join(batch_axes)}` "
                         f"({expected} shards) but region {region.label} runs on {len(ranks)} device(s)",
-                        span=spans.get(region.index),
-                        hint="place every region on a group that spans the batch axes, e.g. pp[s] with the "
-                             "batch sharded over dp")
+                        span=span,
+                        hint="place every region on a group that spans exactly the batch axes" + example)
     # A parameter used by regions on different devices (tied weights) is not supported yet.
     for region in ir.regions:
         for p in region.params:

@@ -161,3 +161,37 @@ def test_closed_job_leaves_no_workers():
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_gone(pid) for pid in pids)
+
+
+class BatchNormModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x, y):
+        return ((self.bn(self.lin(x)).sum(-1) - y) ** 2).mean()
+
+
+class TensorAttribute(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.ones(4)            # not registered as a buffer
+
+    def forward(self, x, y):
+        return (((self.lin(x) * self.scale).sum(-1) - y) ** 2).mean()
+
+
+def test_buffer_updated_in_forward_is_refused():
+    with pytest.raises(piper.PiperError) as err:
+        capture(BatchNormModel(), (torch.randn(8, 4), torch.randn(8)))
+    assert err.value.code == "unsupported-model"
+    assert "bn." in str(err.value) and "LayerNorm" in err.value.diagnostics[0].hint
+
+
+def test_plain_tensor_attribute_asks_for_register_buffer():
+    with pytest.raises(piper.PiperError) as err:
+        capture(TensorAttribute(), (torch.randn(8, 4), torch.randn(8)))
+    assert err.value.code == "unsupported-model"
+    assert "register_buffer" in err.value.diagnostics[0].hint

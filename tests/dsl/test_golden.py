@@ -94,8 +94,6 @@ def test_compiler_codes_point_at_the_statement(name, capsys, monkeypatch):
             _text(lines, label)
 
 
-@pytest.mark.xfail(strict=True, reason="lower.resolve_placement reports batch-not-covered first: an axis of "
-                   "size 1 never varies across a group, so `shard batch over` it can never be covered")
 def test_shard_over_an_axis_of_size_one_warns(tmp_path, capsys):
     path = tmp_path / "job.pps"
     path.write_text("mesh dp=1, pp=2\nshard batch over dp\nplace PP=0 on pp[0]\nplace PP=1 on pp[1]\n")
