@@ -36,3 +36,16 @@ def test_simulate_takes_costs(capsys):
 def test_simulate_bad_costs_is_a_usage_error(capsys):
     assert main(["simulate", "stdlib/gpipe.pps", "--regions", "PP=2", "--mesh", "pp=2", "--costs", "F=x"]) == 2
     assert "--costs" in capsys.readouterr().err
+
+
+def test_every_stdlib_and_example_script_checks_clean(capsys):
+    import glob
+
+    files = sorted(glob.glob("stdlib/*.pps")) + sorted(glob.glob("examples/*.pps"))
+    assert len(files) >= 15
+    assert main(["check", *files]) == 0
+    assert capsys.readouterr().out == ""
+    # With their models' regions too: the whole compile, deadlock check included.
+    assert main(["check", "examples/gpt_zero3_1f1b.pps", "--regions", "PP=2"]) == 0
+    for script in ("examples/gpt_dualpipev.pps", "examples/gpt_zbv.pps", "examples/gpt_zero2_interleaved.pps"):
+        assert main(["check", script, "--regions", "PP=4"]) == 0, script
