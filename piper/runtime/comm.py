@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 
-def init(rank: int, world_size: int, address: str, backend: str, timeout_s: float) -> None:
+def init(rank: int, world_size: int, store, backend: str, timeout_s: float) -> None:
     # Gloo's default timeout is 30 minutes: a lone rank would hang that long.
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -22,17 +22,33 @@ class Worker:
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
     def rendezvous_address(self) -> str:
-        """Rank 0 picks where the others meet: its node's address and a free port."""
+        """Rank 0 opens the store the others meet at, on a port the OS picks.
+
+        Asking for port 0 and handing the bound store on leaves no window in
+        which another process could take a port we only looked up.
+        """
+        import datetime
+
+        import torch.distributed as dist
+
         host = socket.gethostbyname(socket.gethostname()) if self.device != "cpu" else "127.0.0.1"
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"{host}:{port}"
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=300))
+        return f"{host}:{self._store.port}"
 
     def init(self, address: str, timeout_s: float) -> int:
+        import datetime
+
+        import torch.distributed as dist
+
         if self.device == "cuda":
             torch.cuda.set_device(0)   # Ray exposes exactly this actor's GPU as device 0
-        comm.init(self.rank, self.world_size, address, comm.backend_for(self.device), timeout_s)
+        store = getattr(self, "_store", None)
+        if store is None:
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), self.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        comm.init(self.rank, self.world_size, store, comm.backend_for(self.device), timeout_s)
         return os.getpid()
 
     def setup(self, spec, init) -> None:
