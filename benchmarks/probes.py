@@ -1,10 +1,10 @@
 """Measurement probes the harness installs inside worker processes.
 
-Piper's runtime reports parameter/gradient/optimizer bytes (`job.memory()`)
-but neither compute time per action nor saved activations, so the harness
-installs probes into each Piper worker through Ray's `actor.__ray_call__`
-(a function run inside the actor with the actor as its first argument)
-without touching `piper/`:
+Piper's runtime reports its own figures (`job.memory()` with
+`activations_peak`, `job.timings()`), but the comparison with torch needs one
+measuring method on both sides, so the harness installs the same probes into
+each Piper worker through Ray's `actor.__ray_call__` (a function run inside
+the actor with the actor as its first argument) and into the baselines:
 
 - `time_compute`: wraps each region's forward graph, `torch.autograd.backward`
   / `torch.autograd.grad` and the optimizer step, and times `run_step`; what
