@@ -36,11 +36,11 @@ SUITES = (
     Suite(1, "pipelines", "Pipeline schedules vs torch.distributed.pipelining", "suite_pipelines"),
     Suite(2, "data-parallel", "dp vs DDP, zero3 vs FSDP2", "suite_data_parallel"),
     Suite(3, "memory", "Per-device memory vs the ZeRO formulas; saved activations", "suite_memory"),
-    Suite(4, "batch-composition", "Bigger batches by composition", None),
-    Suite(5, "overlap", "Communication/computation overlap", None),
+    Suite(4, "batch-composition", "Bigger batches by composition", "suite_batches"),
+    Suite(5, "overlap", "Communication/computation overlap", "suite_overlap"),
     Suite(6, "compiler", "Compile + verify time and scaling", "suite_compiler"),
     Suite(7, "overhead", "Per-action dispatch cost", "suite_overhead"),
-    Suite(8, "cost-model", "Cost-model accuracy", None),
+    Suite(8, "cost-model", "Cost-model accuracy", "suite_cost_model"),
 )
 BY_NAME = {s.name: s for s in SUITES}
 

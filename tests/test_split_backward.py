@@ -1,7 +1,7 @@
 """BI then BW gives the gradients of one full backward, without a second pass when possible."""
 import torch
 
-from piper.runtime.split_backward import backward_inputs, backward_weights
+from piper.runtime.split_backward import backward_inputs, backward_weights, can_split
 
 
 def _region(x, w1, w2):
@@ -19,7 +19,9 @@ def test_split_equals_full_backward():
     expected = (x.grad, a.grad, b.grad)
 
     x, a, b = x0.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
-    dinputs, state = backward_inputs([_region(x, a, b)], [g], [x], [a, b])
+    out = _region(x, a, b)
+    assert can_split([out], [x], [a, b])
+    dinputs, state = backward_inputs([out], [g], [x], [a, b], split=True)
     assert state[0] == "groups"           # torch's method: weights resume from saved intermediates
     assert a.grad is None and b.grad is None
     backward_weights([a, b], state)
@@ -31,7 +33,8 @@ def test_region_without_differentiable_inputs_falls_back():
     w = torch.randn(3, 2, requires_grad=True)
     x = torch.randn(4, 3)
     out = x @ w
-    dinputs, state = backward_inputs([out], [torch.ones(4, 2)], [], [w])
+    assert not can_split([out], [], [w])
+    dinputs, state = backward_inputs([out], [torch.ones(4, 2)], [], [w], split=False)
     assert dinputs == [] and state[0] == "graph"
     backward_weights([w], state)
     torch.testing.assert_close(w.grad, x.t() @ torch.ones(4, 2))

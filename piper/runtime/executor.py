@@ -16,7 +16,7 @@ import torch
 from . import comm
 from .flat import UnitLayout
 from .graphs import unpack
-from .split_backward import backward_inputs, backward_weights
+from .split_backward import backward_inputs, backward_weights, can_split
 
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
 
@@ -214,6 +214,7 @@ class Executor:
         self.pending: dict[str, tuple[list, object]] = {}
         self.sends: list = []
         self.timings: dict[str, float] = {}       # compute seconds per action, last step
+        self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
         self.activation_peak = 0                  # bytes saved for backward, at most, last step
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
 
@@ -353,7 +354,11 @@ class Executor:
         keys = list(leaves)
         weights = [w for u in region.units for w in self.units[u].weights()]
         if tensors:
-            result, state = backward_inputs(tensors, grads, [leaves[k] for k in keys], weights)
+            inputs = [leaves[k] for k in keys]
+            split = self._can_split.get(node.region)
+            if split is None:
+                split = self._can_split[node.region] = can_split(tensors, inputs, weights)
+            result, state = backward_inputs(tensors, grads, inputs, weights, split=split)
         else:
             result, state = [], ("graph", ([], []))
         self.saved[(node.region, node.mb)] = state

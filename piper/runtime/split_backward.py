@@ -32,9 +32,22 @@ def _covers_every_weight(tensors, inputs, weights) -> bool:
     return covered == set(ws)
 
 
-def backward_inputs(tensors, grads, inputs: list[torch.Tensor], weights: list[torch.Tensor]):
-    """Gradients of `inputs`; returns them and what `backward_weights` needs."""
-    if stage_backward_input is not None and inputs and weights and _covers_every_weight(tensors, inputs, weights):
+def can_split(tensors, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> bool:
+    """Whether BW can resume from BI's intermediates: every weight joins an input path.
+
+    It walks the autograd graph in Python, so callers ask once per region:
+    every microbatch of a region has the same graph.
+    """
+    return bool(stage_backward_input is not None and inputs and weights
+                and _covers_every_weight(tensors, inputs, weights))
+
+
+def backward_inputs(tensors, grads, inputs: list[torch.Tensor], weights: list[torch.Tensor], *, split: bool):
+    """Gradients of `inputs`; returns them and what `backward_weights` needs.
+
+    `split` (from `can_split`) picks torch's resumable method or the fallback.
+    """
+    if split:
         for leaf in inputs:
             leaf.grad = None
         dinputs, groups = stage_backward_input(list(tensors), list(grads), list(inputs), iter(weights))
