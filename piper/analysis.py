@@ -4,11 +4,8 @@ diagnostics against the script's spans."""
 from __future__ import annotations
 
 from .capture import Program, capture
-from .compiler import Compiled, compile_ir
+from .compiler import Compiled
 from .diagnostics import Diagnostic, PiperError, error
-from .directives import Shard, Split
-from .simulate import verify
-from .statements import apply_all, initial_ir
 
 
 def program_for(mesh, directives, *, model_spec: str | None = None, regions=None,
@@ -19,15 +16,11 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
     if not model_spec:
         raise error("no-regions", "planning needs the model's regions",
                     hint="pass --model PATH.py:FACTORY or --regions PP=N")
-    from .job import _microbatch_inputs
+    from .job import _microbatch_inputs, split_counts
     from .models import example_batch, load_model
 
     model, module = load_model(model_spec)
-    micro = next((d.count for d in directives if isinstance(d, Split) and d.what == "MB"), 1)
-    shards = 1
-    for d in directives:
-        if isinstance(d, Shard) and "batch" in d.what:
-            shards *= mesh.size(d.over)
+    micro, shards = split_counts(mesh, directives)
     inputs = example_batch(module, batch_size or micro * shards)
     return capture(model, _microbatch_inputs(inputs, mesh, directives)[0])
 
@@ -35,11 +28,11 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
 def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=None,
                    batch_size: int | None = None) -> Compiled:
     """Build, lower, schedule and verify `script` (a loaded script or strategy)."""
+    from .job import compile_directives
+
     mesh, directives = script.build(mesh)
     program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
-    compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
-    verify(compiled)
-    return compiled
+    return compile_directives(program, mesh, directives)
 
 
 def analyze(script, *, mesh, model_spec: str | None = None, regions: dict | None = None,

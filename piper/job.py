@@ -18,7 +18,7 @@ import torch
 from .capture import BATCH, BUFFER, Program, capture
 from .compiler import Compiled, compile_ir
 from .diagnostics import PiperError, error
-from .directives import Split
+from .directives import Shard, Split
 from .mesh import Mesh
 from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
@@ -31,10 +31,24 @@ from .strategy import as_strategy
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
     """Build and compile a strategy against a captured (or abstract) program."""
     mesh, directives = build_strategy(strategy, mesh, overrides)
-    ir = apply_all(initial_ir(program, mesh), directives)
-    compiled = compile_ir(ir)
+    return compile_directives(program, mesh, directives)
+
+
+def compile_directives(program: Program, mesh: Mesh, directives) -> Compiled:
+    """Apply the directives to the program's DAG, lower, schedule and verify."""
+    compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
     verify(compiled)       # raises on deadlock before anything runs
     return compiled
+
+
+def split_counts(mesh: Mesh, directives) -> tuple[int, int]:
+    """(microbatches, batch shards) the directives cut the global batch into."""
+    microbatches = next((d.count for d in directives if isinstance(d, Split) and d.what == "MB"), 1)
+    shards = 1
+    for d in directives:
+        if isinstance(d, Shard) and "batch" in d.what:
+            shards *= mesh.size(d.over)
+    return microbatches, shards
 
 
 def build_strategy(strategy, mesh, overrides=None):
@@ -49,13 +63,7 @@ def build_strategy(strategy, mesh, overrides=None):
 
 def _microbatch_inputs(example_inputs, mesh: Mesh, directives):
     """Cut the global example batch to one microbatch: export fixes shapes."""
-    splits = [d for d in directives if isinstance(d, Split) and d.what == "MB"]
-    microbatches = splits[0].count if splits else 1
-    shards = 1
-    from .directives import Shard
-    for d in directives:
-        if isinstance(d, Shard) and "batch" in d.what:
-            shards *= mesh.size(d.over)
+    microbatches, shards = split_counts(mesh, directives)
     sizes = {int(x.shape[0]) for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
     if len(sizes) != 1:
         raise error("bad-inputs", "every example input needs the same batch size in dimension 0",
@@ -83,9 +91,7 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     mesh, directives = build_strategy(strategy, mesh, overrides)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
     program = capture(model, mb_inputs)
-    ir = apply_all(initial_ir(program, mesh), directives)
-    compiled = compile_ir(ir)
-    verify(compiled)
+    compiled = compile_directives(program, mesh, directives)
     return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
                batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
                timeout=timeout)
