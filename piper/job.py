@@ -9,7 +9,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import time
 
@@ -28,16 +30,31 @@ from .statements import apply_all, initial_ir
 from .strategy import as_strategy
 
 
+@contextlib.contextmanager
+def _no_cycle_collection():
+    """The IR is hundreds of thousands of small acyclic objects: the cyclic
+    collector would re-scan them again and again while they are built."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
     """Build and compile a strategy against a captured (or abstract) program."""
-    mesh, directives = build_strategy(strategy, mesh, overrides)
-    return compile_directives(program, mesh, directives)
+    with _no_cycle_collection():
+        mesh, directives = build_strategy(strategy, mesh, overrides)
+        return compile_directives(program, mesh, directives)
 
 
 def compile_directives(program: Program, mesh: Mesh, directives) -> Compiled:
     """Apply the directives to the program's DAG, lower, schedule and verify."""
-    compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
-    verify(compiled)       # raises on deadlock before anything runs
+    with _no_cycle_collection():
+        compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
+        verify(compiled)       # raises on deadlock before anything runs
     return compiled
 
 
