@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import piper
+from examples.strategies import one_f_one_b_order
 
 REPO = Path(__file__).resolve().parent.parent
 STDLIB = REPO / "stdlib"
@@ -163,14 +164,7 @@ def chain_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # -- Piper strategies (the same helpers tests/test_train.py uses) ---------------------------------
 
-def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[str]:
-    """1F1B (PipeDream-Flush) order for one stage: warm-up forwards, steady F/B pairs, cool-down."""
-    warm = min(stages - stage - 1, microbatches)
-    order = [f"F(MB={m})" for m in range(warm)]
-    for m in range(microbatches - warm):
-        order += [f"F(MB={m + warm})", f"B(MB={m})"]
-    order += [f"B(MB={m})" for m in range(microbatches - warm, microbatches)]
-    return order
+one_f_one_b = one_f_one_b_order
 
 
 def pipeline(microbatches: int, *, order=None, regions_per_device: int = 1, regions: int | None = None,

@@ -17,6 +17,20 @@ move to the other. Compose them as the script examples/gpt_zero3_1f1b.pps does:
 import piper
 
 
+def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[str]:
+    """The 1F1B slots of one stage: warm-up forwards, steady F/B pairs, the backwards still owed.
+
+    >>> one_f_one_b_order(0, 2, 3)
+    ['F(MB=0)', 'F(MB=1)', 'B(MB=0)', 'F(MB=2)', 'B(MB=1)', 'B(MB=2)']
+    """
+    warm = min(stages - stage - 1, microbatches)   # device `stage` holds at most p - stage microbatches
+    slots = [f"F(MB={m})" for m in range(warm)]
+    for m in range(microbatches - warm):
+        slots += [f"F(MB={m + warm})", f"B(MB={m})"]
+    slots += [f"B(MB={m})" for m in range(microbatches - warm, microbatches)]
+    return slots
+
+
 @piper.strategy
 def one_f_one_b(s, microbatches, axis="pp"):
     """1F1B (PipeDream-Flush): region PP=stage on device `stage` of `axis`; warm-up
@@ -26,12 +40,7 @@ def one_f_one_b(s, microbatches, axis="pp"):
     for stage in range(p):
         s.place(f"PP={stage}", s.mesh[axis][stage])
     for stage in range(p):
-        warm = min(p - stage - 1, microbatches)   # device `stage` holds at most p - stage microbatches
-        slots = [f"F(MB={m})" for m in range(warm)]
-        for m in range(microbatches - warm):
-            slots += [f"F(MB={m + warm})", f"B(MB={m})"]
-        slots += [f"B(MB={m})" for m in range(microbatches - warm, microbatches)]
-        s.order(f"PP={stage}", slots)
+        s.order(f"PP={stage}", one_f_one_b_order(stage, p, microbatches))
 
 
 @piper.strategy

@@ -7,6 +7,7 @@ import torch
 
 import piper
 from examples.gpt import _corpus_tokens, batches, make_model
+from examples.strategies import one_f_one_b_order as one_f_one_b
 from piper.testing import train_both
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -37,16 +38,6 @@ def assert_same_training(result, rtol=1e-5, atol=1e-5):
     for name, ref in ref_state.items():
         torch.testing.assert_close(state[name], ref, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
     assert losses[-1] < losses[0] or len(losses) < 2  # it really trained
-
-
-def one_f_one_b(stage: int, stages: int, microbatches: int) -> list:
-    """1F1B (PipeDream-Flush) order for one stage: warm-up forwards, steady F/B pairs, cool-down."""
-    warm = min(stages - stage - 1, microbatches)
-    order = [f"F(MB={m})" for m in range(warm)]
-    for m in range(microbatches - warm):
-        order += [f"F(MB={m + warm})", f"B(MB={m})"]
-    order += [f"B(MB={m})" for m in range(microbatches - warm, microbatches)]
-    return order
 
 
 def pipeline(microbatches, *, order=None, regions_per_device=1, batch_axis=None, zero=()):
