@@ -140,6 +140,54 @@ def alternate(systems: dict, batches: list, *, warmup: int, steps: int) -> Timin
     return Timings(times, losses, errors)
 
 
+@dataclass
+class HeadToHead:
+    """One torch-vs-Piper comparison: medians, ratio, errors, and the row cells after the labels."""
+
+    group: object            # the torch group, or None once a failed step closed it
+    torch_error: str | None
+    piper_error: str | None
+    t_ms: float | None
+    p_ms: float | None
+    ratio: float | None
+    cells: list
+
+    def metrics(self) -> list[tuple[str, float]]:
+        return [(name, value) for name, value in (("torch_ms", self.t_ms), ("piper_ms", self.p_ms),
+                                                   ("ratio", self.ratio)) if value is not None]
+
+
+def head_to_head(group, job, batches: list, *, warmup: int, steps: int, torch_error: str | None,
+                 piper_error: str | None) -> HeadToHead:
+    """Alternate `group.step` (torch) and `job.step` (Piper), close the job, and summarise.
+
+    A torch group whose step failed is closed (a failed schedule can leave ranks mid-collective).
+    """
+    systems = {}
+    if group is not None and torch_error is None:
+        systems["torch"] = group.step
+    if job is not None:
+        systems["piper"] = job.step
+    try:
+        timings = alternate(systems, batches, warmup=warmup, steps=steps)
+    finally:
+        if job is not None:
+            job.close()
+    if "torch" in timings.errors:
+        torch_error = f"step failed: {short_error(timings.errors['torch'])}"
+        group.close()
+        group = None
+    if "piper" in timings.errors:
+        piper_error = f"step failed: {short_error(timings.errors['piper'])}"
+    t_ms, p_ms = ms(timings.median("torch")), ms(timings.median("piper"))
+    ratio = t_ms / p_ms if t_ms and p_ms else None
+    gap = timings.max_loss_gap("torch", "piper")
+    cells = [t_ms if torch_error is None else torch_error, p_ms if piper_error is None else piper_error,
+             None if ratio is None else f"{ratio:.2f}x", timings.spread("torch"), timings.spread("piper"),
+             None if gap is None else f"{gap:.1e}"]
+    return HeadToHead(group, torch_error, piper_error, t_ms, p_ms, ratio, cells)
+
+
 def fit_exponent(xs: list[float], ys: list[float]) -> float | None:
     """Least-squares slope of log y against log x (the growth exponent), or None with < 2 points."""
     pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]

@@ -16,7 +16,7 @@ import torch
 import piper
 
 from .baselines import TorchGroup
-from .harness import SuiteResult, Table, alternate, ms, ray_cluster, short_error
+from .harness import SuiteResult, Table, head_to_head, ray_cluster, short_error
 from .workloads import GPTWorkload, gpt_batches, make_gpt, zero_strategy
 
 PAIRS = (("dp", "ddp", "DistributedDataParallel"), ("zero3", "fsdp2", "FSDP2 fully_shard"))
@@ -70,31 +70,12 @@ def run(ctx) -> SuiteResult:
                 except Exception as exc:
                     piper_error = f"failed: {short_error(exc)}"
                     ctx.log(traceback.format_exc())
-                systems = {}
-                if torch_error is None and group is not None:
-                    systems["torch"] = group.step
-                if job is not None:
-                    systems["piper"] = job.step
-                try:
-                    timings = alternate(systems, batches, warmup=warmup, steps=steps)
-                finally:
-                    if job is not None:
-                        job.close()
-                if "torch" in timings.errors:
-                    torch_error = f"step failed: {short_error(timings.errors['torch'])}"
-                    group.close()
-                    group = None
-                if "piper" in timings.errors:
-                    piper_error = f"step failed: {short_error(timings.errors['piper'])}"
-                t_ms, p_ms = ms(timings.median("torch")), ms(timings.median("piper"))
-                ratio = t_ms / p_ms if t_ms and p_ms else None
-                gap = timings.max_loss_gap("torch", "piper")
-                table.add(n, f"{level} ({source})", label, t_ms if torch_error is None else torch_error,
-                          p_ms if piper_error is None else piper_error, None if ratio is None else f"{ratio:.2f}x",
-                          timings.spread("torch"), timings.spread("piper"), None if gap is None else f"{gap:.1e}")
-                for name, value in (("torch_ms", t_ms), ("piper_ms", p_ms), ("ratio", ratio)):
-                    if value is not None:
-                        result.metrics[f"{level}.dp{n}.{name}"] = value
+                race = head_to_head(group, job, batches, warmup=warmup, steps=steps, torch_error=torch_error,
+                                    piper_error=piper_error)
+                group = race.group
+                table.add(n, f"{level} ({source})", label, *race.cells)
+                for name, value in race.metrics():
+                    result.metrics[f"{level}.dp{n}.{name}"] = value
             if group is not None:
                 group.close()
     table.notes += [
