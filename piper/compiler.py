@@ -16,7 +16,7 @@ simulator checks it.
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+from collections import defaultdict, namedtuple
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -27,29 +27,56 @@ from .lower import add_transfers, check_orders, resolve_placement, zero_levels
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
 
 
-@dataclass(frozen=True)
-class Action:
+_tuple_new = tuple.__new__
+_ActionFields = namedtuple("_ActionFields", "node peer tag group waits release")
+
+
+class Action(tuple):
     """One step of a device's plan.
 
     `peer` is the other rank of a SEND/RECV and `tag` its message tag;
     `group` the ranks of a collective; `waits` the keys of communication this
     action must see completed first; `release` the parameter units (owner
     regions) whose gathered parameters can be freed after it (ZeRO-3).
+
+    An immutable value compared by all its fields, as the frozen dataclass it
+    replaces was; a tuple because plans hold millions of them (see `Node`).
     """
 
-    node: Node
-    peer: int | None = None
-    tag: int | None = None
-    group: tuple[int, ...] | None = None
-    waits: tuple[str, ...] = ()
-    release: tuple[int, ...] = ()
+    __slots__ = ()
+    node, peer, tag, group, waits, release = (
+        _ActionFields.node, _ActionFields.peer, _ActionFields.tag, _ActionFields.group, _ActionFields.waits,
+        _ActionFields.release)
+
+    def __new__(cls, node: Node, peer: int | None = None, tag: int | None = None,
+                group: tuple[int, ...] | None = None, waits: tuple[str, ...] = (),
+                release: tuple[int, ...] = ()) -> "Action":
+        return _tuple_new(cls, (node, peer, tag, group, waits, release))
 
     @property
     def key(self) -> str:
-        return self.node.key
+        return self[0].key
+
+    def __eq__(self, other):
+        if other.__class__ is self.__class__:
+            return tuple.__eq__(self, other)
+        return NotImplemented
+
+    def __ne__(self, other):
+        if other.__class__ is self.__class__:
+            return tuple.__ne__(self, other)
+        return NotImplemented
+
+    __hash__ = tuple.__hash__
+
+    def __reduce__(self):
+        return Action, tuple(self)
+
+    def __repr__(self) -> str:
+        return "Action(" + ", ".join(f"{f}={v!r}" for f, v in zip(_ActionFields._fields, self)) + ")"
 
     def __str__(self) -> str:
-        return self.node.key
+        return self[0].key
 
 
 @dataclass

@@ -19,6 +19,7 @@ PyTorch's pipelining actions:
 from __future__ import annotations
 
 import re
+from collections import namedtuple
 from dataclasses import dataclass, field, replace
 
 from .diagnostics import Span, error
@@ -32,56 +33,105 @@ DEFAULT_STREAM = {"F": "compute", "B": "compute", "BI": "compute", "BW": "comput
                   "REDUCE_SCATTER": "dp", "ALL_TO_ALL": "ep"}
 
 
-@dataclass(frozen=True)
-class Node:
+def node_key(op: str, region: int, mb: int | None = None, phase: str | None = None,
+             value: int | None = None, peer: int | None = None) -> str:
+    """The token of the node these fields make: `node_key("F", 2, 0) == "2F0"`.
+
+    Passes that only need a node's name (an edge's end, a transfer's tag) call
+    this instead of building the node.
+    """
+    if op in _PASSES:
+        return f"{region}{op}{mb}"
+    if op == "UPD":
+        return f"{region}UPD"
+    if op == "SEND":
+        return f"{region}SEND_{phase}{mb}>{peer}.{value}"
+    if op == "RECV":
+        return f"{region}RECV_{phase}{mb}<{peer}.{value}"
+    return f"{region}{op}_{phase}{mb}" if phase else f"{region}{op}"
+
+
+_PASSES = frozenset(("F", "B", "BI", "BW"))
+_COMPUTE = frozenset(COMPUTE)
+_tuple_new = tuple.__new__
+# Only for their C-level field accessors: Node and Edge below are tuples, which
+# build several times faster than frozen dataclasses and are immutable as well.
+_NodeFields = namedtuple("_NodeFields", "op region mb phase value peer devices stream key")
+_EdgeFields = namedtuple("_EdgeFields", "src dst kind span")
+
+
+class Node(tuple):
     """One action of the step, on a device group (`devices`, None until placed).
 
     For SEND/RECV, `phase` is "F" (an activation) or "B" (its gradient), `value`
     the value index in the producer's outputs and `peer` the region on the other
     side. For a collective, `phase` names the compute node it serves ("F", "B",
     ...) with `mb`, or is None for the once-per-step ones.
+
+    An immutable value, compared and hashed by (op, region, mb, phase, value,
+    peer) as the frozen dataclass it replaces was; `devices` and `stream` are
+    attributes, not identity. `key` (the token) is computed once: edges name
+    nodes by it. The IR holds hundreds of thousands of nodes, hence a tuple.
     """
 
-    op: str
-    region: int
-    mb: int | None = None
-    phase: str | None = None
-    value: int | None = None
-    peer: int | None = None
-    devices: tuple[int, ...] | None = field(default=None, compare=False)
-    stream: str | None = field(default=None, compare=False)
+    __slots__ = ()
+    op, region, mb, phase, value, peer, devices, stream, key = (
+        _NodeFields.op, _NodeFields.region, _NodeFields.mb, _NodeFields.phase, _NodeFields.value,
+        _NodeFields.peer, _NodeFields.devices, _NodeFields.stream, _NodeFields.key)
+
+    def __new__(cls, op: str, region: int, mb: int | None = None, phase: str | None = None,
+                value: int | None = None, peer: int | None = None, devices: tuple[int, ...] | None = None,
+                stream: str | None = None) -> "Node":
+        return _tuple_new(cls, (op, region, mb, phase, value, peer, devices, stream,
+                                node_key(op, region, mb, phase, value, peer)))
 
     def but(self, *, op: str | None = None, mb: int | None = None,
             devices: tuple[int, ...] | None = None) -> "Node":
         """A copy with `op`, `mb` or `devices` changed (`dataclasses.replace`, made cheap)."""
-        return Node(op or self.op, self.region, self.mb if mb is None else mb, self.phase, self.value, self.peer,
-                    self.devices if devices is None else devices, self.stream)
+        o, region, m, phase, value, peer, devs, stream, key = self
+        if devices is not None:
+            devs = devices
+        if op is None and mb is None:       # the same node on other devices: the key stays
+            return _tuple_new(Node, (o, region, m, phase, value, peer, devs, stream, key))
+        if op is not None:
+            o = op
+        if mb is not None:
+            m = mb
+        return _tuple_new(Node, (o, region, m, phase, value, peer, devs, stream,
+                                 node_key(o, region, m, phase, value, peer)))
 
-    def __post_init__(self):
-        # The key is asked for constantly (edges name nodes by it): compute it once.
-        object.__setattr__(self, "key", self._make_key())
-
-    def _make_key(self) -> str:
-        r, op = self.region, self.op
-        if op in ("F", "B", "BI", "BW"):
-            return f"{r}{op}{self.mb}"
-        if op == "UPD":
-            return f"{r}UPD"
-        if op in P2P:
-            arrow = ">" if op == "SEND" else "<"
-            return f"{r}{op}_{self.phase}{self.mb}{arrow}{self.peer}.{self.value}"
-        suffix = f"_{self.phase}{self.mb}" if self.phase else ""
-        return f"{r}{op}{suffix}"
+    def with_stream(self, stream: str | None) -> "Node":
+        return _tuple_new(Node, self[:7] + (stream, self[8]))
 
     @property
     def is_compute(self) -> bool:
-        return self.op in COMPUTE
+        return self[0] in _COMPUTE
 
     def on_stream(self) -> str:
         return self.stream or DEFAULT_STREAM[self.op]
 
+    # Identity is the dataclass's: same class, same (op, region, mb, phase, value, peer).
+    def __eq__(self, other):
+        if other.__class__ is self.__class__:
+            return self[:6] == other[:6]
+        return NotImplemented
+
+    def __ne__(self, other):
+        if other.__class__ is self.__class__:
+            return self[:6] != other[:6]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self[:6])
+
+    def __reduce__(self):
+        return Node, self[:8]
+
+    def __repr__(self) -> str:
+        return ("Node(" + ", ".join(f"{f}={v!r}" for f, v in zip(_NodeFields._fields[:8], self)) + ")")
+
     def __str__(self) -> str:
-        return self.key
+        return self[8]
 
 
 _KEY = re.compile(
@@ -110,17 +160,43 @@ def parse_key(token: str) -> Node:
     return Node(m["col"], r, mb, m["cph"])
 
 
-@dataclass(frozen=True)
-class Edge:
+class Edge(tuple):
     """`src -> dst`: data (a tensor flows) or temporal (an order constraint).
 
     `span` points at the statement that made a temporal edge, for diagnostics.
+    Compared and hashed by (src, dst, kind), as the frozen dataclass it
+    replaces was; a tuple for the same reason as `Node`.
     """
 
-    src: str
-    dst: str
-    kind: str = "data"
-    span: Span | None = field(default=None, compare=False)
+    __slots__ = ()
+    src, dst, kind, span = _EdgeFields.src, _EdgeFields.dst, _EdgeFields.kind, _EdgeFields.span
+
+    def __new__(cls, src: str, dst: str, kind: str = "data", span: Span | None = None) -> "Edge":
+        return _tuple_new(cls, (src, dst, kind, span))
+
+    def __eq__(self, other):
+        if other.__class__ is self.__class__:
+            return self[:3] == other[:3]
+        return NotImplemented
+
+    def __ne__(self, other):
+        if other.__class__ is self.__class__:
+            return self[:3] != other[:3]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self[:3])
+
+    def __reduce__(self):
+        return Edge, tuple(self)
+
+    def __repr__(self) -> str:
+        return f"Edge(src={self[0]!r}, dst={self[1]!r}, kind={self[2]!r}, span={self[3]!r})"
+
+
+def data_edge(src: str, dst: str) -> Edge:
+    """`Edge(src, dst)` without the call overhead, for passes that make hundreds of thousands."""
+    return _tuple_new(Edge, (src, dst, "data", None))
 
 
 @dataclass(frozen=True)
@@ -300,9 +376,9 @@ def parse_ir(text: str) -> IR:
                 node = parse_key(key)
                 for a in attrs:
                     if a.startswith("@"):
-                        node = replace(node, devices=tuple(map(int, a[1:].split(","))))
+                        node = node.but(devices=tuple(map(int, a[1:].split(","))))
                     else:
-                        node = replace(node, stream=a)
+                        node = node.with_stream(a)
                 nodes.append(node)
             elif word in ("edge", "order"):
                 src, _, dst = rest.partition(" -> ")
