@@ -18,10 +18,11 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, namedtuple
 from collections.abc import Mapping
+from operator import itemgetter
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import IR, Edge, Node
+from .ir import IR, Edge, Node, _not_same
 from .lower import add_transfers, check_orders, resolve_placement, zero_levels
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
@@ -60,12 +61,12 @@ class Action(tuple):
     def __eq__(self, other):
         if other.__class__ is self.__class__:
             return tuple.__eq__(self, other)
-        return NotImplemented
+        return _not_same(other)
 
     def __ne__(self, other):
         if other.__class__ is self.__class__:
             return tuple.__ne__(self, other)
-        return NotImplemented
+        return _not_same(other, True)
 
     __hash__ = tuple.__hash__
 
@@ -114,30 +115,47 @@ def _priority(node: Node) -> tuple:
 def schedule(ir: IR) -> list[Node]:
     """A topological order of all nodes over data and temporal edges.
 
-    A cycle means the `order` statements contradict the data flow (or each
-    other); the error names the order statements whose edges close it.
+    Among the nodes ready at each step the one first by (`_priority`, key)
+    runs. A cycle means the `order` statements contradict the data flow (or
+    each other); the error names the order statements whose edges close it.
     """
     index = ir.index()
-    succ: dict[str, list[str]] = defaultdict(list)
-    indeg = {k: 0 for k in index}
-    for e in ir.edges:
-        if e.src not in index or e.dst not in index:
-            raise AssertionError(f"edge to unknown node {e}")
-        succ[e.src].append(e.dst)
-        indeg[e.dst] += 1
-    heap = [(_priority(index[k]), k) for k, d in indeg.items() if d == 0]
-    heapq.heapify(heap)
+    keys = _by_priority(index)
+    # Nodes are numbered in priority order, so the ready heap holds plain ints.
+    number = {k: i for i, k in enumerate(keys)}
+    succ: list[list[int]] = [[] for _ in keys]
+    indeg = [0] * len(keys)
+    try:
+        for src, dst in zip(map(number.__getitem__, map(_SRC, ir.edges)), map(number.__getitem__, map(_DST, ir.edges))):
+            succ[src].append(dst)
+            indeg[dst] += 1
+    except KeyError:
+        bad = next(e for e in ir.edges if e.src not in index or e.dst not in index)
+        raise AssertionError(f"edge to unknown node {bad}") from None
+    heap = [i for i, d in enumerate(indeg) if d == 0]     # ascending: already a heap
+    pop, push = heapq.heappop, heapq.heappush
     out = []
     while heap:
-        _, key = heapq.heappop(heap)
-        out.append(index[key])
-        for nxt in succ[key]:
-            indeg[nxt] -= 1
-            if indeg[nxt] == 0:
-                heapq.heappush(heap, (_priority(index[nxt]), nxt))
-    if len(out) != len(index):
-        raise _cycle_error(ir, {k for k, d in indeg.items() if d > 0})
-    return out
+        i = pop(heap)
+        out.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if not indeg[j]:
+                push(heap, j)
+    if len(out) != len(keys):
+        raise _cycle_error(ir, {keys[i] for i, d in enumerate(indeg) if d > 0})
+    return [index[keys[i]] for i in out]
+
+
+_SRC, _DST = itemgetter(0), itemgetter(1)
+
+
+def _by_priority(index: dict[str, Node]) -> list[str]:
+    """Every key, sorted by (`_priority`, key): communication (priority (0,))
+    by key, then computes by their priority (unique to each compute node)."""
+    comm = sorted(k for k, n in index.items() if not n.is_compute)
+    compute = sorted((_priority(n), k) for k, n in index.items() if n.is_compute)
+    return comm + [k for _, k in compute]
 
 
 def _cycle_error(ir: IR, stuck: set[str]):

@@ -57,7 +57,14 @@ _tuple_new = tuple.__new__
 # Only for their C-level field accessors: Node and Edge below are tuples, which
 # build several times faster than frozen dataclasses and are immutable as well.
 _NodeFields = namedtuple("_NodeFields", "op region mb phase value peer devices stream key")
-_EdgeFields = namedtuple("_EdgeFields", "src dst kind span")
+_EdgeFields = namedtuple("_EdgeFields", "src dst kind")
+
+
+def _not_same(other, ne: bool = False):
+    """`==` (or `!=`) of a Node, Edge or Action with anything of another class:
+    unequal to any other tuple (a plain tuple of the same fields included), as
+    the dataclasses these were; anything else may still decide."""
+    return ne if isinstance(other, tuple) else NotImplemented
 
 
 class Node(tuple):
@@ -114,12 +121,12 @@ class Node(tuple):
     def __eq__(self, other):
         if other.__class__ is self.__class__:
             return self[:6] == other[:6]
-        return NotImplemented
+        return _not_same(other)
 
     def __ne__(self, other):
         if other.__class__ is self.__class__:
             return self[:6] != other[:6]
-        return NotImplemented
+        return _not_same(other, True)
 
     def __hash__(self) -> int:
         return hash(self[:6])
@@ -165,38 +172,45 @@ class Edge(tuple):
 
     `span` points at the statement that made a temporal edge, for diagnostics.
     Compared and hashed by (src, dst, kind), as the frozen dataclass it
-    replaces was; a tuple for the same reason as `Node`.
+    replaces was: those are the tuple, so hashing (edges are deduplicated by
+    the hundred thousand) is the tuple's own; `span`, not part of the
+    value, is an attribute set only where there is one.
     """
 
-    __slots__ = ()
-    src, dst, kind, span = _EdgeFields.src, _EdgeFields.dst, _EdgeFields.kind, _EdgeFields.span
+    src, dst, kind = _EdgeFields.src, _EdgeFields.dst, _EdgeFields.kind
+    span: Span | None = None
 
     def __new__(cls, src: str, dst: str, kind: str = "data", span: Span | None = None) -> "Edge":
-        return _tuple_new(cls, (src, dst, kind, span))
+        edge = _tuple_new(cls, (src, dst, kind))
+        if span is not None:
+            edge.__dict__["span"] = span
+        return edge
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"cannot assign to field {name!r} of an Edge")
 
     def __eq__(self, other):
         if other.__class__ is self.__class__:
-            return self[:3] == other[:3]
-        return NotImplemented
+            return tuple.__eq__(self, other)
+        return _not_same(other)
 
     def __ne__(self, other):
         if other.__class__ is self.__class__:
-            return self[:3] != other[:3]
-        return NotImplemented
+            return tuple.__ne__(self, other)
+        return _not_same(other, True)
 
-    def __hash__(self) -> int:
-        return hash(self[:3])
+    __hash__ = tuple.__hash__
 
     def __reduce__(self):
-        return Edge, tuple(self)
+        return Edge, (*self, self.span)
 
     def __repr__(self) -> str:
-        return f"Edge(src={self[0]!r}, dst={self[1]!r}, kind={self[2]!r}, span={self[3]!r})"
+        return f"Edge(src={self[0]!r}, dst={self[1]!r}, kind={self[2]!r}, span={self.span!r})"
 
 
 def data_edge(src: str, dst: str) -> Edge:
     """`Edge(src, dst)` without the call overhead, for passes that make hundreds of thousands."""
-    return _tuple_new(Edge, (src, dst, "data", None))
+    return _tuple_new(Edge, (src, dst, "data"))
 
 
 @dataclass(frozen=True)

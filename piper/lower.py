@@ -14,7 +14,7 @@ from __future__ import annotations
 
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import IR, Edge, Node
+from .ir import IR, Edge, Node, data_edge, node_key
 
 
 def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
@@ -121,7 +121,16 @@ def add_transfers(ir: IR) -> IR:
     One transfer per value, microbatch and receiving region.
     """
     group = {r: ir.devices_of(r) for r in range(len(ir.regions))}
-    back = "BI" if ir.backward_split else "B"
+    split = ir.backward_split
+    back = "BI" if split else "B"
+    by_pass = ir.by_pass()
+    microbatches = range(ir.microbatches)
+
+    def keys(op: str, region: int) -> list[str]:
+        """The keys of `op` of `region` by microbatch, shared with the nodes' own."""
+        found = by_pass.get((op, region), {})
+        return [found[mb].key if mb in found else node_key(op, region, mb) for mb in microbatches]
+
     nodes = list(ir.nodes)
     drop: set[tuple[str, str]] = set()
     edges: list[Edge] = []
@@ -134,26 +143,31 @@ def add_transfers(ir: IR) -> IR:
         for c in v.consumers:
             if group[p] == group[c]:
                 continue
-            for mb in range(ir.microbatches):
-                send = Node("SEND", p, mb, "F", v.index, first_on[group[c]], devices=group[p])
-                recv = Node("RECV", first_on[group[c]], mb, "F", v.index, p, devices=group[c])
-                f_p, f_c = Node("F", p, mb).key, Node("F", c, mb).key
-                if c == first_on[group[c]]:
-                    nodes += [send, recv]
-                    edges += [Edge(f_p, send.key), Edge(send.key, recv.key)]
+            first = first_on[group[c]]
+            forward_p, forward_c, back_c = keys("F", p), keys("F", c), keys(back, c)
+            grads_p = list(zip(*(keys(op, p) for op in (("BI", "BW") if split else ("B",)))))
+            for mb in microbatches:
+                f_p, f_c = forward_p[mb], forward_c[mb]
+                if c == first:
+                    send = Node("SEND", p, mb, "F", v.index, first, devices=group[p])
+                    recv = Node("RECV", first, mb, "F", v.index, p, devices=group[c])
+                    nodes += (send, recv)
+                    recv_key = recv.key
+                    edges += (data_edge(f_p, send.key), data_edge(send.key, recv_key))
+                else:
+                    recv_key = node_key("RECV", first, mb, "F", v.index, p)
                 drop.add((f_p, f_c))
-                edges.append(Edge(recv.key, f_c))
+                edges.append(data_edge(recv_key, f_c))
                 if not v.differentiable:
                     continue
                 gsend = Node("SEND", c, mb, "B", v.index, p, devices=group[c])
                 grecv = Node("RECV", p, mb, "B", v.index, c, devices=group[p])
-                nodes += [gsend, grecv]
-                b_c = Node(back, c, mb).key
-                targets = [Node(op, p, mb).key for op in (("BI", "BW") if ir.backward_split else ("B",))]
-                for t in targets:
+                nodes += (gsend, grecv)
+                b_c = back_c[mb]
+                for t in grads_p[mb]:
                     drop.add((b_c, t))
-                    edges.append(Edge(grecv.key, t))
-                edges += [Edge(b_c, gsend.key), Edge(gsend.key, grecv.key)]
+                    edges.append(data_edge(grecv.key, t))
+                edges += (data_edge(b_c, gsend.key), data_edge(gsend.key, grecv.key))
     kept = [e for e in ir.edges if e.kind != "data" or (e.src, e.dst) not in drop]
     return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(kept + edges)))
 

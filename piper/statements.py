@@ -65,8 +65,22 @@ def apply(ir: IR, directive: Directive) -> IR:
 
 
 def apply_all(ir: IR, directives) -> IR:
+    """Apply the directives in turn.
+
+    A run of `order` statements (a pipeline schedule has one per stage) adds
+    its edges in one go: `order` reads the nodes, never the edges, so this is
+    `apply` one at a time without copying the growing edge tuple per statement.
+    """
+    pending: list[Edge] = []
     for d in directives:
+        if isinstance(d, Order):
+            pending += order_edges(ir, d)
+            continue
+        if pending:
+            ir, pending = ir.with_(edges=ir.edges + tuple(pending)), []
         ir = apply(ir, d)
+    if pending:
+        ir = ir.with_(edges=ir.edges + tuple(pending))
     return ir
 
 
@@ -87,18 +101,24 @@ def split_microbatches(ir: IR, d: Split) -> IR:
         raise error("order-before-split", "`split MB` comes after an `order` statement", span=d.span,
                     hint="split the batch first, then order the microbatches")
     n = d.count
-    index = ir.index()
     nodes = []
+    copies: dict[str, list[Node]] = {}     # key -> the node in each microbatch
     for node in ir.nodes:
-        nodes += [node.but(mb=m) for m in range(n)] if node.mb is not None else [node]
+        if node.mb is not None:
+            copies[node.key] = per = [node.but(mb=m) for m in range(n)]
+            nodes += per
+        else:
+            copies[node.key] = [node] * n
+            nodes.append(node)
     edges = []
     for e in ir.edges:
-        src, dst = index[e.src], index[e.dst]
-        for m in range(n):
-            s = src.but(mb=m) if src.mb is not None else src
-            t = dst.but(mb=m) if dst.mb is not None else dst
-            edges.append(Edge(s.key, t.key, e.kind, e.span))
-    return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(edges)), microbatches=n, split_span=d.span)
+        kind, span = e.kind, e.span
+        edges += [Edge(s.key, t.key, kind, span) for s, t in zip(copies[e.src], copies[e.dst])]
+    # Copies of distinct edges are distinct unless both ends are once-per-step nodes (UPD).
+    once = {node.key for node in ir.nodes if node.mb is None}
+    if len(set(ir.edges)) != len(ir.edges) or any(e.src in once and e.dst in once for e in ir.edges):
+        edges = list(dict.fromkeys(edges))
+    return ir.with_(nodes=tuple(nodes), edges=tuple(edges), microbatches=n, split_span=d.span)
 
 
 def split_backward(ir: IR, d: Split) -> IR:
@@ -209,37 +229,22 @@ def order(ir: IR, d: Order) -> IR:
     backward: its BI and BW together, in that slot (DualPipeV mixes whole and
     split backwards in one schedule).
     """
-    scope = regions_matching(ir, d.selector, d.span)
-    scope_ids = {r.index for r in scope}
+    return ir.with_(edges=ir.edges + tuple(order_edges(ir, d)))
+
+
+def order_edges(ir: IR, d: Order) -> list[Edge]:
+    """The temporal edges `order` adds (each node is in one slot, so none repeats)."""
+    scope = sorted({r.index for r in regions_matching(ir, d.selector, d.span)})
+    by_pass = ir.by_pass()
     seen: dict[str, object] = {}
     slots: list[list[Node]] = []
     for s, slot in enumerate(d.slots):
+        spans = d.item_spans[s] if d.item_spans and len(d.item_spans) > s else ()
         chosen: list[Node] = []
         for i, item in enumerate(slot):
-            span = (d.item_spans[s][i] if d.item_spans and len(d.item_spans) > s and len(d.item_spans[s]) > i
-                    else d.span)
-            if item.op is None or item.op == "UPD":
-                raise error("bad-order-item", f"`{item}` is not a pass of a microbatch", span=span,
-                            hint="order items are F, B, BI or BW with a microbatch, e.g. F(MB=0)")
-            if item.region_tags():
-                regions = {r.index for r in regions_matching(ir, Selector(None, item.region_tags()), span)}
-            else:
-                regions = scope_ids
-            mb = item.tag("MB")
-            ops = ("BI", "BW") if item.op == "B" and ir.backward_split else (item.op,)
-            by_pass = ir.by_pass()
-            if mb is None or mb == "*":
-                matches = [n for op in ops for r in sorted(regions) for n in by_pass.get((op, r), {}).values()]
-            else:
-                matches = [by_pass[(op, r)][mb] for op in ops for r in sorted(regions)
-                           if mb in by_pass.get((op, r), ())]
-            if not matches:
-                raise error("unknown-node", f"no node `{item}` in {d.selector}", span=span,
-                            notes=(f"the batch is split into {ir.microbatches} microbatch(es)"
-                                   + ("; backward is split into BI and BW" if ir.backward_split else
-                                      "; backward is one B (split B into BI, BW to order them apart)"),),
-                            hint="order only microbatches that exist, after `split MB into N`")
-            for n in sorted(matches, key=lambda n: (n.mb, n.region, n.op)):
+            span = spans[i] if len(spans) > i else d.span
+            matches = _item_nodes(ir, by_pass, item, scope, span, d)
+            for n in matches:
                 if n.key in seen:
                     raise error("ordered-twice", f"`{item}` ({n.key}) appears twice in this order", span=span,
                                 labels=(Label(seen[n.key], "first here"),) if seen[n.key] else (),
@@ -252,4 +257,33 @@ def order(ir: IR, d: Order) -> IR:
         for a in before:
             for b in after:
                 added.append(Edge(a.key, b.key, "temporal", d.span))
-    return ir.with_(edges=ir.edges + tuple(dict.fromkeys(added)))
+    return added
+
+
+def _item_nodes(ir: IR, by_pass: dict, item: Selector, scope: list[int], span, d: Order) -> list[Node]:
+    """The compute nodes one order item names, by (mb, region, op); an error if none."""
+    if item.op is None or item.op == "UPD":
+        raise error("bad-order-item", f"`{item}` is not a pass of a microbatch", span=span,
+                    hint="order items are F, B, BI or BW with a microbatch, e.g. F(MB=0)")
+    tags = item.tags
+    if len(tags) == 1 and tags[0][0] == "MB":      # the usual item, F(MB=3): no region tags
+        regions, mb = scope, tags[0][1]
+    else:
+        region_tags = item.region_tags()
+        regions = (sorted({r.index for r in regions_matching(ir, Selector(None, region_tags), span)})
+                   if region_tags else scope)
+        mb = item.tag("MB")
+    ops = ("BI", "BW") if item.op == "B" and ir.backward_split else (item.op,)
+    if mb is None or mb == "*":
+        matches = [n for op in ops for r in regions for n in by_pass.get((op, r), {}).values()]
+    else:
+        matches = [by_pass[(op, r)][mb] for op in ops for r in regions if mb in by_pass.get((op, r), ())]
+    if not matches:
+        raise error("unknown-node", f"no node `{item}` in {d.selector}", span=span,
+                    notes=(f"the batch is split into {ir.microbatches} microbatch(es)"
+                           + ("; backward is split into BI and BW" if ir.backward_split else
+                              "; backward is one B (split B into BI, BW to order them apart)"),),
+                    hint="order only microbatches that exist, after `split MB into N`")
+    if len(matches) > 1:
+        matches.sort(key=lambda n: (n.mb, n.region, n.op))
+    return matches
