@@ -96,7 +96,7 @@ def _microbatch_inputs(example_inputs, mesh: Mesh, directives):
 
 def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, optimizer=None, *,
             address: str | None = None, device: str = "auto", timeout: float = 300.0,
-            overrides: dict | None = None) -> "Job":
+            overrides: dict | None = None, overlap: bool = True) -> "Job":
     """Capture `model`, apply `strategy` on `mesh`, verify, and start one worker per device.
 
     `strategy` is a `@piper.strategy` function, a path to a `.pps` script, or
@@ -104,6 +104,8 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     list of tensors (default: AdamW with lr 1e-3); it must be elementwise
     (AdamW, Adam, SGD with momentum...), since each device steps its own
     shard. `timeout` bounds every collective and every step, in seconds.
+    `overlap=False` runs the items of an overlapped slot (`[F(...), B(...)]`)
+    one after the other instead of at once (CPU; CUDA always runs them in turn).
     """
     mesh, directives = build_strategy(strategy, mesh, overrides)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
@@ -111,15 +113,16 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     compiled = compile_directives(program, mesh, directives)
     return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
                batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
-               timeout=timeout)
+               timeout=timeout, overlap=overlap)
 
 
 class Job:
     """A compiled strategy running on Ray actors, one per device."""
 
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
-                 shards: int, address, device, timeout):
+                 shards: int, address, device, timeout, overlap: bool = True):
         self.program = program
+        self.concurrent = overlap
         self.compiled = compiled
         self.mesh = compiled.ir.mesh
         self.batch_size = batch
@@ -170,10 +173,23 @@ class Job:
         rendezvous = self._get([self.actors[0].rendezvous_address.remote()], "start")[0]
         self.pids = self._get([a.init.remote(rendezvous, self.timeout) for a in self.actors], "join")
         params = dict(model.named_parameters())
-        refs = [a.setup.remote(*self._spec(rank, params, optimizer)) for rank, a in enumerate(self.actors)]
+        slots = self._multi_slots()
+        refs = [a.setup.remote(*self._spec(rank, params, optimizer, slots.get(rank, ())))
+                for rank, a in enumerate(self.actors)]
         self._get(refs, "set up")
 
-    def _spec(self, rank: int, params, optimizer):
+    def _multi_slots(self) -> dict[int, tuple]:
+        """Per rank, the `order` slots holding several computes, as (key, op, region, mb) records."""
+        from .interop import compute_slots
+
+        index = self.compiled.ir.index()
+        out = {}
+        for rank, slots in compute_slots(self.compiled).items():
+            out[rank] = tuple(tuple((k, index[k].op, index[k].region, index[k].mb) for k in slot)
+                              for slot in slots if len(slot) > 1)
+        return out
+
+    def _spec(self, rank: int, params, optimizer, slots=()):
         ir, program = self.compiled.ir, self.program
         mine = [r.index for r in ir.regions if rank in ir.devices_of(r.index)]
         units_of = {r.index: tuple(sorted({program.owner(p) for p in r.params})) for r in ir.regions}
@@ -196,7 +212,7 @@ class Job:
         groups = sorted({a.group for plan in self.compiled.plans.values() for a in plan if a.group})
         spec = WorkerSpec(rank, self.mesh.world_size, self.compiled.plans[rank], regions, values, units,
                           self.compiled.zero, optimizer, 1.0 / (self.microbatches * self.shards),
-                          {k: self._buffers[k] for k in needed}, groups)
+                          {k: self._buffers[k] for k in needed}, groups, slots, self.concurrent)
         return spec, init
 
     # -- running -----------------------------------------------------------------------------

@@ -290,6 +290,8 @@ CI_TRAINING = {
                                       {"dp": 2, "pp": 2}, 4, 4),
     # the V placement, overlapped slots, whole and split backwards mixed
     "dualpipev-pp2": ("use dualpipev(microbatches=4) on pp\n", {"pp": 2}, 4, 4),
+    # overlapped slots run in two lanes while ZeRO-3 gathers and reduce-scatters around them
+    "dualpipev+zero3-dp2pp2": ("use dualpipev(microbatches=4) on pp\nuse zero3() on dp\n", {"dp": 2, "pp": 2}, 4, 4),
     # zero bubble on a V with parameters gathered per pass (ZeRO-3)
     "zbv+zero3-dp2pp2": ("use zbv(microbatches=4) on pp\nuse zero3() on dp\n", {"dp": 2, "pp": 2}, 4, 4),
 }

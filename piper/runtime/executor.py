@@ -8,7 +8,9 @@ entry names.
 """
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from . import comm
 from .flat import UnitLayout
 from .graphs import unpack
+from .slots import spans, whole_backwards
 from .split_backward import backward_inputs, backward_weights, can_split
 
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
@@ -44,6 +47,8 @@ class WorkerSpec:
     grad_scale: float                             # 1 / (microbatches * batch shards)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     groups: list = field(default_factory=list)    # every collective group, same order on all ranks
+    slots: tuple = ()                             # `order` slots of several computes: ((key, op, region, mb), ...)
+    concurrent: bool = True                       # run an overlapped slot's items at once (CPU only, see below)
 
 
 class Unit:
@@ -217,6 +222,16 @@ class Executor:
         self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
         self.activation_peak = 0                  # bytes saved for backward, at most, last step
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
+        self._whole, self._skip = whole_backwards(spec.slots)
+        # Overlapped slots run their items in threads on CPU, where Gloo matches messages by
+        # tag. NCCL matches point-to-point messages by issue order and its communicators
+        # must not be called from two threads at once, so CUDA runs the items in turn.
+        concurrent = spec.concurrent and self.device.type == "cpu"
+        units_of = {r: set(region.units) for r, region in spec.regions.items()}
+        self._spans = spans(spec.plan, spec.slots, units_of) if concurrent else {}
+        lanes = max((len(s.lanes) for s in self._spans.values()), default=1)
+        self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="piper-lane") if lanes > 1 else None
+        self._lock = threading.Lock()             # activation accounting and gradient sums, shared by lanes
 
     # -- one step -------------------------------------------------------------------------
     def run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
@@ -230,14 +245,15 @@ class Executor:
         for unit in self.units.values():
             unit.attach_grads()
         self.activations = self.activation_peak = 0
-        clock = time.perf_counter
-        for action in self.spec.plan:
-            for key in action.waits:
-                self._wait(key)
-            start = clock()
-            getattr(self, "_" + action.node.op.lower())(action)
-            if action.node.is_compute:
-                self.timings[action.key] = clock() - start
+        plan, i = self.spec.plan, 0
+        while i < len(plan):
+            span = self._spans.get(i)
+            if span is None:
+                self._run(plan[i])
+                i += 1
+            else:
+                self._run_span(span)
+                i = span.stop
         for key in list(self.pending):
             self._wait(key)
         for work in self.sends:
@@ -246,6 +262,42 @@ class Executor:
         losses = [float(x) for x in self.losses]
         del self.values, self.grads, self.grad_out, self.saved, self.batch
         return losses
+
+    def _run(self, action) -> tuple[float, float]:
+        for key in action.waits:
+            self._wait(key)
+        start = time.perf_counter()
+        getattr(self, "_" + action.node.op.lower())(action)
+        end = time.perf_counter()
+        if action.node.is_compute:
+            self.timings[action.key] = end - start
+        return start, end
+
+    def _run_lane(self, lane) -> tuple[float, float]:
+        """Run a lane's actions; (start of its first compute, end of its last)."""
+        busy = [self._run(a) for a in lane]
+        computes = [t for a, t in zip(lane, busy) if a.node.is_compute]
+        return computes[0][0], computes[-1][1]
+
+    def _run_span(self, span) -> None:
+        """An overlapped slot: its items at once, one per lane (see `slots`)."""
+        for action in span.before:
+            self._run(action)
+        first, *rest = span.lanes
+        futures = [self._pool.submit(self._run_lane, lane) for lane in rest]
+        try:
+            times = [self._run_lane(first)]
+        finally:
+            errors = [f.exception() for f in futures]    # never leave a lane running behind an error
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        times += [f.result() for f in futures]
+        # The slot's cost as the simulator counts it: computing, from the first lane's
+        # start to the last lane's end (waits for inputs before that are not its cost).
+        self.timings[span.key] = max(end for _, end in times) - min(start for start, _ in times)
+        for action in span.after:
+            self._run(action)
 
     def _wait(self, key: str) -> None:
         works, then = self.pending.pop(key)
@@ -295,8 +347,9 @@ class Executor:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outs = region.graph(*args)
         self.saved_bytes[(node.region, node.mb)] = size
-        self.activations += size
-        self.activation_peak = max(self.activation_peak, self.activations)
+        with self._lock:
+            self.activations += size
+            self.activation_peak = max(self.activation_peak, self.activations)
         for v, out in zip(region.outputs, outs):
             self.values[(v, node.mb)] = out
         if region.loss:
@@ -330,10 +383,11 @@ class Executor:
                 self.grad_out[(v, node.mb, node.region)] = g
 
     def _accumulate(self, key, g) -> None:
-        if key in self.grads:
-            self.grads[key] = self.grads[key] + g
-        else:
-            self.grads[key] = g
+        with self._lock:
+            if key in self.grads:
+                self.grads[key] = self.grads[key] + g
+            else:
+                self.grads[key] = g
 
     def _b(self, action) -> None:
         node = action.node
@@ -342,11 +396,14 @@ class Executor:
         tensors, grads = self._backward_targets(region, node.mb, outs)
         if tensors:
             torch.autograd.backward(tensors, grads)
-        self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
+        with self._lock:
+            self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
         self._deliver_input_grads(node, leaves, {v: leaf.grad for v, leaf in leaves.items()})
         self._release(action)
 
     def _bi(self, action) -> None:
+        if action.key in self._whole:      # the item was a whole `B(...)`: one autograd pass
+            return self._b(action)
         node = action.node
         region = self.spec.regions[node.region]
         outs, leaves = self.saved[(node.region, node.mb)]
@@ -367,10 +424,12 @@ class Executor:
 
     def _bw(self, action) -> None:
         node = action.node
-        region = self.spec.regions[node.region]
-        state = self.saved.pop((node.region, node.mb))
-        backward_weights([w for u in region.units for w in self.units[u].weights()], state)
-        self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
+        if action.key not in self._skip:   # else its BI ran the whole backward
+            region = self.spec.regions[node.region]
+            state = self.saved.pop((node.region, node.mb))
+            backward_weights([w for u in region.units for w in self.units[u].weights()], state)
+            with self._lock:
+                self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
         self._release(action)
 
     def _upd(self, action) -> None:

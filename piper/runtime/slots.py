@@ -1,0 +1,126 @@
+"""How the executor runs the `order` slots that hold more than one item.
+
+Two kinds of slot get special treatment:
+
+- A whole backward written `B(...)` after `split B into BI, BW` reaches the plan
+  as a BI and a BW of the same region and microbatch in one slot. Nothing runs
+  between them on purpose, so the executor runs one autograd pass at the BI
+  and makes the BW a no-op: splitting costs a second engine pass and, on CPU,
+  about 1.2-1.4x one whole backward.
+- An overlapped slot, `[F(...), B(...)]` (DualPipeV's main phase), runs its
+  items at once, each in its own lane with the sends that carry its results,
+  so one item's waits and communication hide behind the other's compute.
+
+The compiler lays a slot's items out one after another in the plan, with the
+communication they need around them. `span` regroups that stretch of the
+plan: receives, prefetches and sends of earlier work are issued before the
+lanes start (they depend on nothing the lanes do), each member goes to its
+lane followed by the sends of its results, and collectives that follow a
+member run after both lanes are done, in plan order. Every replica of a
+data-parallel group has the same plan and regroups it the same way, so
+collectives are still issued in the same order on all members of a group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COLLECTIVES = ("ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One overlapped slot, regrouped: plan[start:stop] runs as `before`, the lanes at once, then `after`."""
+
+    start: int
+    stop: int
+    key: str                  # the members' keys in plan order, joined by "&" (the simulator's name for the unit)
+    before: tuple
+    lanes: tuple[tuple, ...]
+    after: tuple
+
+
+def _pass_of(node) -> tuple[int, int, str]:
+    """The item an action belongs to: (region, microbatch, F or B); BI and BW are parts of B."""
+    if node.op in ("SEND", "RECV"):
+        return node.region, node.mb, "F" if node.phase == "F" else "B"
+    return node.region, node.mb, "F" if node.op == "F" else "B"
+
+
+def whole_backwards(slots) -> tuple[frozenset, frozenset]:
+    """(BI keys to run as one whole backward, the BW keys that become no-ops) from the device's slots.
+
+    `slots` are tuples of compute keys per slot (`piper.interop.compute_slots`),
+    with the nodes as `(key, op, region, mb)` records.
+    """
+    whole, skip = set(), set()
+    for slot in slots:
+        halves = {(op, region, mb): key for key, op, region, mb in slot}
+        for (op, region, mb), key in halves.items():
+            if op == "BI" and ("BW", region, mb) in halves:
+                whole.add(key)
+                skip.add(halves[("BW", region, mb)])
+    return frozenset(whole), frozenset(skip)
+
+
+def span(plan, members: set[str], units_of: dict[int, set]) -> Span | None:
+    """Regroup the stretch of `plan` from the first to the last of `members`; None if it cannot run in lanes.
+
+    `members` are the compute keys of one slot and `units_of` maps a region to
+    the parameter units it reads. The slot runs in lanes only when it holds at
+    least two items (a B's BI and BW are one), the items read disjoint units
+    (one lane never frees parameters the other is using), no other compute
+    falls inside its stretch, and no lane waits on a collective: collectives
+    stay on one thread, in an order every replica shares.
+    """
+    at = [i for i, a in enumerate(plan) if a.key in members]
+    if not at:
+        return None
+    start, stop = at[0], at[-1] + 1
+    lanes: dict[tuple, list] = {}
+    for a in plan[start:stop]:
+        if a.key in members:
+            lanes.setdefault(_pass_of(a.node), []).append(a)
+    if len(lanes) < 2:
+        return None
+    used = [set().union(*(units_of.get(a.node.region, ()) for a in lane)) for lane in lanes.values()]
+    if sum(map(len, used)) != len(set().union(*used)):
+        return None
+    while stop < len(plan) and plan[stop].node.op == "SEND" and _pass_of(plan[stop].node) in lanes:
+        stop += 1                     # the last member's sends leave from its lane, not after the others
+    before, after = [], []
+    done: set[tuple] = set()          # items whose compute came earlier in the stretch
+    busy: set = set()                 # units those items read
+    for a in plan[start:stop]:
+        node = a.node
+        if a.key in members:
+            done.add(_pass_of(node))
+            busy |= units_of.get(node.region, set())
+        elif node.is_compute:
+            return None
+        elif node.op == "RECV":
+            before.append(a)
+        elif node.op == "SEND":
+            item = _pass_of(node)
+            if item in done:
+                lanes[item].append(a)
+            else:
+                before.append(a)      # its data was made before the slot
+        elif node.op == "ALL_GATHER" and node.phase and node.region not in busy:
+            before.append(a)          # a prefetch: it needs nothing from the lanes
+        else:
+            after.append(a)           # after a lane that reads (and may free) the same unit
+    waited = {k for lane in lanes.values() for a in lane for k in a.waits}
+    if any(a.key in waited for a in after):
+        return None
+    key = "&".join(a.key for a in plan[start:stop] if a.key in members)
+    return Span(start, stop, key, tuple(before), tuple(tuple(v) for v in lanes.values()), tuple(after))
+
+
+def spans(plan, slots, units_of: dict[int, set]) -> dict[int, Span]:
+    """Plan index of each overlapped slot's first action -> its `Span`."""
+    out = {}
+    for slot in slots:
+        s = span(plan, {key for key, *_ in slot}, units_of)
+        if s is not None:
+            out[s.start] = s
+    return out

@@ -1,0 +1,97 @@
+"""How the executor regroups slots of several items (piper.runtime.slots), on real compiled plans."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from piper.capture import Program
+from piper.dsl.script import load_strategy
+from piper.interop import compute_slots
+from piper.job import plan
+from piper.runtime.slots import span, spans, whole_backwards
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(script: str, mesh: tuple):
+    return plan(load_strategy(script), mesh=dict(mesh), program=Program.chain("PP=4"))
+
+
+DUALPIPEV = "use dualpipev(microbatches=4) on pp\n"
+DUALPIPEV_ZERO3 = DUALPIPEV + "use zero3() on dp\n"
+
+
+def records(c, rank: int):
+    """The worker's view of its slots: (key, op, region, mb) per compute, slots of several computes only."""
+    index = c.ir.index()
+    return tuple(tuple((k, index[k].op, index[k].region, index[k].mb) for k in slot)
+                 for slot in compute_slots(c, rank) if len(slot) > 1)
+
+
+def own_units(c):
+    return {r.index: {r.index} for r in c.ir.regions}
+
+
+def test_whole_backward_items_run_as_one_pass_and_split_ones_stay_split():
+    c = compiled(DUALPIPEV, (("pp", 2),))
+    for rank in (0, 1):
+        whole, skip = whole_backwards(records(c, rank))
+        index = c.ir.index()
+        assert whole and len(whole) == len(skip)
+        for key in whole:
+            bi = index[key]
+            assert bi.op == "BI" and f"{bi.region}BW{bi.mb}" in skip
+        # Items written BI(...) and BW(...) stay split, even when adjacent (DualPipeV's phase 3).
+        split = [k for k in c.compute_order(rank) if index[k].op == "BI" and k not in whole]
+        assert split
+        for k in split:
+            assert f"{index[k].region}BW{index[k].mb}" not in skip
+
+
+def test_overlapped_slot_becomes_two_lanes_with_their_sends():
+    c = compiled(DUALPIPEV, (("pp", 2),))
+    plan0 = c.plans[0]
+    found = spans(plan0, records(c, 0), own_units(c))
+    assert found
+    for start, s in found.items():
+        assert plan0[start].key == s.lanes[0][0].key or plan0[start].key == s.lanes[1][0].key
+        assert len(s.lanes) == 2
+        kinds = sorted(lane[0].node.op for lane in s.lanes)
+        assert kinds[0] in ("B", "BI") and kinds[1] == "F"
+        for lane in s.lanes:
+            head = lane[0].node
+            for a in lane[1:]:
+                if a.node.op == "SEND":       # a lane sends only what its own item made
+                    assert (a.node.region, a.node.mb) == (head.region, head.mb)
+        for a in s.before:
+            assert a.node.op in ("RECV", "SEND", "ALL_GATHER")
+        # every action of the stretch is run exactly once
+        stretch = [a.key for a in plan0[s.start:s.stop]]
+        regrouped = [a.key for a in s.before] + [a.key for lane in s.lanes for a in lane] + [a.key for a in s.after]
+        assert sorted(stretch) == sorted(regrouped)
+
+
+def test_gathers_after_a_lane_that_reads_the_same_unit_wait_for_the_lanes():
+    c = compiled(DUALPIPEV_ZERO3, (("dp", 2), ("pp", 2)))
+    moved = 0
+    for rank in c.plans.representatives():
+        for s in spans(c.plans[rank], records(c, rank), own_units(c)).values():
+            lane_regions = {a.node.region for lane in s.lanes for a in lane}
+            for a in s.before:
+                if a.node.op == "ALL_GATHER":
+                    pos = [a2.key for a2 in c.plans[rank]].index(a.key)
+                    earlier = {x.node.region for x in c.plans[rank][s.start:pos] if x.node.is_compute}
+                    assert a.node.region not in earlier     # never refills a unit a lane may free
+            for a in s.after:
+                assert a.node.op != "RECV" and a.node.region in lane_regions
+                moved += 1
+    assert moved                      # the case exists in this plan
+
+
+def test_items_sharing_parameters_run_in_turn():
+    c = compiled(DUALPIPEV, (("pp", 2),))
+    shared = {r.index: {0} for r in c.ir.regions}       # as if every region read one tied unit
+    assert spans(c.plans[0], records(c, 0), shared) == {}
+    slot = next(s for s in records(c, 0) if len({(op == "F") for _, op, _, _ in s}) == 2)
+    assert span(c.plans[0], {k for k, *_ in slot}, own_units(c)) is not None
