@@ -22,10 +22,11 @@ from operator import itemgetter
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import IR, Edge, Node, _not_same
+from .ir import COMPUTE, IR, Edge, Node, _not_same, node_key
 from .lower import add_transfers, check_orders, resolve_placement, zero_levels
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
+_COMPUTE = frozenset(COMPUTE)
 
 
 _tuple_new = tuple.__new__
@@ -298,7 +299,7 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     edges: list[Edge] = []
     release: dict[str, tuple] = {}
 
-    computes = [(i, n) for i, n in enumerate(order) if n.is_compute]
+    computes = [(i, n) for i, n in enumerate(order) if n.op in _COMPUTE]
     grad_ops = ("B", "BW")
     last_grad: dict[int, int] = {}
     grad_producers: dict[int, list[str]] = defaultdict(list)
@@ -307,7 +308,7 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
             for u in units[n.region]:
                 last_grad[u] = i
                 grad_producers[u].append(n.key)
-    position = {n.key: i for i, n in computes}
+    position = {n.key: i for i, n in computes if n.op == "UPD"}
     for u in owners:
         reduce_op = "ALL_REDUCE" if zero <= 1 else "REDUCE_SCATTER"
         red = Node(reduce_op, u, devices=groups[u])
@@ -344,10 +345,14 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
                         edges.append(Edge(gather.key, n.key))
                 release[n.key] = tuple(u for u in need if u not in nxt)
     out: list[Node] = []
-    for i, n in enumerate(order):
-        out += before.get(i, [])
-        out.append(n)
-        out += after.get(i, [])
+    done = 0
+    for i in sorted(before.keys() | after.keys()):
+        out += order[done:i]
+        out += before.get(i, ())
+        out.append(order[i])
+        out += after.get(i, ())
+        done = i + 1
+    out += order[done:]
     return out, edges, release
 
 
@@ -360,11 +365,12 @@ class Plans(Mapping):
     verifier for one replica per data-parallel shard.
     """
 
-    def __init__(self, world_size: int, group_of: dict[int, tuple], sequences: dict[tuple, list],
-                 peer_of, shard_of: dict[int, tuple]):
+    def __init__(self, world_size: int, group_of: dict[int, tuple], sequences: dict[tuple, list[Action]],
+                 transfers: dict[tuple, list[tuple[int, tuple]]], peer_of, shard_of: dict[int, tuple]):
         self._world = world_size
         self._group_of = group_of
         self._sequences = sequences
+        self._transfers = transfers      # group -> (position, peer group) of each SEND/RECV
         self._peer_of = peer_of
         self._shard_of = shard_of
         self._cache: dict[int, tuple[Action, ...]] = {}
@@ -373,11 +379,21 @@ class Plans(Mapping):
         if rank not in self._cache:
             if not 0 <= rank < self._world:
                 raise KeyError(rank)
-            seq = self._sequences.get(self._group_of.get(rank), [])
-            self._cache[rank] = tuple(
-                Action(a.node, self._peer_of(rank, peer_group), a.tag) if peer_group is not None else a
-                for a, peer_group in seq)
+            self._cache[rank] = self._plan(rank)
         return self._cache[rank]
+
+    def _plan(self, rank: int) -> tuple[Action, ...]:
+        """The group's sequence with this device's peer in each send and receive."""
+        group = self._group_of.get(rank)
+        plan = list(self._sequences.get(group, ()))
+        peers: dict[tuple, int] = {}
+        for i, peer_group in self._transfers.get(group, ()):
+            peer = peers.get(peer_group)
+            if peer is None:
+                peer = peers[peer_group] = self._peer_of(rank, peer_group)
+            a = plan[i]
+            plan[i] = _tuple_new(Action, (a[0], peer, a[2], None, (), ()))
+        return tuple(plan)
 
     def __iter__(self):
         return iter(range(self._world))
@@ -406,38 +422,53 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
     def peer_of(rank: int, group: tuple[int, ...]) -> int:
         return member_by_shard[group][shard_of[rank]]
 
-    # An action waits for the receives and collectives that feed it, nothing else.
-    waits_of: dict[str, list[str]] = defaultdict(list)
-    waitable = {n.key for n in order if not n.is_compute and n.op != "SEND"}
-    for e in ir.edges:
-        if e.kind == "data" and e.src in waitable and e.src not in waits_of[e.dst]:
-            waits_of[e.dst].append(e.src)
-    sequences: dict[tuple, list] = defaultdict(list)
+    waits_of = _waits_of(ir, order)
+    sequences: dict[tuple, list[Action]] = {}
+    transfers: dict[tuple, list[tuple[int, tuple]]] = {}
+    waited: dict[tuple, set[str]] = {}
     tags: dict[str, int] = {}
-    waited: dict[tuple, set[str]] = defaultdict(set)
-
-    def first_waits(group: tuple, key: str) -> tuple[str, ...]:
-        """Each communication is waited for once per device: after `split B` a
-        received gradient feeds both BI and BW, and BI's wait already completed it."""
-        waits = tuple(k for k in waits_of.get(key, ()) if k not in waited[group])
-        waited[group].update(waits)
-        return waits
-
     for n in order:
-        g = n.devices
-        if n.op in ("SEND", "RECV"):
+        op, g = n.op, n.devices
+        seq = sequences.get(g)
+        if seq is None:
+            seq = sequences[g] = []
+            transfers[g], waited[g] = [], set()
+        if op == "SEND" or op == "RECV":
             # The tag names the transfer; both sides compute it from the SEND's key.
-            src = n.region if n.op == "SEND" else n.peer
-            dst = n.peer if n.op == "SEND" else n.region
-            send_key = Node("SEND", src, n.mb, n.phase, n.value, dst).key
+            send_key = n.key if op == "SEND" else node_key("SEND", n.peer, n.mb, n.phase, n.value, n.region)
             tag = tags.setdefault(send_key, len(tags))
-            sequences[g].append((Action(n, tag=tag), groups[n.peer]))
-        elif n.is_compute:
-            sequences[g].append((Action(n, waits=first_waits(g, n.key), release=release.get(n.key, ())), None))
+            transfers[g].append((len(seq), groups[n.peer]))
+            seq.append(_tuple_new(Action, (n, None, tag, None, (), ())))
+            continue
+        # Each communication is waited for once per device: after `split B` a
+        # received gradient feeds both BI and BW, and BI's wait already completed it.
+        waits = ()
+        feeds = waits_of.get(n.key)
+        if feeds:
+            done = waited[g]
+            waits = tuple(k for k in feeds if k not in done)
+            done.update(waits)
+        if op in _COMPUTE:
+            seq.append(_tuple_new(Action, (n, None, None, None, waits, release.get(n.key, ()))))
         else:
-            sequences[g].append((Action(n, group=g, waits=first_waits(g, n.key)), None))
+            seq.append(_tuple_new(Action, (n, None, None, g, waits, ())))
     group_of = {rank: g for g in sequences for rank in g}
-    return Plans(mesh.world_size, group_of, dict(sequences), peer_of, shard_of)
+    return Plans(mesh.world_size, group_of, sequences, transfers, peer_of, shard_of)
+
+
+def _waits_of(ir: IR, order: list[Node]) -> dict[str, list[str]]:
+    """Node key -> the receives and collectives feeding it by a data edge:
+    what an action waits for, nothing else (a send completes on its own)."""
+    waitable = {n.key for n in order if n.op not in _COMPUTE and n.op != "SEND"}
+    waits_of: dict[str, list[str]] = {}
+    for src, dst, kind in ir.edges:
+        if src in waitable and kind == "data":
+            feeds = waits_of.get(dst)
+            if feeds is None:
+                waits_of[dst] = [src]
+            elif src not in feeds:
+                feeds.append(src)
+    return waits_of
 
 
 def compile_ir(ir: IR) -> Compiled:

@@ -14,9 +14,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .compiler import Action
+from .ir import COMPUTE
 from .diagnostics import error
 
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "UPD": 0.0}
+_COMPUTE = frozenset(COMPUTE)
 
 
 @dataclass(frozen=True)
@@ -119,42 +121,48 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     pos = {r: 0 for r in plans}
     clock = {r: 0.0 for r in plans}
     busy = {r: 0.0 for r in plans}
-    timeline: dict[int, list] = defaultdict(list)
+    timeline: dict[int, list] = {}
     sent: dict[tuple, float] = {}              # (tag, src, dst) -> issue time
     done: dict[tuple[int, str], float] = {}    # (rank, key) -> completion of waitable comm
     issued: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> time
     group_last: dict[tuple, float] = defaultdict(float)
+    members_of: dict[tuple, int] = {}         # group -> how many of its ranks are simulated
 
-    def ready_time(rank: int, action: Action) -> float | None:
-        t = clock[rank]
+    def ready_time(rank: int, t: float, action) -> float | None:
+        """When `action` can start on `rank`, free at `t`: None while a wait is pending."""
         for key in action.waits:
-            if (rank, key) not in done:
+            finished = done.get((rank, key))
+            if finished is None:
                 return None
-            t = max(t, done[(rank, key)])
+            if finished > t:
+                t = finished
         return t
 
     progress = True
     while progress:
         progress = False
         for rank, plan in plans.items():
-            while pos[rank] < len(plan):
-                a = plan[pos[rank]]
-                if isinstance(a, _Overlapped):
-                    t = ready_time(rank, a)
+            # Run this device until it blocks; its clock and position live in locals meanwhile.
+            i, end, now, spent = pos[rank], len(plan), clock[rank], busy[rank]
+            start = i
+            while i < end:
+                a = plan[i]
+                if a.__class__ is _Overlapped:
+                    t = ready_time(rank, now, a)
                     if t is None:
                         break
                     cost = costs.get(a.name)
                     if cost is None:
                         cost = sum(costs.get(m.key, costs.get(m.node.op, 1.0)) for m in a.members)
-                    timeline[rank].append((t, t + cost, a.key))
-                    clock[rank] = t + cost
-                    busy[rank] += cost
-                    pos[rank] += 1
-                    progress = True
+                    _line(timeline, rank).append((t, t + cost, a.key))
+                    now = t + cost
+                    spent += cost
+                    i += 1
                     continue
-                op = a.node.op
+                node = a.node
+                op = node.op
                 if op == "SEND":
-                    sent[(a.tag, rank, a.peer)] = clock[rank]
+                    sent[(a.tag, rank, a.peer)] = now
                 elif op == "RECV":
                     t_send = sent.get((a.tag, a.peer, rank))
                     if t_send is None:
@@ -162,33 +170,46 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                         # never blocks, but its completion must be known for waiters, so
                         # stall this device until the sender reaches its send.
                         break
-                    done[(rank, a.key)] = max(clock[rank], t_send) + comm_cost(a.node)
-                elif a.node.is_compute:
-                    t = ready_time(rank, a)
+                    done[(rank, node.key)] = max(now, t_send) + comm_cost(node)
+                elif op in _COMPUTE:
+                    t = ready_time(rank, now, a) if a.waits else now
                     if t is None:
                         break
-                    cost = costs.get(a.key, costs.get(op, 1.0))
-                    timeline[rank].append((t, t + cost, a.key))
-                    clock[rank] = t + cost
-                    busy[rank] += cost
+                    cost = costs.get(node.key, costs.get(op, 1.0))
+                    _line(timeline, rank).append((t, t + cost, node.key))
+                    now = t + cost
+                    spent += cost
                 else:  # collective
-                    members = issued[(a.key, a.group)]
-                    members[rank] = clock[rank]
-                    # Only simulated ranks count: a plan set holding one replica per
-                    # data-parallel shard stands for its (identical) peers.
-                    if len(members) == sum(1 for m in a.group if m in plans):
-                        start = max(max(members.values()), group_last[a.group])
-                        end = start + comm_cost(a.node)
-                        group_last[a.group] = end
-                        for member in a.group:
-                            done[(member, a.key)] = end
-                pos[rank] += 1
+                    group = a.group
+                    members = issued[(node.key, group)]
+                    members[rank] = now
+                    need = members_of.get(group)
+                    if need is None:
+                        # Only simulated ranks count: a plan set holding one replica per
+                        # data-parallel shard stands for its (identical) peers.
+                        need = members_of[group] = sum(1 for m in group if m in plans)
+                    if len(members) == need:
+                        start_at = max(max(members.values()), group_last[group])
+                        finish = start_at + comm_cost(node)
+                        group_last[group] = finish
+                        for member in group:
+                            done[(member, node.key)] = finish
+                i += 1
+            if i != start:
+                pos[rank], clock[rank], busy[rank] = i, now, spent
                 progress = True
     stuck = {r: pos[r] for r in plans if pos[r] < len(plans[r])}
     if stuck:
         raise deadlock_error(plans, pos, done)
     step = max(list(clock.values()) + [t for t in group_last.values()] + [0.0])
-    return Simulation(step, busy, dict(timeline))
+    return Simulation(step, busy, timeline)
+
+
+def _line(timeline: dict[int, list], rank: int) -> list:
+    line = timeline.get(rank)
+    if line is None:
+        line = timeline[rank] = []
+    return line
 
 
 def check_collective_order(plans) -> None:
