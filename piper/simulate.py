@@ -108,7 +108,8 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     overlapped slot such as DualPipeV's `[F(PP=0, MB=7), B(PP=7, MB=3)]`, found
     by `piper.interop.overlapped_slots`): the unit starts when the device is
     free and every member's inputs have arrived, its outputs leave when it
-    ends, and it takes `costs["F&B"]` (its members' passes joined by `&`,
+    ends, and it takes `costs[its members' keys joined by "&"]` (as `job.timings()`
+    reports a slot run in lanes), else `costs["F&B"]` (its members' passes joined by `&`,
     BI+BW counted as B), or the sum of its members' costs when that is not
     given. Without `overlap`, every action runs one after another.
     """
@@ -151,7 +152,7 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                     t = ready_time(rank, now, a)
                     if t is None:
                         break
-                    cost = costs.get(a.name)
+                    cost = costs.get(a.key, costs.get(a.name))   # this slot as timed, else its kind
                     if cost is None:
                         cost = sum(costs.get(m.key, costs.get(m.node.op, 1.0)) for m in a.members)
                     _line(timeline, rank).append((t, t + cost, a.key))
