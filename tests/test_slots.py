@@ -95,3 +95,18 @@ def test_items_sharing_parameters_run_in_turn():
     assert spans(c.plans[0], records(c, 0), shared) == {}
     slot = next(s for s in records(c, 0) if len({(op == "F") for _, op, _, _ in s}) == 2)
     assert span(c.plans[0], {k for k, *_ in slot}, own_units(c)) is not None
+
+
+def test_simulator_costs_a_slot_by_its_timed_key():
+    """job.timings() reports a slot run in lanes as 'a&b'; simulate(overlap=...) takes that as the slot's cost."""
+    from piper.interop import overlapped_slots
+    from piper.simulate import simulate
+
+    c = compiled(DUALPIPEV, (("pp", 2),))
+    groups = overlapped_slots(c)
+    timed = "&".join(groups[0])
+    sim = simulate(c.plans, costs={timed: 0.25}, overlap=groups)
+    spans_ = [end - start for rank in sim.timeline for start, end, key in sim.timeline[rank] if key == timed]
+    assert spans_ == [0.25]
+    other = "&".join(groups[1])
+    assert [end - start for r in sim.timeline for start, end, key in sim.timeline[r] if key == other] == [3.0]
