@@ -291,10 +291,16 @@ class Job:
         self._check_open()
         return dict(enumerate(self._get([a.memory.remote() for a in self.actors], "memory")))
 
-    def timings(self) -> dict[int, dict[str, float]]:
-        """Per rank: seconds each compute action took in the last step (`0F3`: 0.012, ...)."""
+    def timings(self, cpu: bool = False) -> dict[int, dict[str, float]]:
+        """Per rank: seconds each compute action took in the last step (`0F3`: 0.012, ...).
+
+        An overlapped slot run in lanes also has an entry for the whole slot
+        (`0F7&3BI3&3BW3`). `cpu=True` gives the worker thread's CPU seconds
+        instead of wall-clock ones (CPU devices): the cost of each action on a
+        core of its own, which `simulate(..., cores=N)` shares out when devices
+        outnumber cores."""
         self._check_open()
-        return dict(enumerate(self._get([a.timings.remote() for a in self.actors], "timings")))
+        return dict(enumerate(self._get([a.timings.remote(cpu) for a in self.actors], "timings")))
 
     def show(self) -> str:
         return self.compiled.show()

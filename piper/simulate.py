@@ -98,7 +98,8 @@ class Simulation:
         return 0.0 if total == 0 else 1 - sum(self.busy.values()) / total
 
 
-def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, overlap=()) -> Simulation:
+def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, overlap=(), *,
+             cores: int | None = None, devices: int | None = None) -> Simulation:
     """Simulate `plans`; raise `PiperError(deadlock)` with a step x device grid if stuck.
 
     `costs` maps a pass (F, B, BI, BW, UPD) or a node key to its time
@@ -112,7 +113,13 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     reports a slot run in lanes), else `costs["F&B"]` (its members' passes joined by `&`,
     BI+BW counted as B), or the sum of its members' costs when that is not
     given. Without `overlap`, every action runs one after another.
+
+    `cores`: the devices are processes sharing this many CPU cores (`devices`
+    of them in all; default one per plan), and `costs` are each action's
+    time on a core of its own (`job.timings(cpu=True)`). See `_on_shared_cores`.
     """
+    if cores is not None:
+        return _on_shared_cores(plans, costs, comm_cost, overlap, cores, devices or len(plans))
     check_collective_order(plans)
     if overlap:
         groups = [tuple(g) for g in overlap]
@@ -274,3 +281,28 @@ def verify(compiled) -> Simulation:
     """Simulate one replica per data-parallel shard (the others run identical
     plans with their own peers): a deadlock is found, and costs nothing per replica."""
     return simulate(compiled.plans.representatives())
+
+
+def _on_shared_cores(plans, costs, comm_cost, overlap, cores: int, devices: int, rounds: int = 20) -> Simulation:
+    """Devices that outnumber the cores slow each other down: a mean-field model.
+
+    When k devices compute at once on c < k cores, each runs at c/k of its
+    speed. Tracking that exactly needs the simulation to know, at every
+    instant, who is computing; instead every cost is stretched by one factor
+    f = max(1, k/c), with k the average number of devices computing over the
+    step that f itself produces (each device's busy time over the step,
+    summed), iterated to a fixed point. k grows with f and is at most the
+    number of devices, so the iteration settles within a few rounds.
+    """
+    base = {**UNIT_COSTS, **(costs or {})}
+    factor, sim = 1.0, None
+    for _ in range(rounds):
+        sim = simulate(plans, {k: v * factor for k, v in base.items()}, comm_cost, overlap)
+        if sim.step_time <= 0:
+            return sim
+        busy = sum(sim.busy.values()) / len(sim.busy) / sim.step_time * devices   # devices computing, on average
+        new = max(1.0, busy / cores)
+        if abs(new - factor) < 1e-3 * factor:
+            break
+        factor = new
+    return sim

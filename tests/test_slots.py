@@ -110,3 +110,18 @@ def test_simulator_costs_a_slot_by_its_timed_key():
     assert spans_ == [0.25]
     other = "&".join(groups[1])
     assert [end - start for r in sim.timeline for start, end, key in sim.timeline[r] if key == other] == [3.0]
+
+
+def test_devices_sharing_cores_stretch_the_step():
+    """simulate(cores=...): more devices computing than cores slows them all down (mean field)."""
+    from piper.simulate import simulate
+
+    c = plan(load_strategy("use gpipe(microbatches=8) on pp\n"), mesh={"pp": 4}, program=Program.chain("PP=4"))
+    alone = simulate(c.plans)
+    assert simulate(c.plans, cores=4).step_time == alone.step_time       # a core each: nothing changes
+    shared = simulate(c.plans, cores=2)
+    busy = sum(alone.busy.values()) / alone.step_time                       # devices computing on average
+    assert busy > 2
+    assert shared.step_time > alone.step_time
+    # the work of all devices (busy-time sum) cannot finish faster than on 2 cores
+    assert shared.step_time >= sum(alone.busy.values()) / 2 - 1e-9

@@ -219,6 +219,7 @@ class Executor:
         self.pending: dict[str, tuple[list, object]] = {}
         self.sends: list = []
         self.timings: dict[str, float] = {}       # compute seconds per action, last step
+        self.cpu_timings: dict[str, float] = {}   # the same in this thread's CPU seconds (CPU devices)
         self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
         self.activation_peak = 0                  # bytes saved for backward, at most, last step
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
@@ -266,11 +267,14 @@ class Executor:
     def _run(self, action) -> tuple[float, float]:
         for key in action.waits:
             self._wait(key)
-        start = time.perf_counter()
+        cpu, start = time.thread_time(), time.perf_counter()
         getattr(self, "_" + action.node.op.lower())(action)
         end = time.perf_counter()
         if action.node.is_compute:
             self.timings[action.key] = end - start
+            # CPU seconds are what the action costs on a core of its own: the wall time above
+            # also holds whatever other processes sharing the core took meanwhile.
+            self.cpu_timings[action.key] = time.thread_time() - cpu
         return start, end
 
     def _run_lane(self, lane) -> tuple[float, float]:
@@ -296,6 +300,8 @@ class Executor:
         # The slot's cost as the simulator counts it: computing, from the first lane's
         # start to the last lane's end (waits for inputs before that are not its cost).
         self.timings[span.key] = max(end for _, end in times) - min(start for start, _ in times)
+        lane_cpu = [sum(self.cpu_timings[a.key] for a in lane if a.node.is_compute) for lane in span.lanes]
+        self.cpu_timings[span.key] = max(lane_cpu)      # each lane on a core of its own
         for action in span.after:
             self._run(action)
 

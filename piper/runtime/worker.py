@@ -64,8 +64,8 @@ class Worker:
     def memory(self):
         return self.executor.memory()
 
-    def timings(self):
-        return dict(self.executor.timings)
+    def timings(self, cpu: bool = False):
+        return dict(self.executor.cpu_timings if cpu else self.executor.timings)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
