@@ -193,7 +193,10 @@ def cmd_simulate(args) -> int:
     if args.timings:
         with open(args.timings, encoding="utf-8") as f:
             costs.update({k: float(v) for k, v in json.load(f).items()})
-    sim = simulate(compiled.plans.representatives(), costs=costs)
+    # A slot the runtime ran in lanes is timed as one entry, its members' keys joined by "&".
+    lanes = tuple(tuple(k.split("&")) for k in costs if "&" in k)
+    sim = simulate(compiled.plans.representatives(), costs=costs, overlap=lanes, cores=args.cores,
+                   devices=compiled.ir.mesh.world_size)
     table = Table(title=f"{args.script}: predicted step {sim.step_time:g}, bubble {sim.bubble_fraction:.1%}")
     for column in ("rank", "busy", "idle", "bubble", "peak microbatches in flight"):
         table.add_column(column, justify="right")
@@ -250,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_flags(sim)
     sim.add_argument("--costs", metavar="PASS=TIME,...", help="per-pass costs (default F=1,B=2,BI=1,BW=1)")
     sim.add_argument("--timings", metavar="FILE.json", help="measured costs per action key (job.timings())")
+    sim.add_argument("--cores", type=int, metavar="N",
+                     help="the devices share N CPU cores (costs from job.timings(cpu=True))")
     sim.add_argument("--timeline", action="store_true", help="draw each device's timeline")
     sim.set_defaults(func=cmd_simulate)
 

@@ -49,3 +49,12 @@ def test_every_stdlib_and_example_script_checks_clean(capsys):
     assert main(["check", "examples/gpt_zero3_1f1b.pps", "--regions", "PP=2"]) == 0
     for script in ("examples/gpt_dualpipev.pps", "examples/gpt_zbv.pps", "examples/gpt_zero2_interleaved.pps"):
         assert main(["check", script, "--regions", "PP=4"]) == 0, script
+
+
+def test_simulate_on_shared_cores(capsys):
+    """--cores: four devices on two cores take at least their total work / 2."""
+    args = ["simulate", "stdlib/gpipe.pps", "--regions", "PP=4", "--mesh", "pp=4", "--set", "microbatches=8"]
+    assert main(args) == 0
+    assert "predicted step 33" in capsys.readouterr().out        # (8 + 4 - 1) * 3
+    assert main(args + ["--cores", "2"]) == 0
+    assert "predicted step 48" in capsys.readouterr().out        # 4 devices * 8 * 3 / 2 cores
