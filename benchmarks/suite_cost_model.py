@@ -413,8 +413,8 @@ def run(ctx) -> SuiteResult:
         "finished, per device (rank order); a device holding two regions counts a microbatch once per region "
         "it is live in (interleaved, zbv, dualpipev).",
         "compute: the busiest device's sum of job.timings() per step (median over the timed steps). On this "
-        "CPU runtime a split backward (BI then BW, two autograd passes: zbv, and dualpipev's drain) costs more than one "
-        "whole B; compare with interleaved, which has as many regions per device but whole backwards.",
+        "CPU runtime a split backward (BI then BW, two autograd passes: zbv, and dualpipev's drain) costs more "
+        "than one whole B; compare with interleaved, which has as many regions per device but whole backwards.",
     ]
     within = sum(1 for e in errors_raw if abs(e) <= TARGET)
     if errors_raw:
