@@ -22,7 +22,7 @@ from operator import itemgetter
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import COMPUTE, IR, Edge, Node, _not_same, node_key
+from .ir import COMPUTE, IR, Edge, Node, _not_same, distinct_edges, node_key
 from .lower import add_transfers, check_orders, resolve_placement, zero_levels
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
@@ -121,9 +121,17 @@ def schedule(ir: IR) -> list[Node]:
     each other); the error names the order statements whose edges close it.
     """
     index = ir.index()
-    keys = _by_priority(index)
-    # Nodes are numbered in priority order, so the ready heap holds plain ints.
+    # Communication (priority (0,)) goes before any compute, so the ready nodes
+    # wait in two heaps: communication by key, computes by (priority, key).
+    # Nodes are numbered communication first, so `i < n_comm` says which heap.
+    comm = [n for n in index.values() if n.op not in _COMPUTE]
+    computes = [n for n in index.values() if n.op in _COMPUTE]
+    nodes = comm + computes
+    keys = [n.key for n in nodes]
+    n_comm = len(comm)
     number = {k: i for i, k in enumerate(keys)}
+    entry = [(n.key, i) for i, n in enumerate(comm)]
+    entry += [(_priority(n), n.key, i) for i, n in enumerate(computes, n_comm)]
     succ: list[list[int]] = [[] for _ in keys]
     indeg = [0] * len(keys)
     try:
@@ -133,30 +141,25 @@ def schedule(ir: IR) -> list[Node]:
     except KeyError:
         bad = next(e for e in ir.edges if e.src not in index or e.dst not in index)
         raise AssertionError(f"edge to unknown node {bad}") from None
-    heap = [i for i, d in enumerate(indeg) if d == 0]     # ascending: already a heap
+    ready_comm = [entry[i] for i in range(n_comm) if indeg[i] == 0]
+    ready_compute = [entry[i] for i in range(n_comm, len(keys)) if indeg[i] == 0]
+    heapq.heapify(ready_comm)
+    heapq.heapify(ready_compute)
     pop, push = heapq.heappop, heapq.heappush
     out = []
-    while heap:
-        i = pop(heap)
-        out.append(i)
+    while ready_comm or ready_compute:
+        i = pop(ready_comm)[1] if ready_comm else pop(ready_compute)[2]
+        out.append(nodes[i])
         for j in succ[i]:
             indeg[j] -= 1
             if not indeg[j]:
-                push(heap, j)
+                push(ready_comm if j < n_comm else ready_compute, entry[j])
     if len(out) != len(keys):
         raise _cycle_error(ir, {keys[i] for i, d in enumerate(indeg) if d > 0})
-    return [index[keys[i]] for i in out]
+    return out
 
 
 _SRC, _DST = itemgetter(0), itemgetter(1)
-
-
-def _by_priority(index: dict[str, Node]) -> list[str]:
-    """Every key, sorted by (`_priority`, key): communication (priority (0,))
-    by key, then computes by their priority (unique to each compute node)."""
-    comm = sorted(k for k, n in index.items() if not n.is_compute)
-    compute = sorted((_priority(n), k) for k, n in index.items() if n.is_compute)
-    return comm + [k for _, k in compute]
 
 
 def _cycle_error(ir: IR, stuck: set[str]):
@@ -365,12 +368,12 @@ class Plans(Mapping):
     verifier for one replica per data-parallel shard.
     """
 
-    def __init__(self, world_size: int, group_of: dict[int, tuple], sequences: dict[tuple, list[Action]],
-                 transfers: dict[tuple, list[tuple[int, tuple]]], peer_of, shard_of: dict[int, tuple]):
+    def __init__(self, world_size: int, group_of: dict[int, tuple], sequences: dict[tuple, list],
+                 transfers: dict[tuple, "_Transfers"], peer_of, shard_of: dict[int, tuple]):
         self._world = world_size
         self._group_of = group_of
-        self._sequences = sequences
-        self._transfers = transfers      # group -> (position, peer group) of each SEND/RECV
+        self._sequences = sequences      # group -> its actions, None where a SEND/RECV goes
+        self._transfers = transfers      # group -> its SEND/RECVs, filled in per device
         self._peer_of = peer_of
         self._shard_of = shard_of
         self._cache: dict[int, tuple[Action, ...]] = {}
@@ -383,16 +386,14 @@ class Plans(Mapping):
         return self._cache[rank]
 
     def _plan(self, rank: int) -> tuple[Action, ...]:
-        """The group's sequence with this device's peer in each send and receive."""
+        """The group's sequence with this device's SEND/RECVs, each with its peer, in place."""
         group = self._group_of.get(rank)
         plan = list(self._sequences.get(group, ()))
-        peers: dict[tuple, int] = {}
-        for i, peer_group in self._transfers.get(group, ()):
-            peer = peers.get(peer_group)
-            if peer is None:
-                peer = peers[peer_group] = self._peer_of(rank, peer_group)
-            a = plan[i]
-            plan[i] = _tuple_new(Action, (a[0], peer, a[2], None, (), ()))
+        if group in self._transfers:
+            t = self._transfers[group]
+            peers = {g: self._peer_of(rank, g) for g in dict.fromkeys(t.peer_groups)}
+            for i, node, tag, peer_group in zip(t.positions, t.nodes, t.tags, t.peer_groups):
+                plan[i] = _tuple_new(Action, (node, peers[peer_group], tag, None, (), ()))
         return tuple(plan)
 
     def __iter__(self):
@@ -402,9 +403,24 @@ class Plans(Mapping):
         return self._world
 
     def representatives(self) -> dict[int, tuple[Action, ...]]:
-        """One replica per group: the devices holding the first batch shard."""
+        """One replica per group: the devices holding the first batch shard.
+
+        Not kept: verification reads them once, and plans kept for every group
+        would be that many more objects for the garbage collector to scan.
+        """
         first = self._shard_of[0]
-        return {r: self[r] for r in range(self._world) if self._shard_of[r] == first}
+        return {r: self._cache.get(r) or self._plan(r) for r in range(self._world) if self._shard_of[r] == first}
+
+
+@dataclass
+class _Transfers:
+    """A group's SEND/RECVs, as columns: where each goes in the sequence, its
+    node and tag, and the group on the other side (which picks the peer)."""
+
+    positions: list[int] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    tags: list[int] = field(default_factory=list)
+    peer_groups: list[tuple] = field(default_factory=list)
 
 
 def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
@@ -423,8 +439,8 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
         return member_by_shard[group][shard_of[rank]]
 
     waits_of = _waits_of(ir, order)
-    sequences: dict[tuple, list[Action]] = {}
-    transfers: dict[tuple, list[tuple[int, tuple]]] = {}
+    sequences: dict[tuple, list] = {}
+    transfers: dict[tuple, _Transfers] = {}
     waited: dict[tuple, set[str]] = {}
     tags: dict[str, int] = {}
     for n in order:
@@ -432,13 +448,16 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
         seq = sequences.get(g)
         if seq is None:
             seq = sequences[g] = []
-            transfers[g], waited[g] = [], set()
+            transfers[g], waited[g] = _Transfers(), set()
         if op == "SEND" or op == "RECV":
             # The tag names the transfer; both sides compute it from the SEND's key.
             send_key = n.key if op == "SEND" else node_key("SEND", n.peer, n.mb, n.phase, n.value, n.region)
-            tag = tags.setdefault(send_key, len(tags))
-            transfers[g].append((len(seq), groups[n.peer]))
-            seq.append(_tuple_new(Action, (n, None, tag, None, (), ())))
+            t = transfers[g]
+            t.positions.append(len(seq))
+            t.nodes.append(n)
+            t.tags.append(tags.setdefault(send_key, len(tags)))
+            t.peer_groups.append(groups[n.peer])
+            seq.append(None)
             continue
         # Each communication is waited for once per device: after `split B` a
         # received gradient feeds both BI and BW, and BI's wait already completed it.
@@ -461,7 +480,7 @@ def _waits_of(ir: IR, order: list[Node]) -> dict[str, list[str]]:
     what an action waits for, nothing else (a send completes on its own)."""
     waitable = {n.key for n in order if n.op not in _COMPUTE and n.op != "SEND"}
     waits_of: dict[str, list[str]] = {}
-    for src, dst, kind in ir.edges:
+    for src, dst, kind, _ in ir.edges:
         if src in waitable and kind == "data":
             feeds = waits_of.get(dst)
             if feeds is None:
@@ -481,9 +500,19 @@ def compile_ir(ir: IR) -> Compiled:
     ir = add_transfers(ir)
     order = schedule(ir)
     order, extra, release = add_collectives(ir, order, zero)
-    ir = ir.with_(nodes=tuple(order), edges=tuple(dict.fromkeys(ir.edges + tuple(extra))))
+    ir = ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
     plans = project(ir, order, release)
     return Compiled(ir, order, plans, zero, warnings)
+
+
+def _with_new_edges(ir: IR, extra: list[Edge]) -> tuple[Edge, ...]:
+    """`dict.fromkeys(ir.edges + extra)`. The IR's edges are already distinct
+    and join its nodes (`schedule` checked), so an extra edge reaching a new
+    node repeats none of them: only the extra edges need deduplicating."""
+    index = ir.index()
+    if all(e.src not in index or e.dst not in index for e in extra):
+        return ir.edges + distinct_edges(extra)
+    return distinct_edges(ir.edges + tuple(extra))
 
 
 def _check_order_devices(ir: IR) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections import namedtuple
+from operator import itemgetter
 from dataclasses import dataclass, field, replace
 
 from .diagnostics import Span, error
@@ -57,7 +58,7 @@ _tuple_new = tuple.__new__
 # Only for their C-level field accessors: Node and Edge below are tuples, which
 # build several times faster than frozen dataclasses and are immutable as well.
 _NodeFields = namedtuple("_NodeFields", "op region mb phase value peer devices stream key")
-_EdgeFields = namedtuple("_EdgeFields", "src dst kind")
+_EdgeFields = namedtuple("_EdgeFields", "src dst kind span")
 
 
 def _not_same(other, ne: bool = False):
@@ -172,45 +173,51 @@ class Edge(tuple):
 
     `span` points at the statement that made a temporal edge, for diagnostics.
     Compared and hashed by (src, dst, kind), as the frozen dataclass it
-    replaces was: those are the tuple, so hashing (edges are deduplicated by
-    the hundred thousand) is the tuple's own; `span`, not part of the
-    value, is an attribute set only where there is one.
+    replaces was; a tuple for the same reason as `Node`. `distinct_edges`
+    deduplicates many at once.
     """
 
-    src, dst, kind = _EdgeFields.src, _EdgeFields.dst, _EdgeFields.kind
-    span: Span | None = None
+    __slots__ = ()
+    src, dst, kind, span = _EdgeFields.src, _EdgeFields.dst, _EdgeFields.kind, _EdgeFields.span
 
     def __new__(cls, src: str, dst: str, kind: str = "data", span: Span | None = None) -> "Edge":
-        edge = _tuple_new(cls, (src, dst, kind))
-        if span is not None:
-            edge.__dict__["span"] = span
-        return edge
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"cannot assign to field {name!r} of an Edge")
+        return _tuple_new(cls, (src, dst, kind, span))
 
     def __eq__(self, other):
         if other.__class__ is self.__class__:
-            return tuple.__eq__(self, other)
+            return self[:3] == other[:3]
         return _not_same(other)
 
     def __ne__(self, other):
         if other.__class__ is self.__class__:
-            return tuple.__ne__(self, other)
+            return self[:3] != other[:3]
         return _not_same(other, True)
 
-    __hash__ = tuple.__hash__
+    def __hash__(self) -> int:
+        return hash(self[:3])
 
     def __reduce__(self):
-        return Edge, (*self, self.span)
+        return Edge, tuple(self)
 
     def __repr__(self) -> str:
-        return f"Edge(src={self[0]!r}, dst={self[1]!r}, kind={self[2]!r}, span={self.span!r})"
+        return f"Edge(src={self[0]!r}, dst={self[1]!r}, kind={self[2]!r}, span={self[3]!r})"
+
+
+_IDENTITY = itemgetter(0, 1, 2)
+
+
+def distinct_edges(edges) -> tuple[Edge, ...]:
+    """`tuple(dict.fromkeys(edges))`: the first of each set of equal edges, in
+    order. Edges rarely repeat, so this first checks (in C) that none does."""
+    edges = tuple(edges)
+    if len(dict.fromkeys(map(_IDENTITY, edges))) == len(edges):
+        return edges
+    return tuple(dict.fromkeys(edges))
 
 
 def data_edge(src: str, dst: str) -> Edge:
     """`Edge(src, dst)` without the call overhead, for passes that make hundreds of thousands."""
-    return _tuple_new(Edge, (src, dst, "data"))
+    return _tuple_new(Edge, (src, dst, "data", None))
 
 
 @dataclass(frozen=True)
@@ -259,6 +266,8 @@ class IR:
     placement_spans: tuple[Span | None, ...] = field(default=(), compare=False)
     sharding_spans: tuple[Span | None, ...] = field(default=(), compare=False)
     split_span: Span | None = field(default=None, compare=False)
+    # Indexes of `nodes`, built on first use; rewrites that keep the nodes share them.
+    _indexes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, key: str) -> Node:
         for n in self.nodes:
@@ -267,12 +276,21 @@ class IR:
         raise KeyError(key)
 
     def index(self) -> dict[str, Node]:
-        """Nodes by key (cached per node tuple: most rewrites keep the nodes)."""
-        return _index_of(self.nodes)[0]
+        """Nodes by key (built once per node tuple: most rewrites keep the nodes)."""
+        found = self._indexes.get("key")
+        if found is None:
+            found = self._indexes["key"] = {n.key: n for n in self.nodes}
+        return found
 
     def by_pass(self) -> dict[tuple[str, int], dict]:
         """Compute nodes by (pass, region), then by microbatch."""
-        return _index_of(self.nodes)[1]
+        found = self._indexes.get("pass")
+        if found is None:
+            found = self._indexes["pass"] = {}
+            for n in self.nodes:
+                if n.op in _COMPUTE:
+                    found.setdefault((n.op, n.region), {})[n.mb] = n
+        return found
 
     def devices_of(self, region: int) -> tuple[int, ...] | None:
         for r, ranks in self.placement:
@@ -303,24 +321,10 @@ class IR:
         return None
 
     def with_(self, **changes) -> "IR":
-        return replace(self, **changes)
-
-
-_INDEX_CACHE: dict[int, tuple] = {}
-
-
-def _index_of(nodes: tuple[Node, ...]):
-    hit = _INDEX_CACHE.get(id(nodes))
-    if hit is not None and hit[0] is nodes:
-        return hit[1]
-    by_key = {n.key: n for n in nodes}
-    by_pass: dict[tuple[str, int], dict] = {}
-    for n in nodes:
-        if n.op in COMPUTE:
-            by_pass.setdefault((n.op, n.region), {})[n.mb] = n
-    _INDEX_CACHE.clear()    # one entry: the IR being rewritten now
-    _INDEX_CACHE[id(nodes)] = (nodes, (by_key, by_pass))
-    return by_key, by_pass
+        new = replace(self, **changes)
+        if "nodes" not in changes:
+            object.__setattr__(new, "_indexes", self._indexes)
+        return new
 
 
 def format_ir(ir: IR) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import IR, Edge, Node, data_edge, node_key
+from .ir import IR, Edge, Node, data_edge, distinct_edges, node_key
 
 
 def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
@@ -169,7 +169,7 @@ def add_transfers(ir: IR) -> IR:
                     edges.append(data_edge(grecv.key, t))
                 edges += (data_edge(b_c, gsend.key), data_edge(gsend.key, grecv.key))
     kept = [e for e in ir.edges if e.kind != "data" or (e.src, e.dst) not in drop]
-    return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(kept + edges)))
+    return ir.with_(nodes=tuple(nodes), edges=distinct_edges(kept + edges))
 
 
 def check_orders(ir: IR, warnings: list[Diagnostic]) -> None:

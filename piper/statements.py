@@ -12,7 +12,7 @@ from __future__ import annotations
 from .capture import Program
 from .diagnostics import Label, did_you_mean, error
 from .directives import Directive, Order, Place, Shard, Split
-from .ir import IR, Edge, Node, RegionInfo, ValueInfo
+from .ir import IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from .mesh import Mesh
 from .selectors import Selector
 
@@ -117,7 +117,7 @@ def split_microbatches(ir: IR, d: Split) -> IR:
     # Copies of distinct edges are distinct unless both ends are once-per-step nodes (UPD).
     once = {node.key for node in ir.nodes if node.mb is None}
     if len(set(ir.edges)) != len(ir.edges) or any(e.src in once and e.dst in once for e in ir.edges):
-        edges = list(dict.fromkeys(edges))
+        edges = distinct_edges(edges)
     return ir.with_(nodes=tuple(nodes), edges=tuple(edges), microbatches=n, split_span=d.span)
 
 
@@ -155,7 +155,7 @@ def split_backward(ir: IR, d: Split) -> IR:
     for node in ir.nodes:
         if node.op == "B":
             edges.append(Edge(node.but(op="BI").key, node.but(op="BW").key))
-    return ir.with_(nodes=tuple(nodes), edges=tuple(dict.fromkeys(edges)), backward_split=True)
+    return ir.with_(nodes=tuple(nodes), edges=distinct_edges(edges), backward_split=True)
 
 
 def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
