@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
 from .ir import COMPUTE, IR, Edge, Node, _not_same, distinct_edges, node_key
-from .lower import add_transfers, check_orders, resolve_placement, zero_levels
+from .lower import add_transfers, check_orders, resolve_placement, temporal_edges, zero_levels
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
 _COMPUTE = frozenset(COMPUTE)
@@ -495,8 +495,9 @@ def compile_ir(ir: IR) -> Compiled:
     warnings: list[Diagnostic] = []
     ir = resolve_placement(ir, warnings)
     zero = zero_levels(ir)
-    _check_order_devices(ir)
-    check_orders(ir, warnings)
+    temporal = temporal_edges(ir)
+    _check_order_devices(temporal)
+    check_orders(ir, warnings, temporal)
     ir = add_transfers(ir)
     order = schedule(ir)
     order, extra, release = add_collectives(ir, order, zero)
@@ -515,13 +516,10 @@ def _with_new_edges(ir: IR, extra: list[Edge]) -> tuple[Edge, ...]:
     return distinct_edges(ir.edges + tuple(extra))
 
 
-def _check_order_devices(ir: IR) -> None:
+def _check_order_devices(temporal: list[tuple[Edge, Node, Node]]) -> None:
     """A temporal edge between nodes on different devices cannot be enforced without data."""
-    index = ir.index()
-    for e in ir.edges:
-        if e.kind == "temporal":
-            a, b = index[e.src], index[e.dst]
-            if a.devices != b.devices:
-                raise error("order-across-devices", f"this order puts {a.key} (on ranks {list(a.devices)}) "
-                            f"before {b.key} (on ranks {list(b.devices)}), which run on different devices",
-                            span=e.span, hint="order only the passes of regions placed on the same devices")
+    for e, a, b in temporal:
+        if a.devices != b.devices:
+            raise error("order-across-devices", f"this order puts {a.key} (on ranks {list(a.devices)}) "
+                        f"before {b.key} (on ranks {list(b.devices)}), which run on different devices",
+                        span=e.span, hint="order only the passes of regions placed on the same devices")

@@ -172,19 +172,32 @@ def add_transfers(ir: IR) -> IR:
     return ir.with_(nodes=tuple(nodes), edges=distinct_edges(kept + edges))
 
 
-def check_orders(ir: IR, warnings: list[Diagnostic]) -> None:
-    """Warn where an `order` covers a pass for some microbatches but not all, or
-    orders a BI but not its BW: the rest then run wherever the default puts them."""
+def temporal_edges(ir: IR) -> list[tuple[Edge, Node, Node]]:
+    """The `order` statements' edges, each with the nodes at its ends."""
     index = ir.index()
-    statements: dict[tuple, set[str]] = {}
-    for e in ir.edges:
-        if e.kind == "temporal":
-            src, dst = index[e.src], index[e.dst]
-            statements.setdefault((e.span, src.devices), set()).update((e.src, e.dst))
-    for (span, _), keys in statements.items():
-        nodes = [index[k] for k in keys]
+    return [(e, index[e.src], index[e.dst]) for e in ir.edges if e.kind == "temporal"]
+
+
+def check_orders(ir: IR, warnings: list[Diagnostic], temporal: list[tuple[Edge, Node, Node]] | None = None) -> None:
+    """Warn where an `order` covers a pass for some microbatches but not all, or
+    orders a BI but not its BW: the rest then run wherever the default puts them.
+    `temporal` is `temporal_edges(ir)`, if the caller has it."""
+    if temporal is None:
+        temporal = temporal_edges(ir)
+    statements: dict[tuple, dict[str, Node]] = {}    # (span, devices) -> the nodes it orders
+    ordered: dict[str, Node] = {}
+    span = devices = object()
+    for e, src, dst in temporal:
+        # A statement's edges come one after another: look its entry up again only
+        # when the span or devices change (hashing a span is not free).
+        if e.span is not span or src.devices is not devices:
+            span, devices = e.span, src.devices
+            ordered = statements.setdefault((span, devices), {})
+        ordered[e.src] = src
+        ordered[e.dst] = dst
+    for (span, _), ordered in statements.items():
         by_pass: dict[tuple[str, int], set[int]] = {}
-        for n in nodes:
+        for n in ordered.values():
             by_pass.setdefault((n.op, n.region), set()).add(n.mb)
         for (op, region), mbs in sorted(by_pass.items()):
             if len(mbs) < ir.microbatches:
