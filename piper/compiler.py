@@ -443,16 +443,18 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
     transfers: dict[tuple, _Transfers] = {}
     waited: dict[tuple, set[str]] = {}
     tags: dict[str, int] = {}
+    by_id: dict[int, tuple] = {}     # id(devices) -> that group's state: few groups, many nodes
     for n in order:
         op, g = n.op, n.devices
-        seq = sequences.get(g)
-        if seq is None:
-            seq = sequences[g] = []
-            transfers[g], waited[g] = _Transfers(), set()
+        state = by_id.get(id(g))
+        if state is None:
+            if g not in sequences:
+                sequences[g], transfers[g], waited[g] = [], _Transfers(), set()
+            state = by_id[id(g)] = (sequences[g], transfers[g], waited[g])
+        seq, t, done = state
         if op == "SEND" or op == "RECV":
             # The tag names the transfer; both sides compute it from the SEND's key.
             send_key = n.key if op == "SEND" else node_key("SEND", n.peer, n.mb, n.phase, n.value, n.region)
-            t = transfers[g]
             t.positions.append(len(seq))
             t.nodes.append(n)
             t.tags.append(tags.setdefault(send_key, len(tags)))
@@ -464,7 +466,6 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
         waits = ()
         feeds = waits_of.get(n.key)
         if feeds:
-            done = waited[g]
             waits = tuple(k for k in feeds if k not in done)
             done.update(waits)
         if op in _COMPUTE:
