@@ -129,7 +129,7 @@ def schedule(ir: IR) -> list[Node]:
     nodes = comm + computes
     keys = [n.key for n in nodes]
     n_comm = len(comm)
-    number = {k: i for i, k in enumerate(keys)}
+    number = dict(zip(keys, range(len(keys))))
     entry = [(n.key, i) for i, n in enumerate(comm)]
     entry += [(_priority(n), n.key, i) for i, n in enumerate(computes, n_comm)]
     succ: list[list[int]] = [[] for _ in keys]

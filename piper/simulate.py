@@ -226,7 +226,7 @@ def check_collective_order(plans) -> None:
     issued: dict[tuple, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for rank, plan in plans.items():
         for a in plan:
-            if isinstance(a, Action) and a.group:
+            if a.__class__ is Action and a.group:
                 issued[a.group][rank].append(a.key)
     for group, by_rank in issued.items():
         sequences = list(by_rank.items())
