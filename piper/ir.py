@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import re
 from collections import namedtuple
-from operator import itemgetter
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 
 from .diagnostics import Span, error
 from .mesh import Mesh
