@@ -180,6 +180,40 @@ def read_probes(worker) -> dict:
             "peak_activations": None if state.activations is None else state.activations.peak}
 
 
+def resident_bytes(worker=None) -> int:
+    """This process's resident memory after a full collection and handing freed heap back to the OS.
+
+    glibc keeps freed blocks for reuse; `malloc_trim(0)` returns them, so what
+    is left is what the process still holds.
+    """
+    import ctypes
+    import gc
+    import os
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:      # not glibc: the number keeps the allocator's cache
+        pass
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def live_tensor_bytes(worker=None) -> int:
+    """Bytes of every CPU tensor storage still referenced in this process (each storage once)."""
+    import gc
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.device.type == "cpu" and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 def noop(worker) -> None:
     """An empty call: the Ray round-trip floor."""
     return None

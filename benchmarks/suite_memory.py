@@ -45,6 +45,7 @@ def run(ctx) -> SuiteResult:
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     with ray_cluster():
         result.tables.append(_zero_table(ctx, result, quick, optimizer))
+        result.tables.append(_process_table(ctx, result, quick, optimizer))
         result.tables.append(_activation_table(ctx, result, quick, optimizer))
     return result
 
@@ -88,6 +89,89 @@ def _zero_table(ctx, result, quick, optimizer) -> Table:
         "numbers can exceed Ψ/N by a few elements.",
         "job.memory() counts storages held between steps (parameters, gradients, optimizer state), each "
         "storage once; activations and communication buffers are not in it.",
+    ]
+    return table
+
+
+# glibc's default grows its mmap threshold after large frees, and then serves big
+# tensors from a heap that rarely shrinks; a fixed threshold maps each big tensor
+# on its own and unmaps it when freed.
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": 131072}
+
+
+def _process_table(ctx, result, quick, optimizer) -> Table:
+    """The runtime's byte counts against what the worker processes hold.
+
+    Two checks per strategy: every live CPU tensor storage in the worker
+    (walked through the garbage collector) against job.memory(); and resident
+    memory. A worker's resident memory also holds Python, torch and the region
+    graphs, the same for every strategy on one model, so that check compares
+    differences from dp: what zero1/2/3 save by the runtime's count against
+    what the processes really give back, with glibc's default allocator
+    settings and with a fixed mmap threshold (FIXED_MMAP, through worker_env).
+    """
+    import ray
+
+    wl = GPTWorkload(n_layer=2, n_embd=64, n_head=2, block_size=8, batch=8) if quick else \
+        GPTWorkload(n_layer=2, n_embd=512, n_head=8, block_size=8, batch=8)
+    regions, n = 2, 2
+    kw = wl.model_kw(regions)
+    psi = n_params(make_gpt(kw)[0])
+    batch = gpt_batches(wl, 1)[0]
+    table = Table(f"Checked against process memory: each worker after two steps, {n} devices; "
+                  f"{wl.describe(regions)}; Ψ = {psi:,} parameters",
+                  ["strategy", "counted MiB (job.memory)", "live tensors MiB", "live / counted",
+                   "resident MiB", "resident saving / counted saving",
+                   "resident MiB (fixed mmap threshold)", "resident saving / counted saving (fixed)"])
+    rows = {}
+    for level in LEVELS:
+        strategy, source, _ = zero_strategy(level, dp=n)
+        row = [source]
+        for env in ({}, FIXED_MMAP):
+            ctx.log(f"memory: process bytes, {level} on {n} devices{' ' + str(env) if env else ''}")
+            try:
+                with piper.compile(make_gpt(kw)[0], batch, strategy=strategy, mesh={"dp": n},
+                                   optimizer=optimizer, timeout=120, worker_env=env) as job:
+                    for _ in range(2):
+                        job.step(*batch)
+                    counted = max(sum(m[k] for k in ("params", "grads", "optimizer")) for m in job.memory().values())
+                    live = max(ray.get([a.__ray_call__.remote(probes.live_tensor_bytes) for a in job.actors],
+                                       timeout=120))
+                    resident = max(ray.get([a.__ray_call__.remote(probes.resident_bytes) for a in job.actors],
+                                           timeout=120))
+            except Exception as exc:
+                table.notes.append(f"{level}{' ' + str(env) if env else ''} failed: {short_error(exc)}")
+                row = None
+                break
+            row += [counted, live, resident] if not env else [resident]
+        if row is not None:
+            rows[level] = row
+    if "dp" not in rows:
+        return table
+    _, dp_counted, _, dp_resident, dp_fixed = rows["dp"]
+    for level, (source, counted, live, resident, fixed) in rows.items():
+        saving = dp_counted - counted
+        ratio = (dp_resident - resident) / saving if saving else None
+        ratio_fixed = (dp_fixed - fixed) / saving if saving else None
+        table.add(f"{level} ({source})", mib(counted), mib(live), f"{live / counted:.3f}", mib(resident),
+                  None if ratio is None else f"{ratio:.3f}", mib(fixed),
+                  None if ratio_fixed is None else f"{ratio_fixed:.3f}")
+        result.metrics[f"process.{level}.live_over_counted"] = live / counted
+        if ratio is not None:
+            result.metrics[f"process.{level}.resident_over_counted_saving"] = ratio
+            result.metrics[f"process.{level}.resident_fixed_mmap_over_counted_saving"] = ratio_fixed
+    table.notes += [
+        "counted: job.memory()'s params + grads + optimizer; live tensors: every CPU tensor storage the worker "
+        "still references after gc.collect(), each once (benchmarks/probes.py); resident: /proc/self/statm "
+        "after gc.collect() and malloc_trim(0). Each the largest over the ranks.",
+        "live / counted = 1 means the runtime's count is every tensor byte the worker holds between steps. "
+        "Resident memory also holds the interpreter, torch and the region graphs (alike for every strategy), so "
+        "it is compared as savings against dp: 1 means the bytes ZeRO saves by the count leave the process.",
+        "With glibc's defaults they mostly do not: after large frees glibc raises its mmap threshold and keeps "
+        "big tensors in a heap it cannot shrink past live blocks, so the transient buffers of a step (ZeRO-1's "
+        "gathered copy, ZeRO-2's full gradient before its reduce-scatter) leave the freed memory resident. "
+        f"With {FIXED_MMAP} in the workers (piper.compile(..., worker_env=...)) each big tensor is mapped on "
+        "its own and unmapped when freed.",
     ]
     return table
 
@@ -142,14 +226,11 @@ def _activation_table(ctx, result, quick, optimizer) -> Table:
                 if peak is not None:
                     result.metrics[f"activations.{system.lower()}.{kind}.rank{rank}.peak_bytes"] = peak
     table.notes += [
-        "Piper's runtime does not report activation memory; the harness measures it: a "
-        "torch.autograd.graph.saved_tensors_hooks pair around each region's forward counts the bytes of every "
-        "storage autograd saves for backward (parameter storages excluded) from pack until autograd frees it; "
-        "the peak over the step is reported. It is installed in Piper's workers through Ray's "
-        "actor.__ray_call__ (benchmarks/probes.py), and around each torch stage module's forward.",
-        "A runtime hook would make this first-class: the executor could wrap each F in the same "
-        "saved_tensors_hooks (or read torch.cuda.max_memory_allocated on GPU) and return per-rank peaks "
-        "from job.memory().",
+        "The same measurement for both systems: a torch.autograd.graph.saved_tensors_hooks pair around each "
+        "region's forward counts the bytes of every storage autograd saves for backward (parameter storages "
+        "excluded) from pack until autograd frees it; the peak over the step is reported. It is installed in "
+        "Piper's workers through Ray's actor.__ray_call__ (benchmarks/probes.py), and around each torch stage "
+        "module's forward. (Piper's runtime counts the same way on its own: job.memory()['activations_peak'].)",
         "The expected ratio is the number of microbatches each stage keeps in flight: 1F1B holds p - rank, "
         "GPipe all m. Activation tensors differ slightly between the two systems (Piper runs the exported "
         "ATen graph, torch the eager modules).",

@@ -106,7 +106,7 @@ def _microbatch_inputs(example_inputs, mesh: Mesh, directives):
 
 def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, optimizer=None, *,
             address: str | None = None, device: str = "auto", timeout: float = 300.0,
-            overrides: dict | None = None, overlap: bool = True) -> "Job":
+            overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None) -> "Job":
     """Capture `model`, apply `strategy` on `mesh`, verify, and start one worker per device.
 
     `strategy` is a `@piper.strategy` function, a path to a `.pps` script, or
@@ -116,6 +116,8 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     shard. `timeout` bounds every collective and every step, in seconds.
     `overlap=False` runs the items of an overlapped slot (`[F(...), B(...)]`)
     one after the other instead of at once (CPU; CUDA always runs them in turn).
+    `worker_env` sets environment variables in the worker processes before
+    they start (Ray's runtime_env), e.g. allocator settings.
     """
     mesh, directives = build_strategy(strategy, mesh, overrides)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
@@ -123,15 +125,16 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     compiled = compile_directives(program, mesh, directives)
     return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
                batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
-               timeout=timeout, overlap=overlap)
+               timeout=timeout, overlap=overlap, worker_env=worker_env)
 
 
 class Job:
     """A compiled strategy running on Ray actors, one per device."""
 
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
-                 shards: int, address, device, timeout, overlap: bool = True):
+                 shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None):
         self.program = program
+        self.worker_env = dict(worker_env or {})
         self.concurrent = overlap
         self.compiled = compiled
         self.mesh = compiled.ir.mesh
@@ -177,7 +180,9 @@ class Job:
         actor = ray.remote(Worker)
         self.actors = [
             actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r))
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+                          **({"runtime_env": {"env_vars": {k: str(v) for k, v in self.worker_env.items()}}}
+                             if self.worker_env else {}))
             .remote(r, world, device)
             for r in range(world)]
         rendezvous = self._get([self.actors[0].rendezvous_address.remote()], "start")[0]
