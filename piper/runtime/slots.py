@@ -3,8 +3,8 @@
 Two kinds of slot get special treatment:
 
 - A whole backward written `B(...)` after `split B into BI, BW` reaches the plan
-  as a BI and a BW of the same region and microbatch in one slot. Nothing runs
-  between them on purpose, so the executor runs one autograd pass at the BI
+  as a BI and a BW of the same region and microbatch in one slot. The script
+  asked for one backward, so the executor runs one autograd pass at the BI
   and makes the BW a no-op: splitting costs a second engine pass and, on CPU,
   about 1.2-1.4x one whole backward.
 - An overlapped slot, `[F(...), B(...)]` (DualPipeV's main phase), runs its
@@ -23,9 +23,6 @@ collectives are still issued in the same order on all members of a group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-COLLECTIVES = ("ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER")
-
 
 @dataclass(frozen=True)
 class Span:
