@@ -190,7 +190,7 @@ def test_bubble_of_dualpipev(p, m, fb):
 
 
 def test_dualpipev_slots_run_one_after_the_other_without_overlap():
-    """Run as plain sequences (what `piper run` does today), the halves of a slot
+    """Run as plain sequences (the runtime with overlap=False, and on CUDA), the halves of a slot
     start as soon as each one's inputs are there: (p-1)(F+B-2W) then."""
     for p in (2, 4, 8):
         sim = simulate(pipeline_plan("dualpipev", p, 2 * p).plans)
