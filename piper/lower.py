@@ -12,9 +12,14 @@ goes depends on what runs before it.
 """
 from __future__ import annotations
 
+from itertools import compress
+from operator import itemgetter, not_
 
 from .diagnostics import Diagnostic, Label, error
 from .ir import IR, Edge, Node, data_edge, distinct_edges, node_key
+
+_tuple_new = tuple.__new__
+_IDENTITY = itemgetter(0, 1, 2)    # an edge's (src, dst, kind)
 
 
 def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
@@ -132,7 +137,7 @@ def add_transfers(ir: IR) -> IR:
         return [found[mb].key if mb in found else node_key(op, region, mb) for mb in microbatches]
 
     nodes = list(ir.nodes)
-    drop: set[tuple[str, str]] = set()
+    drop: set[tuple[str, str, str]] = set()     # the data edges the transfers replace
     edges: list[Edge] = []
     for v in ir.values:
         p = v.producer
@@ -146,30 +151,47 @@ def add_transfers(ir: IR) -> IR:
             first = first_on[group[c]]
             forward_p, forward_c, back_c = keys("F", p), keys("F", c), keys(back, c)
             grads_p = list(zip(*(keys(op, p) for op in (("BI", "BW") if split else ("B",)))))
+            if c == first:
+                sends = _transfers("SEND", p, "F", v.index, first, group[p], microbatches)
+                recvs = _transfers("RECV", first, "F", v.index, p, group[c], microbatches)
+            else:
+                recv_keys = [node_key("RECV", first, mb, "F", v.index, p) for mb in microbatches]
+            if v.differentiable:
+                gsends = _transfers("SEND", c, "B", v.index, p, group[c], microbatches)
+                grecvs = _transfers("RECV", p, "B", v.index, c, group[p], microbatches)
             for mb in microbatches:
                 f_p, f_c = forward_p[mb], forward_c[mb]
                 if c == first:
-                    send = Node("SEND", p, mb, "F", v.index, first, devices=group[p])
-                    recv = Node("RECV", first, mb, "F", v.index, p, devices=group[c])
+                    send, recv = sends[mb], recvs[mb]
                     nodes += (send, recv)
-                    recv_key = recv.key
-                    edges += (data_edge(f_p, send.key), data_edge(send.key, recv_key))
+                    recv_key = recv[8]
+                    edges += (data_edge(f_p, send[8]), data_edge(send[8], recv_key))
                 else:
-                    recv_key = node_key("RECV", first, mb, "F", v.index, p)
-                drop.add((f_p, f_c))
+                    recv_key = recv_keys[mb]
+                drop.add((f_p, f_c, "data"))
                 edges.append(data_edge(recv_key, f_c))
                 if not v.differentiable:
                     continue
-                gsend = Node("SEND", c, mb, "B", v.index, p, devices=group[c])
-                grecv = Node("RECV", p, mb, "B", v.index, c, devices=group[p])
+                gsend, grecv = gsends[mb], grecvs[mb]
                 nodes += (gsend, grecv)
                 b_c = back_c[mb]
                 for t in grads_p[mb]:
-                    drop.add((b_c, t))
-                    edges.append(data_edge(grecv.key, t))
-                edges += (data_edge(b_c, gsend.key), data_edge(gsend.key, grecv.key))
-    kept = [e for e in ir.edges if e.kind != "data" or (e.src, e.dst) not in drop]
+                    drop.add((b_c, t, "data"))
+                    edges.append(data_edge(grecv[8], t))
+                edges += (data_edge(b_c, gsend[8]), data_edge(gsend[8], grecv[8]))
+    kept = list(compress(ir.edges, map(not_, map(drop.__contains__, map(_IDENTITY, ir.edges)))))
     return ir.with_(nodes=tuple(nodes), edges=distinct_edges(kept + edges))
+
+
+def _transfers(op: str, region: int, phase: str, value: int, peer: int, devices: tuple[int, ...],
+               microbatches: range) -> list[Node]:
+    """`Node(op, region, mb, phase, value, peer, devices=devices)` for every
+    microbatch `mb`: the keys differ only in the microbatch, so each is one
+    join rather than a `node_key` call (add_transfers makes 100k+ of these)."""
+    head = f"{region}{op}_{phase}"
+    tail = f"{'>' if op == 'SEND' else '<'}{peer}.{value}"
+    return [_tuple_new(Node, (op, region, mb, phase, value, peer, devices, None, f"{head}{mb}{tail}"))
+            for mb in microbatches]
 
 
 def temporal_edges(ir: IR) -> list[tuple[Edge, Node, Node]]:
