@@ -261,11 +261,16 @@ class Interpreter:
     def exec_slots(self, stmt: n.Slots, env: Env) -> None:
         assert self._orders, "slot lines only parse inside an order block"
         slots, spans = self._orders[-1]
+        # A script's slots are most of its steps (one per stage and microbatch): plain loops.
         for slot in stmt.slots:
-            items = tuple(self.pass_selector(item, env) for item in slot.items)
-            if all(item is not None for item in items):
-                slots.append(items)
-                spans.append(tuple(item.span for item in slot.items))
+            items, known = [], True
+            for item in slot.items:
+                selector = self.pass_selector(item, env)
+                known &= selector is not None
+                items.append(selector)
+            if known:
+                slots.append(tuple(items))
+                spans.append(tuple([item.span for item in slot.items]))
 
     def exec_use(self, stmt: n.Use, env: Env) -> None:
         name = stmt.name.name
@@ -400,7 +405,9 @@ class Interpreter:
             if tag.value is None:
                 out.append((name, ANY))
                 continue
-            value = self.int_of(tag.value, env, f"the tag `{name}`")
+            value = self.value(tag.value, env)
+            if type(value) is not int:      # `want` passes an int as it is: skip building its message
+                value = self.want(value, INT, tag.value.span, env, f"the tag `{name}`")
             if isinstance(value, int) and value < 0:
                 raise self.fail("value-out-of-range", f"`{name}={value}`: a tag index cannot be negative",
                                 tag.value.span, hint="indices count from 0; check the arithmetic")
@@ -475,8 +482,13 @@ class Interpreter:
             if isinstance(left, Unknown) or isinstance(right, Unknown):
                 return Unknown(BOOL)
             return (left == right) == (op == "==")
-        left = self.int_of(expr.left, env, f"`{op}`")
-        right = self.int_of(expr.right, env, f"`{op}`")
+        # `int_of`, without building the message for the ints `want` passes as they are
+        left = self.value(expr.left, env)
+        if type(left) is not int:
+            left = self.want(left, INT, expr.left.span, env, f"`{op}`")
+        right = self.value(expr.right, env)
+        if type(right) is not int:
+            right = self.want(right, INT, expr.right.span, env, f"`{op}`")
         if op in ("//", "%") and right == 0 and not isinstance(right, bool):
             raise self.fail("division-by-zero", f"`{op}` by zero", expr.right.span,
                             hint="guard it with `if`, or use `max(x, 1)`")
