@@ -22,7 +22,7 @@ from operator import itemgetter
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import COMPUTE, IR, Edge, Node, _not_same, distinct_edges, node_key
+from .ir import COMPUTE, IR, Edge, Node, _not_same, distinct_edges
 from .lower import add_transfers, check_orders, resolve_placement, temporal_edges, zero_levels
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
@@ -160,6 +160,7 @@ def schedule(ir: IR) -> list[Node]:
 
 
 _SRC, _DST = itemgetter(0), itemgetter(1)
+_AS_SEND = itemgetter(5, 2, 3, 4, 1)     # a RECV's (peer, mb, phase, value, region): its SEND's fields
 
 
 def _cycle_error(ir: IR, stuck: set[str]):
@@ -442,7 +443,7 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
     sequences: dict[tuple, list] = {}
     transfers: dict[tuple, _Transfers] = {}
     waited: dict[tuple, set[str]] = {}
-    tags: dict[str, int] = {}
+    tags: dict[tuple, int] = {}
     by_id: dict[int, tuple] = {}     # id(devices) -> that group's state: few groups, many nodes
     for n in order:
         op, g = n.op, n.devices
@@ -453,8 +454,9 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
             state = by_id[id(g)] = (sequences[g], transfers[g], waited[g])
         seq, t, done = state
         if op == "SEND" or op == "RECV":
-            # The tag names the transfer; both sides compute it from the SEND's key.
-            send_key = n.key if op == "SEND" else node_key("SEND", n.peer, n.mb, n.phase, n.value, n.region)
+            # The tag names the transfer; both sides compute it from the SEND's
+            # (region, mb, phase, value, peer), which its key spells out.
+            send_key = n[1:6] if op == "SEND" else _AS_SEND(n)
             t.positions.append(len(seq))
             t.nodes.append(n)
             t.tags.append(tags.setdefault(send_key, len(tags)))
