@@ -300,8 +300,10 @@ class Executor:
         # The slot's cost as the simulator counts it: computing, from the first lane's
         # start to the last lane's end (waits for inputs before that are not its cost).
         self.timings[span.key] = max(end for _, end in times) - min(start for start, _ in times)
-        lane_cpu = [sum(self.cpu_timings[a.key] for a in lane if a.node.is_compute) for lane in span.lanes]
-        self.cpu_timings[span.key] = max(lane_cpu)      # each lane on a core of its own
+        # In CPU seconds the slot costs both lanes: a device is one core's worth of work in
+        # the cost model, which lets lanes use an idle core only through `cores=`.
+        self.cpu_timings[span.key] = sum(self.cpu_timings[a.key] for lane in span.lanes for a in lane
+                                         if a.node.is_compute)
         for action in span.after:
             self._run(action)
 
