@@ -79,6 +79,13 @@ class Measured:
                     samples.setdefault(key, []).append(sec)
         return {k: statistics.median(v) for k, v in samples.items()}
 
+    def background(self) -> float:
+        """CPU seconds per device and step outside the timed actions (median over steps and ranks):
+        the worker process's whole CPU time in the step (every thread) minus its actions' own."""
+        rest = [per_rank["step"] - _actions_sum(per_rank)
+                for step in self.cpu_timings for per_rank in step.values() if "step" in per_rank]
+        return max(0.0, statistics.median(rest)) if rest else 0.0
+
     def compute(self) -> float:
         """The busiest rank's compute seconds per step (median over steps).
 
@@ -106,7 +113,7 @@ SLOT = "&"        # job.timings() key of an overlapped slot run in lanes: its me
 
 
 def _actions_sum(per_rank: dict[str, float]) -> float:
-    return sum(sec for key, sec in per_rank.items() if SLOT not in key)
+    return sum(sec for key, sec in per_rank.items() if SLOT not in key and key != "step")
 
 
 def lanes_of(costs: dict[str, float]) -> tuple[tuple[str, ...], ...]:
@@ -160,18 +167,20 @@ def missing_costs(plans, costs: dict[str, float]) -> list[str]:
                    if getattr(a, "node", None) is not None and a.node.is_compute and a.key not in costs})
 
 
-def predict(job, costs: dict[str, float], comm_cost=None, overlap=None, cores: int | None = None):
+def predict(job, costs: dict[str, float], comm_cost=None, overlap=None, cores: int | None = None,
+            background: float = 0.0):
     """The simulator's step on the plans (one replica per data-parallel shard), with `costs` per key.
 
     Keys the runtime did not time cost 0 (reported by `missing_costs`). `overlap`
     defaults to the slots the runtime ran in lanes, each costing the span it was
-    timed at. `cores`: the job's devices share this many cores (costs in CPU seconds)."""
+    timed at. `cores`: the job's devices share this many cores (costs in CPU seconds), each
+    also spending `background` CPU seconds per step outside its actions."""
     plans = job.compiled.plans.representatives()
     full = {**{k: 0.0 for k in missing_costs(plans, costs)}, **costs}
     if overlap is None:
         overlap = lanes_of(costs)
     return simulate(plans, costs=full, comm_cost=comm_cost, overlap=overlap, cores=cores,
-                    devices=job.mesh.world_size)
+                    devices=job.mesh.world_size, background=background)
 
 
 # -- the communication model ------------------------------------------------------------------------
@@ -332,7 +341,7 @@ def run(ctx) -> SuiteResult:
                     sim0 = predict(job, costs)
                     simc = predict(job, costs, comm_cost=link.for_job(job)) if link else None
                     simcpu = predict(job, data.costs(cpu=True), comm_cost=link.for_job(job) if link else None,
-                                     cores=CORES)
+                                     cores=CORES, background=data.background())
                     n_compute = {r: len(job.compiled.compute_order(r)) for r in plans}
             except Exception as exc:
                 accuracy.add(mesh_label, name, f"failed: {short_error(exc)}", *[None] * 11)
@@ -391,7 +400,9 @@ def run(ctx) -> SuiteResult:
         "happened, which the simulator then treats as fixed costs. 'CPU costs, cores shared': each action "
         "costs its worker thread's CPU seconds (job.timings(cpu=True): its time on a core of its own), and "
         f"simulate(..., cores={CORES}) stretches every cost by max(1, devices computing on average / cores), "
-        "iterated to a fixed point (a mean-field model of devices sharing cores), with the Gloo model.",
+        "iterated to a fixed point (a mean-field model of devices sharing cores), with the Gloo model; each "
+        "device also demands its measured background CPU per step (the worker process's CPU seconds in the "
+        "step, every thread, minus its actions': runtime work and Gloo's threads).",
     ]
     if link:
         accuracy.notes.append(

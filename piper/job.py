@@ -313,7 +313,8 @@ class Job:
         (`0F7&3BI3&3BW3`). `cpu=True` gives the worker thread's CPU seconds
         instead of wall-clock ones (CPU devices): the cost of each action on a
         core of its own, which `simulate(..., cores=N)` shares out when devices
-        outnumber cores."""
+        outnumber cores; its `step` entry is the whole worker process's CPU
+        seconds in the step, every thread included."""
         self._check_open()
         return dict(enumerate(self._get([a.timings.remote(cpu) for a in self.actors], "timings")))
 

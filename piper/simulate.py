@@ -99,7 +99,7 @@ class Simulation:
 
 
 def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, overlap=(), *,
-             cores: int | None = None, devices: int | None = None) -> Simulation:
+             cores: int | None = None, devices: int | None = None, background: float = 0.0) -> Simulation:
     """Simulate `plans`; raise `PiperError(deadlock)` with a step x device grid if stuck.
 
     `costs` maps a pass (F, B, BI, BW, UPD) or a node key to its time
@@ -116,10 +116,12 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
 
     `cores`: the devices are processes sharing this many CPU cores (`devices`
     of them in all; default one per plan), and `costs` are each action's
-    time on a core of its own (`job.timings(cpu=True)`). See `_on_shared_cores`.
+    time on a core of its own (`job.timings(cpu=True)`); `background` is CPU
+    seconds per device and step spent outside the timed actions (the
+    runtime's own work, communication threads). See `_on_shared_cores`.
     """
     if cores is not None:
-        return _on_shared_cores(plans, costs, comm_cost, overlap, cores, devices or len(plans))
+        return _on_shared_cores(plans, costs, comm_cost, overlap, cores, devices or len(plans), background)
     check_collective_order(plans)
     if overlap:
         groups = [tuple(g) for g in overlap]
@@ -283,7 +285,8 @@ def verify(compiled) -> Simulation:
     return simulate(compiled.plans.representatives())
 
 
-def _on_shared_cores(plans, costs, comm_cost, overlap, cores: int, devices: int, rounds: int = 20) -> Simulation:
+def _on_shared_cores(plans, costs, comm_cost, overlap, cores: int, devices: int, background: float = 0.0,
+                     rounds: int = 20) -> Simulation:
     """Devices that outnumber the cores slow each other down: a mean-field model.
 
     When k devices compute at once on c < k cores, each runs at c/k of its
@@ -291,8 +294,9 @@ def _on_shared_cores(plans, costs, comm_cost, overlap, cores: int, devices: int,
     instant, who is computing; instead every cost is stretched by one factor
     f = max(1, k/c), with k the average number of devices computing over the
     step that f itself produces (each device's busy time over the step,
-    summed), iterated to a fixed point. k grows with f and is at most the
-    number of devices, so the iteration settles within a few rounds.
+    summed), iterated to a fixed point. k grows with f and is bounded, so the
+    iteration settles within a few rounds. Each device's `background` CPU
+    seconds compete for the cores too, stretched like the rest.
     """
     base = {**UNIT_COSTS, **(costs or {})}
     factor, sim = 1.0, None
@@ -300,7 +304,8 @@ def _on_shared_cores(plans, costs, comm_cost, overlap, cores: int, devices: int,
         sim = simulate(plans, {k: v * factor for k, v in base.items()}, comm_cost, overlap)
         if sim.step_time <= 0:
             return sim
-        busy = sum(sim.busy.values()) / len(sim.busy) / sim.step_time * devices   # devices computing, on average
+        per_device = sum(sim.busy.values()) / len(sim.busy) + background * factor
+        busy = per_device / sim.step_time * devices      # devices computing, on average
         new = max(1.0, busy / cores)
         if abs(new - factor) < 1e-3 * factor:
             break

@@ -4,6 +4,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import pytest
+
 from piper.capture import Program
 from piper.dsl.script import load_strategy
 from piper.interop import compute_slots
@@ -125,3 +127,13 @@ def test_devices_sharing_cores_stretch_the_step():
     assert shared.step_time > alone.step_time
     # the work of all devices (busy-time sum) cannot finish faster than on 2 cores
     assert shared.step_time >= sum(alone.busy.values()) / 2 - 1e-9
+
+
+def test_background_cpu_competes_for_the_cores_too():
+    from piper.simulate import simulate
+
+    c = plan(load_strategy("use gpipe(microbatches=8) on pp\n"), mesh={"pp": 4}, program=Program.chain("PP=4"))
+    busy = simulate(c.plans).busy
+    shared = simulate(c.plans, cores=2, background=6.0)
+    # every device's actions plus its background, on two cores
+    assert shared.step_time == pytest.approx((sum(busy.values()) + 4 * 6.0) / 2, rel=1e-3)

@@ -236,6 +236,15 @@ class Executor:
 
     # -- one step -------------------------------------------------------------------------
     def run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
+        cpu = time.process_time()
+        try:
+            return self._run_step(batch)
+        finally:
+            # The whole process, every thread (lanes, communication): with the actions'
+            # own CPU seconds this gives what the step costs outside them.
+            self.cpu_timings["step"] = time.process_time() - cpu
+
+    def _run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
         self.batch = {i: [t.to(self.device) for t in mbs] for i, mbs in batch.items()}
         self.values: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
