@@ -4,7 +4,8 @@ It knows regions, values, parameter units and communication, and nothing of
 pipelines or ZeRO: every strategy arrives as the same kind of plan.
 Communication is issued asynchronously (sends, receives and collectives
 return work handles) and an action waits only for the handles its plan
-entry names.
+entry names. The items of an overlapped slot run at once, in lanes
+(`slots`).
 """
 from __future__ import annotations
 
