@@ -32,7 +32,7 @@ import torch
 
 import piper
 from piper.report import inflight_peak
-from piper.simulate import simulate
+from piper.simulate import SLOT, STEP, actions_seconds, simulate, timed_slots
 
 from . import probes
 from .harness import SuiteResult, Table, ms, ray_cluster, short_error
@@ -82,8 +82,8 @@ class Measured:
     def background(self) -> float:
         """CPU seconds per device and step outside the timed actions (median over steps and ranks):
         the worker process's whole CPU time in the step (every thread) minus its actions' own."""
-        rest = [per_rank["step"] - _actions_sum(per_rank)
-                for step in self.cpu_timings for per_rank in step.values() if "step" in per_rank]
+        rest = [per_rank[STEP] - actions_seconds(per_rank)
+                for step in self.cpu_timings for per_rank in step.values() if STEP in per_rank]
         return max(0.0, statistics.median(rest)) if rest else 0.0
 
     def compute(self) -> float:
@@ -91,13 +91,13 @@ class Measured:
 
         Actions of an overlapped slot count one by one (the slot's own `a&b` entry,
         the span it kept the device busy, is not added again)."""
-        return statistics.median(max(_actions_sum(r) for r in step.values()) for step in self.timings)
+        return statistics.median(max(actions_seconds(r) for r in step.values()) for step in self.timings)
 
     def by_pass(self) -> dict[str, float]:
         """The busiest rank's compute seconds per pass: F, backward (B + BI + BW), UPD (medians over steps)."""
         out: dict[str, list[float]] = {"F": [], "backward": [], "UPD": []}
         for step in self.timings:
-            busiest = max(step.values(), key=_actions_sum)
+            busiest = max(step.values(), key=actions_seconds)
             sums = {k: 0.0 for k in out}
             for key, sec in busiest.items():
                 if SLOT in key:
@@ -107,18 +107,6 @@ class Measured:
             for k, v in sums.items():
                 out[k].append(v)
         return {k: statistics.median(v) for k, v in out.items() if v}
-
-
-SLOT = "&"        # job.timings() key of an overlapped slot run in lanes: its members' keys joined
-
-
-def _actions_sum(per_rank: dict[str, float]) -> float:
-    return sum(sec for key, sec in per_rank.items() if SLOT not in key and key != "step")
-
-
-def lanes_of(costs: dict[str, float]) -> tuple[tuple[str, ...], ...]:
-    """The overlapped slots the runtime ran in lanes (timed as one `a&b` entry): simulate's `overlap`."""
-    return tuple(tuple(k.split(SLOT)) for k in costs if SLOT in k)
 
 
 class Recorder:
@@ -178,7 +166,7 @@ def predict(job, costs: dict[str, float], comm_cost=None, overlap=None, cores: i
     plans = job.compiled.plans.representatives()
     full = {**{k: 0.0 for k in missing_costs(plans, costs)}, **costs}
     if overlap is None:
-        overlap = lanes_of(costs)
+        overlap = timed_slots(costs)
     return simulate(plans, costs=full, comm_cost=comm_cost, overlap=overlap, cores=cores,
                     devices=job.mesh.world_size, background=background)
 

@@ -186,21 +186,17 @@ def cmd_simulate(args) -> int:
     from rich.table import Table
 
     from .report import summary_rows, timeline_text
-    from .simulate import UNIT_COSTS, simulate
+    from .simulate import STEP, background_seconds, simulate, timed_slots
 
     costs = _parse_costs(args.costs)
     compiled = _compile_for(args)
+    timings = {}
     if args.timings:
         with open(args.timings, encoding="utf-8") as f:
-            costs.update({k: float(v) for k, v in json.load(f).items()})
-    # A slot the runtime ran in lanes is timed as one entry, its members' keys joined by "&";
-    # `step` (job.timings(cpu=True)) is the whole process: what exceeds the actions is background.
-    lanes = tuple(tuple(k.split("&")) for k in costs if "&" in k)
-    step = costs.pop("step", None)
-    actions = sum(v for k, v in costs.items() if "&" not in k and k not in UNIT_COSTS)
-    background = max(0.0, step - actions) if step is not None else 0.0
-    sim = simulate(compiled.plans.representatives(), costs=costs, overlap=lanes, cores=args.cores,
-                   devices=compiled.ir.mesh.world_size, background=background)
+            timings = {k: float(v) for k, v in json.load(f).items()}
+    costs.update({k: v for k, v in timings.items() if k != STEP})
+    sim = simulate(compiled.plans.representatives(), costs=costs, overlap=timed_slots(timings), cores=args.cores,
+                   devices=compiled.ir.mesh.world_size, background=background_seconds(timings))
     table = Table(title=f"{args.script}: predicted step {sim.step_time:g}, bubble {sim.bubble_fraction:.1%}")
     for column in ("rank", "busy", "idle", "bubble", "peak microbatches in flight"):
         table.add_column(column, justify="right")

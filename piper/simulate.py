@@ -285,6 +285,25 @@ def verify(compiled) -> Simulation:
     return simulate(compiled.plans.representatives())
 
 
+SLOT = "&"       # a job.timings() key for an overlapped slot run in lanes: its members' keys joined
+STEP = "step"    # the job.timings(cpu=True) key for the worker process's CPU seconds over the step
+
+
+def timed_slots(timings: dict[str, float]) -> tuple[tuple[str, ...], ...]:
+    """The overlapped slots one rank's `job.timings()` timed as units: `simulate`'s `overlap`."""
+    return tuple(tuple(k.split(SLOT)) for k in timings if SLOT in k)
+
+
+def actions_seconds(timings: dict[str, float]) -> float:
+    """The seconds of one rank's single actions (not its slots' spans, not the whole step)."""
+    return sum(sec for key, sec in timings.items() if SLOT not in key and key != STEP)
+
+
+def background_seconds(timings: dict[str, float]) -> float:
+    """One rank's CPU seconds outside its actions, from `job.timings(cpu=True)`: `simulate`'s `background`."""
+    return max(0.0, timings[STEP] - actions_seconds(timings)) if STEP in timings else 0.0
+
+
 def _on_shared_cores(plans, costs, comm_cost, overlap, cores: int, devices: int, background: float = 0.0,
                      rounds: int = 20) -> Simulation:
     """Devices that outnumber the cores slow each other down: a mean-field model.

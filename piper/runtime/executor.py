@@ -243,7 +243,7 @@ class Executor:
         finally:
             # The whole process, every thread (lanes, communication): with the actions'
             # own CPU seconds this gives what the step costs outside them.
-            self.cpu_timings["step"] = time.process_time() - cpu
+            self.cpu_timings["step"] = time.process_time() - cpu      # piper.simulate.STEP
 
     def _run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
         self.batch = {i: [t.to(self.device) for t in mbs] for i, mbs in batch.items()}

@@ -30,7 +30,7 @@ class Span:
 
     start: int
     stop: int
-    key: str                  # the members' keys in plan order, joined by "&" (the simulator's name for the unit)
+    key: str                  # the members' keys in plan order, joined by "&" (piper.simulate.SLOT)
     before: tuple
     lanes: tuple[tuple, ...]
     after: tuple
