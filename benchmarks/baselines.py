@@ -249,3 +249,22 @@ class TorchGroup:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def set_up_group(ctx, group: TorchGroup | None, world: int, timeout: float, *args, **kwargs):
+    """`group` (started on first use) set up for the next comparison: (group, None); or, if that
+    fails, (None, the error for the table), the group closed so the next comparison starts afresh."""
+    import traceback
+
+    from .harness import short_error
+
+    try:
+        if group is None:
+            group = TorchGroup(world, timeout=timeout)
+        group.setup(*args, **kwargs)
+        return group, None
+    except Exception as exc:
+        ctx.log(traceback.format_exc())
+        if group is not None:
+            group.close()
+        return None, f"failed: {short_error(exc)}"

@@ -15,7 +15,7 @@ import torch
 
 import piper
 
-from .baselines import TorchGroup
+from .baselines import set_up_group
 from .harness import SuiteResult, Table, head_to_head, ray_cluster, short_error
 from .workloads import GPTWorkload, gpt_batches, make_gpt, zero_strategy
 
@@ -49,17 +49,8 @@ def run(ctx) -> SuiteResult:
             group = None
             for level, baseline, label in PAIRS:
                 ctx.log(f"data-parallel: Piper {level} vs {label} on {n} devices")
-                torch_error = piper_error = None
-                try:
-                    if group is None:
-                        group = TorchGroup(n, timeout=timeout)
-                    group.setup(baseline, model_kw=kw)
-                except Exception as exc:
-                    torch_error = f"failed: {short_error(exc)}"
-                    ctx.log(traceback.format_exc())
-                    if group is not None:
-                        group.close()
-                    group = None
+                piper_error = None
+                group, torch_error = set_up_group(ctx, group, n, timeout, baseline, model_kw=kw)
                 strategy, source, _ = zero_strategy(level, dp=n)
                 sources[level] = source
                 job = None

@@ -15,7 +15,7 @@ import torch
 
 import piper
 
-from .baselines import TorchGroup
+from .baselines import set_up_group
 from .harness import SuiteResult, Table, head_to_head, ray_cluster, short_error
 from .workloads import PIPELINE_SCHEDULES, GPTWorkload, gpt_batches, make_gpt, schedule_strategy
 
@@ -52,18 +52,10 @@ def run(ctx) -> SuiteResult:
                 regions = p * per_rank
                 kw = wl.model_kw(regions)
                 ctx.log(f"pipelines: {torch_name} vs Piper on {p} devices ({regions} regions)")
-                torch_error = piper_error = None
+                piper_error = None
                 # -- torch ----------------------------------------------------------------------
-                try:
-                    if group is None:
-                        group = TorchGroup(p, timeout=timeout)
-                    group.setup("pipeline", schedule=torch_name, model_kw=kw, microbatches=MICROBATCHES)
-                except Exception as exc:
-                    torch_error = f"failed: {short_error(exc)}"
-                    ctx.log(traceback.format_exc())
-                    if group is not None:
-                        group.close()
-                    group = None
+                group, torch_error = set_up_group(ctx, group, p, timeout, "pipeline", schedule=torch_name,
+                                                  model_kw=kw, microbatches=MICROBATCHES)
                 # -- Piper ----------------------------------------------------------------------
                 strategy, source, note = schedule_strategy(kind, pp=p, microbatches=MICROBATCHES)
                 if note:
