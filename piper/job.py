@@ -194,15 +194,11 @@ class Job:
         self._get(refs, "set up")
 
     def _multi_slots(self) -> dict[int, tuple]:
-        """Per rank, the `order` slots holding several computes, as (key, op, region, mb) records."""
+        """Per rank, the `order` slots holding several computes (tuples of keys)."""
         from .interop import compute_slots
 
-        index = self.compiled.ir.index()
-        out = {}
-        for rank, slots in compute_slots(self.compiled).items():
-            out[rank] = tuple(tuple((k, index[k].op, index[k].region, index[k].mb) for k in slot)
-                              for slot in slots if len(slot) > 1)
-        return out
+        return {rank: tuple(slot for slot in slots if len(slot) > 1)
+                for rank, slots in compute_slots(self.compiled).items()}
 
     def _spec(self, rank: int, params, optimizer, slots=()):
         ir, program = self.compiled.ir, self.program

@@ -24,11 +24,9 @@ DUALPIPEV = "use dualpipev(microbatches=4) on pp\n"
 DUALPIPEV_ZERO3 = DUALPIPEV + "use zero3() on dp\n"
 
 
-def records(c, rank: int):
-    """The worker's view of its slots: (key, op, region, mb) per compute, slots of several computes only."""
-    index = c.ir.index()
-    return tuple(tuple((k, index[k].op, index[k].region, index[k].mb) for k in slot)
-                 for slot in compute_slots(c, rank) if len(slot) > 1)
+def multi_slots(c, rank: int):
+    """The worker's view of its slots: those of several computes."""
+    return tuple(slot for slot in compute_slots(c, rank) if len(slot) > 1)
 
 
 def own_units(c):
@@ -38,7 +36,7 @@ def own_units(c):
 def test_whole_backward_items_run_as_one_pass_and_split_ones_stay_split():
     c = compiled(DUALPIPEV, (("pp", 2),))
     for rank in (0, 1):
-        whole, skip = whole_backwards(records(c, rank))
+        whole, skip = whole_backwards(c.plans[rank], multi_slots(c, rank))
         index = c.ir.index()
         assert whole and len(whole) == len(skip)
         for key in whole:
@@ -54,7 +52,7 @@ def test_whole_backward_items_run_as_one_pass_and_split_ones_stay_split():
 def test_overlapped_slot_becomes_two_lanes_with_their_sends():
     c = compiled(DUALPIPEV, (("pp", 2),))
     plan0 = c.plans[0]
-    found = spans(plan0, records(c, 0), own_units(c))
+    found = spans(plan0, multi_slots(c, 0), own_units(c))
     assert found
     for start, s in found.items():
         assert plan0[start].key == s.lanes[0][0].key or plan0[start].key == s.lanes[1][0].key
@@ -78,7 +76,7 @@ def test_gathers_after_a_lane_that_reads_the_same_unit_wait_for_the_lanes():
     c = compiled(DUALPIPEV_ZERO3, (("dp", 2), ("pp", 2)))
     moved = 0
     for rank in c.plans.representatives():
-        for s in spans(c.plans[rank], records(c, rank), own_units(c)).values():
+        for s in spans(c.plans[rank], multi_slots(c, rank), own_units(c)).values():
             lane_regions = {a.node.region for lane in s.lanes for a in lane}
             for a in s.before:
                 if a.node.op == "ALL_GATHER":
@@ -94,9 +92,10 @@ def test_gathers_after_a_lane_that_reads_the_same_unit_wait_for_the_lanes():
 def test_items_sharing_parameters_run_in_turn():
     c = compiled(DUALPIPEV, (("pp", 2),))
     shared = {r.index: {0} for r in c.ir.regions}       # as if every region read one tied unit
-    assert spans(c.plans[0], records(c, 0), shared) == {}
-    slot = next(s for s in records(c, 0) if len({(op == "F") for _, op, _, _ in s}) == 2)
-    assert span(c.plans[0], {k for k, *_ in slot}, own_units(c)) is not None
+    assert spans(c.plans[0], multi_slots(c, 0), shared) == {}
+    index = c.ir.index()
+    slot = next(s for s in multi_slots(c, 0) if len({index[k].op == "F" for k in s}) == 2)
+    assert span(c.plans[0], set(slot), own_units(c)) is not None
 
 
 def test_simulator_costs_a_slot_by_its_timed_key():

@@ -48,7 +48,7 @@ class WorkerSpec:
     grad_scale: float                             # 1 / (microbatches * batch shards)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     groups: list = field(default_factory=list)    # every collective group, same order on all ranks
-    slots: tuple = ()                             # `order` slots of several computes: ((key, op, region, mb), ...)
+    slots: tuple = ()                             # `order` slots of several computes, as tuples of keys
     concurrent: bool = True                       # run an overlapped slot's items at once (CPU only, see below)
 
 
@@ -224,7 +224,7 @@ class Executor:
         self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
         self.activation_peak = 0                  # bytes saved for backward, at most, last step
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
-        self._whole, self._skip = whole_backwards(spec.slots)
+        self._whole, self._skip = whole_backwards(spec.plan, spec.slots)
         # Overlapped slots run their items in threads on CPU, where Gloo matches messages by
         # tag. NCCL matches point-to-point messages by issue order and its communicators
         # must not be called from two threads at once, so CUDA runs the items in turn.
@@ -277,10 +277,12 @@ class Executor:
     def _run(self, action) -> tuple[float, float]:
         for key in action.waits:
             self._wait(key)
-        cpu, start = time.thread_time(), time.perf_counter()
+        compute = action.node.is_compute
+        cpu = time.thread_time() if compute else 0.0     # a system call: only where it is kept
+        start = time.perf_counter()
         getattr(self, "_" + action.node.op.lower())(action)
         end = time.perf_counter()
-        if action.node.is_compute:
+        if compute:
             self.timings[action.key] = end - start
             # CPU seconds are what the action costs on a core of its own: the wall time above
             # also holds whatever other processes sharing the core took meanwhile.

@@ -43,15 +43,16 @@ def _pass_of(node) -> tuple[int, int, str]:
     return node.region, node.mb, "F" if node.op == "F" else "B"
 
 
-def whole_backwards(slots) -> tuple[frozenset, frozenset]:
+def whole_backwards(plan, slots) -> tuple[frozenset, frozenset]:
     """(BI keys to run as one whole backward, the BW keys that become no-ops) from the device's slots.
 
-    `slots` are tuples of compute keys per slot (`piper.interop.compute_slots`),
-    with the nodes as `(key, op, region, mb)` records.
+    `slots` are tuples of compute keys per slot (`piper.interop.compute_slots`)
+    of the device's `plan`.
     """
+    nodes = {a.key: a.node for a in plan}
     whole, skip = set(), set()
     for slot in slots:
-        halves = {(op, region, mb): key for key, op, region, mb in slot}
+        halves = {(nodes[k].op, nodes[k].region, nodes[k].mb): k for k in slot}
         for (op, region, mb), key in halves.items():
             if op == "BI" and ("BW", region, mb) in halves:
                 whole.add(key)
@@ -117,7 +118,7 @@ def spans(plan, slots, units_of: dict[int, set]) -> dict[int, Span]:
     """Plan index of each overlapped slot's first action -> its `Span`."""
     out = {}
     for slot in slots:
-        s = span(plan, {key for key, *_ in slot}, units_of)
+        s = span(plan, set(slot), units_of)
         if s is not None:
             out[s.start] = s
     return out
