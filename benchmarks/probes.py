@@ -219,14 +219,17 @@ def noop(worker) -> None:
     return None
 
 
-def install(job, **kw) -> list[int]:
-    """Install probes in every worker of a Piper job; returns each rank's plan length."""
+def in_workers(job, fn, *args, **kwargs) -> list:
+    """`fn(worker, *args, **kwargs)` inside every worker of a Piper job (Ray's actor.__ray_call__), rank order."""
     import ray
 
-    return ray.get([a.__ray_call__.remote(install_probes, **kw) for a in job.actors], timeout=job.timeout)
+    return ray.get([a.__ray_call__.remote(fn, *args, **kwargs) for a in job.actors], timeout=job.timeout)
+
+
+def install(job, **kw) -> list[int]:
+    """Install probes in every worker of a Piper job; returns each rank's plan length."""
+    return in_workers(job, install_probes, **kw)
 
 
 def read(job) -> list[dict]:
-    import ray
-
-    return ray.get([a.__ray_call__.remote(read_probes) for a in job.actors], timeout=job.timeout)
+    return in_workers(job, read_probes)

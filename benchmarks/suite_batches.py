@@ -31,6 +31,7 @@ import torch
 import piper
 from piper.dsl import load_strategy
 
+from . import probes
 from .harness import SuiteResult, Table, mib, ray_cluster, short_error
 from .workloads import GPTWorkload, gpt_batches, make_gpt, n_params
 
@@ -66,19 +67,17 @@ class Probe:
 
     def measure(self, b: int) -> dict[int, dict[str, int]]:
         if b not in self.runs:
-            import ray
-
             global_batch = b * MICROBATCHES * MESH["dp"]
             wl = dataclasses.replace(self.wl, batch=global_batch)
             batch = gpt_batches(wl, 1)[0]
             self.ctx.log(f"batch-composition: pp x {self.level}, microbatch {b} (global batch {global_batch})")
             with piper.compile(make_gpt(self.kw)[0], batch, strategy=load_strategy(script(self.level)),
                                optimizer=self.optimizer, timeout=180) as job:
-                ray.get([a.__ray_call__.remote(_install_peak) for a in job.actors], timeout=job.timeout)
+                probes.in_workers(job, _install_peak)
                 job.step(*batch)      # the first step creates the optimizer state; measure the second
                 job.step(*batch)
                 memory = job.memory()
-                peaks = ray.get([a.__ray_call__.remote(_read_peak) for a in job.actors], timeout=job.timeout)
+                peaks = probes.in_workers(job, _read_peak)
                 for rank, peak in enumerate(peaks):
                     memory[rank]["in_step"] = peak
                 self.runs[b] = memory

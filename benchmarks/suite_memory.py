@@ -110,8 +110,6 @@ def _process_table(ctx, result, quick, optimizer) -> Table:
     what the processes really give back, with glibc's default allocator
     settings and with a fixed mmap threshold (FIXED_MMAP, through worker_env).
     """
-    import ray
-
     wl = GPTWorkload(n_layer=2, n_embd=64, n_head=2, block_size=8, batch=8) if quick else \
         GPTWorkload(n_layer=2, n_embd=512, n_head=8, block_size=8, batch=8)
     regions, n = 2, 2
@@ -135,10 +133,8 @@ def _process_table(ctx, result, quick, optimizer) -> Table:
                     for _ in range(2):
                         job.step(*batch)
                     counted = max(sum(m[k] for k in ("params", "grads", "optimizer")) for m in job.memory().values())
-                    live = max(ray.get([a.__ray_call__.remote(probes.live_tensor_bytes) for a in job.actors],
-                                       timeout=120))
-                    resident = max(ray.get([a.__ray_call__.remote(probes.resident_bytes) for a in job.actors],
-                                           timeout=120))
+                    live = max(probes.in_workers(job, probes.live_tensor_bytes))
+                    resident = max(probes.in_workers(job, probes.resident_bytes))
             except Exception as exc:
                 table.notes.append(f"{level}{' ' + str(env) if env else ''} failed: {short_error(exc)}")
                 row = None
