@@ -4,11 +4,17 @@ The forward pass is cut into `n_regions` `with piper.annotate("PP"):` blocks, in
 order: region 0 also holds the embeddings, the last region also holds the final
 LayerNorm, the lm head and the loss. It trains on examples/data/corpus.txt.
 
+With `layer_regions=True` each block (and the embeddings, and the head with
+the loss) is also its own `L` region nested in its stage. A region is the
+unit ZeRO shards, gathers and frees, so ZeRO-3 then holds one block's full
+parameters at a time instead of a whole stage's (FSDP's per-layer wrapping).
+
     python examples/gpt.py                  # 200 AdamW steps on one CPU, prints the loss
     piper run ... --model examples/gpt.py:small_gpt
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ class GPTConfig:
     n_embd: int = 64
     n_regions: int = 4
     dtype: torch.dtype = torch.float32
+    layer_regions: bool = False          # every block its own `L` region inside its `PP` stage
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_regions"):
@@ -118,17 +125,24 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         last = self.cfg.n_regions - 1
+        layer = self._layer
         for region, blocks in enumerate(self.cfg.region_blocks):
             with piper.annotate("PP"):
                 if region == 0:
-                    pos = torch.arange(idx.shape[1], device=idx.device)
-                    x = self.wte(idx) + self.wpe(pos)
+                    with layer():
+                        pos = torch.arange(idx.shape[1], device=idx.device)
+                        x = self.wte(idx) + self.wpe(pos)
                 for i in blocks:
-                    x = self.blocks[i](x)
+                    with layer():
+                        x = self.blocks[i](x)
                 if region == last:
-                    logits = self.lm_head(self.ln_f(x))
-                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+                    with layer():
+                        logits = self.lm_head(self.ln_f(x))
+                        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return loss
+
+    def _layer(self):
+        return piper.annotate("L") if self.cfg.layer_regions else contextlib.nullcontext()
 
 
 class CharTokenizer:

@@ -136,3 +136,43 @@ def test_background_cpu_competes_for_the_cores_too():
     shared = simulate(c.plans, cores=2, background=6.0)
     # every device's actions plus its background, on two cores
     assert shared.step_time == pytest.approx((sum(busy.values()) + 4 * 6.0) / 2, rel=1e-3)
+
+
+@functools.lru_cache(maxsize=None)
+def layered_program(stages: int):
+    """The example GPT with 4 blocks over `stages` PP stages; every block, the embeddings and the head an `L` region."""
+    from examples.gpt import example_batch, make_model
+    from piper.capture import capture
+
+    model, _ = make_model(n_layer=4, n_regions=stages, layer_regions=True, n_embd=32, n_head=2, block_size=16)
+    return capture(model, example_batch(4, block_size=16))
+
+
+def feeds_of(program):
+    return {r.index: {program.values[i.ref].producer for i in r.inputs if i.kind == "value"}
+            for r in program.regions}
+
+
+def test_a_stage_of_several_regions_runs_each_chain_in_one_lane():
+    # 1F1B over 2 stages of 3 regions: each slot is one chain of forwards or backwards, so no lanes.
+    program = layered_program(2)
+    feeds = feeds_of(program)
+    c = plan(load_strategy("use one_f_one_b(microbatches=4) on pp\n"), mesh={"pp": 2}, program=program)
+    for rank in (0, 1):
+        slots = multi_slots(c, rank)
+        assert slots and all(len(s) == 3 for s in slots)
+        assert spans(c.plans[rank], slots, own_units(c), feeds) == {}
+        assert spans(c.plans[rank], slots, own_units(c)) != {}    # taken apart, the chain would race
+    # DualPipeV: an overlapped [F, B] slot still has two lanes, each a whole chain in plan order.
+    program = layered_program(4)
+    feeds = feeds_of(program)
+    c = plan(load_strategy(DUALPIPEV), mesh={"pp": 2}, program=program)
+    found = spans(c.plans[0], multi_slots(c, 0), own_units(c), feeds)
+    assert found
+    for s in found.values():
+        assert len(s.lanes) == 2
+        for lane in s.lanes:
+            computes = [a.node for a in lane if a.node.is_compute]
+            assert len({n.region for n in computes}) >= 2 and len({n.mb for n in computes}) == 1
+            order = [a.key for a in c.plans[0] if a.key in {a.key for a in lane}]
+            assert [a.key for a in lane] == order

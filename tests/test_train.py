@@ -9,6 +9,7 @@ import piper
 from examples.gpt import _corpus_tokens, batches, make_model
 from examples.strategies import one_f_one_b_order as one_f_one_b
 from piper.testing import train_both
+from piper.dsl.script import load_strategy
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -172,3 +173,19 @@ def test_one_f_one_b_holds_fewer_activations_than_gpipe():
     # Stage 0 keeps all 8 microbatches under GPipe and at most 2 under 1F1B.
     assert peaks["1f1b"] * 3 < peaks["gpipe"]
     assert peaks["gpipe"] == pytest.approx(4 * peaks["1f1b"], rel=0.1)
+
+
+def layered_gpt(stages: int, dtype=torch.float64):
+    """Two blocks per stage, each block (and the embeddings, and the head) its own `L` region in its stage."""
+    model, _ = make_model(n_layer=2 * stages, n_regions=stages, layer_regions=True, n_embd=32, n_head=2,
+                          block_size=16)
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("schedule,stages", [("one_f_one_b", 2), ("dualpipev", 4)])
+def test_stages_cut_into_layer_regions_train_exactly(schedule, stages):
+    # A stage of several regions: `F(MB=0)` names a chain of forwards, which runs in order
+    # (not in lanes), and ZeRO-3 gathers and frees each block's parameters on its own.
+    strategy = load_strategy(f"use {schedule}(microbatches=4) on pp\nuse zero3() on dp\n")
+    result = train_both(layered_gpt(stages), strategy, mesh={"dp": 2, "pp": 2}, batches=gpt_batches())
+    assert_same_training(result, rtol=1e-10, atol=1e-12)

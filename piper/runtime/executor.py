@@ -230,7 +230,9 @@ class Executor:
         # must not be called from two threads at once, so CUDA runs the items in turn.
         concurrent = spec.concurrent and self.device.type == "cpu"
         units_of = {r: set(region.units) for r, region in spec.regions.items()}
-        self._spans = spans(spec.plan, spec.slots, units_of) if concurrent else {}
+        feeds = {r: {spec.values[i.ref][0] for i in region.inputs if i.kind == VALUE}
+                 for r, region in spec.regions.items()}
+        self._spans = spans(spec.plan, spec.slots, units_of, feeds) if concurrent else {}
         lanes = max((len(s.lanes) for s in self._spans.values()), default=1)
         self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="piper-lane") if lanes > 1 else None
         self._lock = threading.Lock()             # activation accounting and gradient sums, shared by lanes

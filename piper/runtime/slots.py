@@ -60,31 +60,54 @@ def whole_backwards(plan, slots) -> tuple[frozenset, frozenset]:
     return frozenset(whole), frozenset(skip)
 
 
-def span(plan, members: set[str], units_of: dict[int, set]) -> Span | None:
+def _lane_of(items, feeds: dict[int, set]) -> dict[tuple, tuple]:
+    """Item -> its lane: items of one microbatch whose regions pass data to each other share one.
+
+    A slot `F(MB=0)` over a stage cut into several regions names a chain of
+    forwards; those run one after another, in plan order, in one lane.
+    """
+    lane = {item: item for item in items}
+
+    def find(item):
+        while lane[item] != item:
+            item = lane[item]
+        return item
+
+    for a in items:
+        for b in items:
+            if a < b and a[1] == b[1] and (a[0] in feeds.get(b[0], ()) or b[0] in feeds.get(a[0], ())):
+                lane[find(b)] = find(a)
+    return {item: find(item) for item in items}
+
+
+def span(plan, members: set[str], units_of: dict[int, set], feeds: dict[int, set] | None = None) -> Span | None:
     """Regroup the stretch of `plan` from the first to the last of `members`; None if it cannot run in lanes.
 
-    `members` are the compute keys of one slot and `units_of` maps a region to
-    the parameter units it reads. The slot runs in lanes only when it holds at
-    least two items (a B's BI and BW are one), the items read disjoint units
-    (one lane never frees parameters the other is using), no other compute
-    falls inside its stretch, and no lane waits on a collective: collectives
-    stay on one thread, in an order every replica shares.
+    `members` are the compute keys of one slot, `units_of` maps a region to
+    the parameter units it reads and `feeds` to the regions whose values it
+    reads. Items that depend on each other share a lane. The slot runs in
+    lanes only when that leaves at least two lanes (a B's BI and BW are one
+    item), the lanes read disjoint units (one lane never frees parameters the
+    other is using), no other compute falls inside its stretch, and no lane
+    waits on a collective: collectives stay on one thread, in an order every
+    replica shares.
     """
     at = [i for i, a in enumerate(plan) if a.key in members]
     if not at:
         return None
     start, stop = at[0], at[-1] + 1
-    lanes: dict[tuple, list] = {}
-    for a in plan[start:stop]:
-        if a.key in members:
-            lanes.setdefault(_pass_of(a.node), []).append(a)
-    if len(lanes) < 2:
+    owner = _lane_of({_pass_of(plan[i].node) for i in at}, feeds or {})
+    items: dict[tuple, list] = {}     # lane -> its members, in plan order
+    for i in at:
+        items.setdefault(owner[_pass_of(plan[i].node)], []).append(plan[i])
+    if len(items) < 2:
         return None
-    used = [set().union(*(units_of.get(a.node.region, ()) for a in lane)) for lane in lanes.values()]
+    used = [set().union(*(units_of.get(a.node.region, ()) for a in lane)) for lane in items.values()]
     if sum(map(len, used)) != len(set().union(*used)):
         return None
-    while stop < len(plan) and plan[stop].node.op == "SEND" and _pass_of(plan[stop].node) in lanes:
+    while stop < len(plan) and plan[stop].node.op == "SEND" and _pass_of(plan[stop].node) in owner:
         stop += 1                     # the last member's sends leave from its lane, not after the others
+    lanes: dict[tuple, list] = {lane: [] for lane in items}     # members and their sends, in plan order
     before, after = [], []
     done: set[tuple] = set()          # items whose compute came earlier in the stretch
     busy: set = set()                 # units those items read
@@ -93,6 +116,7 @@ def span(plan, members: set[str], units_of: dict[int, set]) -> Span | None:
         if a.key in members:
             done.add(_pass_of(node))
             busy |= units_of.get(node.region, set())
+            lanes[owner[_pass_of(node)]].append(a)
         elif node.is_compute:
             return None
         elif node.op == "RECV":
@@ -100,7 +124,7 @@ def span(plan, members: set[str], units_of: dict[int, set]) -> Span | None:
         elif node.op == "SEND":
             item = _pass_of(node)
             if item in done:
-                lanes[item].append(a)
+                lanes[owner[item]].append(a)
             else:
                 before.append(a)      # its data was made before the slot
         elif node.op == "ALL_GATHER" and node.phase and node.region not in busy:
@@ -114,11 +138,11 @@ def span(plan, members: set[str], units_of: dict[int, set]) -> Span | None:
     return Span(start, stop, key, tuple(before), tuple(tuple(v) for v in lanes.values()), tuple(after))
 
 
-def spans(plan, slots, units_of: dict[int, set]) -> dict[int, Span]:
+def spans(plan, slots, units_of: dict[int, set], feeds: dict[int, set] | None = None) -> dict[int, Span]:
     """Plan index of each overlapped slot's first action -> its `Span`."""
     out = {}
     for slot in slots:
-        s = span(plan, set(slot), units_of)
+        s = span(plan, set(slot), units_of, feeds)
         if s is not None:
             out[s.start] = s
     return out
