@@ -15,7 +15,9 @@ saved_tensors_hooks). The budget B is enforced by this byte accounting, not
 by an out-of-memory failure: the devices are CPU processes with plenty of RAM.
 
 The model is wide with a short context (parameter state dominates at small
-batch), so sharding the state is what frees room for activations.
+batch), so sharding the state is what frees room for activations. Each block
+is its own region inside its stage (`layer_regions`): a region is ZeRO's unit,
+so ZeRO-3 gathers one block at a time, as FSDP wraps each layer.
 
     python -m benchmarks --suite batch-composition
 """
@@ -39,6 +41,7 @@ MESH = {"dp": 2, "pp": 2}
 MICROBATCHES = 4
 LEVELS = ("dp", "zero2", "zero3")
 QUICK_LEVELS = ("dp", "zero3")
+STAGE_ZERO3 = "zero3_stages"  # ZeRO-3 on the model annotated with one region per stage
 HEADROOM = 1.10          # B = HEADROOM x the model state pp x dp keeps on its fullest device
 CAP = 512                # stop doubling here (sequences per microbatch)
 
@@ -46,8 +49,8 @@ CAP = 512                # stop doubling here (sequences per microbatch)
 def workload(quick: bool) -> GPTWorkload:
     """The model; `batch` is unused (each probe sets its own)."""
     if quick:
-        return GPTWorkload(n_layer=2, n_embd=128, n_head=4, block_size=8, batch=8)
-    return GPTWorkload(n_layer=2, n_embd=512, n_head=8, block_size=8, batch=8)
+        return GPTWorkload(n_layer=4, n_embd=64, n_head=4, block_size=8, batch=8)
+    return GPTWorkload(n_layer=8, n_embd=256, n_head=8, block_size=8, batch=8)
 
 
 def script(level: str) -> str:
@@ -60,9 +63,10 @@ class Probe:
     """Real runs of one strategy: compile for microbatch size `b`, take two steps, read job.memory()
     and the in-step high-water mark (`_install_peak`)."""
 
-    def __init__(self, ctx, wl: GPTWorkload, level: str, optimizer):
+    def __init__(self, ctx, wl: GPTWorkload, level: str, optimizer, *, layered: bool = True):
         self.ctx, self.wl, self.level, self.optimizer = ctx, wl, level, optimizer
-        self.kw = wl.model_kw(MESH["pp"])
+        self.kw = dict(wl.model_kw(MESH["pp"]), layer_regions=layered)
+        self.layered = layered
         self.runs: dict[int, dict[int, dict[str, int]]] = {}     # b -> rank -> memory (+ "in_step")
 
     def measure(self, b: int) -> dict[int, dict[str, int]]:
@@ -70,7 +74,8 @@ class Probe:
             global_batch = b * MICROBATCHES * MESH["dp"]
             wl = dataclasses.replace(self.wl, batch=global_batch)
             batch = gpt_batches(wl, 1)[0]
-            self.ctx.log(f"batch-composition: pp x {self.level}, microbatch {b} (global batch {global_batch})")
+            self.ctx.log(f"batch-composition: pp x {self.level}{'' if self.layered else ' (stage regions)'}, "
+                         f"microbatch {b} (global batch {global_batch})")
             with piper.compile(make_gpt(self.kw)[0], batch, strategy=load_strategy(script(self.level)),
                                optimizer=self.optimizer, timeout=180) as job:
                 probes.in_workers(job, _install_peak)
@@ -119,7 +124,7 @@ def _install_peak(worker) -> None:
         seen, total = set(), 0
         for unit in ex.units.values():
             tensors = [*unit.full, *unit.shard, *(g for g in unit.flat_grad if g is not None),
-                       *(g for g in unit.grad_shard if g is not None)]
+                       *(g for g in unit.grad_shard if g is not None), *(g for sent in unit.in_flight for g in sent)]
             for state in unit.optimizer.state.values():
                 tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
             for t in tensors:
@@ -194,7 +199,7 @@ def run(ctx) -> SuiteResult:
     result = SuiteResult("batch-composition", 4, "Bigger microbatches by composing ZeRO with a pipeline",
                          ctx.command("batch-composition"))
     desc = (f"GPT n_layer={wl.n_layer} n_embd={wl.n_embd} n_head={wl.n_head} T={wl.block_size}, "
-            f"{MESH['pp']} regions, Ψ = {psi:,} parameters, fp32, AdamW")
+            f"{MESH['pp']} stages, each block its own region, Ψ = {psi:,} parameters, fp32, AdamW")
     probes: dict[str, Probe] = {}
     found: dict[str, tuple[int, list]] = {}
     found_in: dict[str, tuple[int, list]] = {}
@@ -215,6 +220,14 @@ def run(ctx) -> SuiteResult:
                 ctx.log(traceback.format_exc())
                 if budget is None:
                     break
+        if budget is not None and not quick:
+            # The same ZeRO-3 with one region per stage: the unit it gathers is the whole stage.
+            probe = probes[STAGE_ZERO3] = Probe(ctx, wl, "zero3", optimizer, layered=False)
+            try:
+                found_in[STAGE_ZERO3] = largest(probe, budget, "in_step")
+            except Exception as exc:
+                errors[STAGE_ZERO3] = f"failed: {short_error(exc)}"
+                ctx.log(traceback.format_exc())
     if budget is None:
         result.notes.append(f"pp x dp failed, so no budget could be set: {errors.get('dp')}")
         return result
@@ -225,7 +238,7 @@ def run(ctx) -> SuiteResult:
                    "activations MiB at largest", "total MiB at largest", "total MiB at largest + 1",
                    "runs (size: fits?)"])
     sizes: dict[str, int] = {}
-    for level in probes:
+    for level in [lv for lv in probes if probes[lv].layered]:
         name = f"pp x {level}"
         if level not in found:
             table.add(name, errors.get(level, "not run"), *[None] * 6)
@@ -302,13 +315,14 @@ def _in_step_table(probes: dict[str, Probe], found_in: dict[str, tuple[int, list
                    "job.memory() total MiB at the same size", "runs (size: fits?)"])
     sizes = {}
     for level, probe in probes.items():
+        name = "pp x zero3, one region per stage" if level == STAGE_ZERO3 else f"pp x {level}"
         if level not in found_in:
-            table.add(f"pp x {level}", errors.get(level, "not run"), *[None] * 4)
+            table.add(name, errors.get(level, "not run"), *[None] * 4)
             continue
         b, tried = found_in[level]
         sizes[level] = b
         ratio = b / sizes["dp"] if sizes.get("dp") else None
-        table.add(f"pp x {level}", b, None if ratio is None else f"{ratio:.1f}x",
+        table.add(name, b, None if ratio is None else f"{ratio:.1f}x",
                   mib(probe.total(b, "in_step")) if b in probe.runs else None,
                   mib(probe.total(b)) if b in probe.runs else None,
                   ", ".join(f"{s}: {'yes' if ok else 'no'}" for s, ok in tried))
@@ -316,14 +330,16 @@ def _in_step_table(probes: dict[str, Probe], found_in: dict[str, tuple[int, list
         if ratio is not None:
             result.metrics[f"{level}.in_step.ratio_vs_dp"] = ratio
     table.notes += [
-        "job.memory() reports what a device holds between steps. Within a step the runtime also holds, per "
-        "region on the device: under ZeRO-2 and ZeRO-3 a full flat gradient buffer (allocated by attach_grads "
-        "at the start of every step, freed after the reduce-scatter), and under ZeRO-3 the all-gathered full "
-        "parameters (from one compute before the region's first compute to after its last). With one region "
-        "per device (1F1B on pp=2) both are alive for most of the step, so this high-water mark (what "
-        "torch.cuda.max_memory_allocated would see, less temporaries) shows much less saving than the "
-        "between-steps accounting.",
-        "Smaller ZeRO units (several regions per device, or gathering per block as FSDP does per layer) and a "
-        "lazily allocated, per-region full gradient buffer would recover the saving at the high-water mark.",
+        "job.memory() reports what a device holds between steps. Within a step a device also holds the "
+        "gathered parameters of the regions in use (ZeRO-3: from one compute before a region's compute to "
+        "after it), and full gradient buffers: replicated ones (dp) all step; under ZeRO-2/3 one per region "
+        "from a backward until that microbatch's reduce-scatter has finished (counted while in flight).",
+        "pp x zero3, one region per stage: the same model annotated with one region per stage, so ZeRO-3's unit "
+        "is the whole stage and its gathered parameters stay alive across the 1F1B steady state: the "
+        "high-water mark then saves only the sharded optimizer state and gradients.",
     ]
+    if sizes.get("dp"):
+        result.notes.append("In-step: " + "; ".join(
+            f"{level} / dp {b / sizes['dp']:.1f}x" for level, b in sizes.items() if level != "dp")
+            + " (largest microbatch with the budget enforced on the in-step high-water mark)")
     return table

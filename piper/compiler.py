@@ -286,8 +286,10 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     """Place DP/ZeRO collectives into the global order.
 
     - gradients of each parameter unit (the parameters a region owns): one
-      ALL_REDUCE (replicated or ZeRO-1) or REDUCE_SCATTER (ZeRO-2/3) right
-      after the last compute that produces them, before UPD;
+      ALL_REDUCE (replicated or ZeRO-1) right after the last compute that
+      produces them, before UPD; under ZeRO-2/3 a REDUCE_SCATTER_<pass><mb>
+      after the last compute that produces each microbatch's (one plain
+      REDUCE_SCATTER when there is one microbatch);
     - ZeRO-1/2: ALL_GATHER of the updated shards right after UPD;
     - ZeRO-3: ALL_GATHER_<pass><mb> before a compute that needs a unit not
       already gathered, issued one compute early so it overlaps; the unit is
@@ -305,24 +307,35 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
 
     computes = [(i, n) for i, n in enumerate(order) if n.op in _COMPUTE]
     grad_ops = ("B", "BW")
-    last_grad: dict[int, int] = {}
-    grad_producers: dict[int, list[str]] = defaultdict(list)
+    last_grad: dict[int, dict[int, int]] = defaultdict(dict)       # unit -> microbatch -> position
+    grad_producers: dict[int, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for i, n in computes:
         if n.op in grad_ops:
             for u in units[n.region]:
-                last_grad[u] = i
-                grad_producers[u].append(n.key)
+                last_grad[u][n.mb] = i
+                grad_producers[u][n.mb].append(n.key)
     position = {n.key: i for i, n in computes if n.op == "UPD"}
     for u in owners:
-        reduce_op = "ALL_REDUCE" if zero <= 1 else "REDUCE_SCATTER"
-        red = Node(reduce_op, u, devices=groups[u])
-        pos = last_grad[u]
-        while pos + 1 < len(order) and order[pos + 1].op == "SEND":
-            pos += 1   # let the gradient sends that unblock other stages go first
-        after[pos].append(red)
         upd = Node("UPD", u).key
-        edges.append(Edge(red.key, upd))
-        edges += [Edge(k, red.key) for k in grad_producers[u]]
+        if zero <= 1 or len(last_grad[u]) == 1:
+            reductions = [(max(last_grad[u].values()), None, [k for ks in grad_producers[u].values() for k in ks])]
+        else:
+            # ZeRO-2/3 hold 1/d of the gradients during the step as well: each
+            # microbatch's gradients are reduce-scattered after its last backward
+            # into the unit, and the shards add up (FSDP's and DeepSpeed's way).
+            reductions = [(pos, mb, grad_producers[u][mb]) for mb, pos in last_grad[u].items()]
+        for pos, mb, producers in reductions:
+            if zero <= 1:
+                red = Node("ALL_REDUCE", u, devices=groups[u])
+            elif mb is None:
+                red = Node("REDUCE_SCATTER", u, devices=groups[u])
+            else:
+                red = Node("REDUCE_SCATTER", u, mb, order[pos].op, devices=groups[u])
+            while pos + 1 < len(order) and order[pos + 1].op == "SEND":
+                pos += 1   # let the gradient sends that unblock other stages go first
+            after[pos].append(red)
+            edges.append(Edge(red.key, upd))
+            edges += [Edge(k, red.key) for k in producers]
         if zero in (1, 2):
             gather = Node("ALL_GATHER", u, devices=groups[u])
             after[position[upd]].append(gather)

@@ -20,7 +20,7 @@ def chain_plan(strategy, regions=2, **mesh):
 
 def test_node_tokens_parse_back():
     for token in ["2F0", "0UPD", "3BI12", "1BW0", "0SEND_F3>2.1", "2RECV_B3<0.1", "0ALL_REDUCE",
-                  "0ALL_GATHER_F3", "1REDUCE_SCATTER", "0ALL_GATHER"]:
+                  "0ALL_GATHER_F3", "1REDUCE_SCATTER", "1REDUCE_SCATTER_BW2", "0ALL_GATHER"]:
         assert parse_key(token).key == token
     assert parse_key("2F0") == Node("F", 2, 0)
 
@@ -53,8 +53,16 @@ def test_gpipe_plan_in_action_notation():
 def test_zero_collectives_are_placed():
     zero2 = chain_plan(pipeline(2, batch_axis="dp", zero=("optimizer", "grads")), pp=2, dp=2)
     plan0 = [a.key for a in zero2.plans[0]]
-    assert plan0[-3:] == ["0REDUCE_SCATTER", "0UPD", "0ALL_GATHER"]
+    # Each microbatch's gradients are reduce-scattered after its backward, so no device
+    # holds a full gradient buffer across microbatches; the update waits for both.
+    assert plan0[plan0.index("0B0") + 1] == "0REDUCE_SCATTER_B0"
+    assert plan0[-3:] == ["0REDUCE_SCATTER_B1", "0UPD", "0ALL_GATHER"]
     assert zero2.plans[0][-3].group == (0, 1)   # mesh pp=2, dp=2: pp[0] is ranks 0 and 1
+    assert {"0REDUCE_SCATTER_B0", "0REDUCE_SCATTER_B1"} <= set(zero2.plans[0][-2].waits)
+    one = chain_plan(pipeline(1, batch_axis="dp", zero=("optimizer", "grads")), pp=2, dp=2)
+    assert [a.key for a in one.plans[0]][-3:] == ["0REDUCE_SCATTER", "0UPD", "0ALL_GATHER"]
+    dp = chain_plan(pipeline(2, batch_axis="dp"), pp=2, dp=2)
+    assert [a.key for a in dp.plans[0]].count("0ALL_REDUCE") == 1       # replicated: once per step
     zero3 = chain_plan(pipeline(2, batch_axis="dp", zero=("optimizer", "grads", "params")), pp=2, dp=2)
     keys = [a.key for a in zero3.plans[0]]
     assert keys[0] == "0ALL_GATHER_F0" and "0ALL_GATHER" not in keys

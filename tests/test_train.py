@@ -189,3 +189,40 @@ def test_stages_cut_into_layer_regions_train_exactly(schedule, stages):
     strategy = load_strategy(f"use {schedule}(microbatches=4) on pp\nuse zero3() on dp\n")
     result = train_both(layered_gpt(stages), strategy, mesh={"dp": 2, "pp": 2}, batches=gpt_batches())
     assert_same_training(result, rtol=1e-10, atol=1e-12)
+
+
+def _watch_gradient_buffers(worker) -> None:
+    """Inside a worker: after every action, the bytes of full gradient buffers alive (attached or in flight)."""
+    ex = worker.executor
+    worker.grad_high_water = 0
+    run = ex._run
+
+    def watched(action):
+        out = run(action)
+        alive = [g for u in ex.units.values() for g in [*u.flat_grad, *(t for sent in u.in_flight for t in sent)]
+                 if g is not None]
+        worker.grad_high_water = max(worker.grad_high_water, sum(g.untyped_storage().nbytes() for g in alive))
+        return out
+
+    ex._run = watched
+
+
+def test_zero2_never_holds_a_stage_of_full_gradients_across_microbatches():
+    # Stage 0 holds the embeddings and 4 blocks, each its own unit. ZeRO-2 reduce-scatters each
+    # microbatch's gradients after its backward and lets the buffer go once that is done (one
+    # compute later), so at most a few blocks' full gradients exist at once; dp keeps them all.
+    import ray
+
+    model, _ = make_model(n_layer=8, n_regions=2, layer_regions=True, n_embd=32, n_head=2, block_size=16)
+    stage0 = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith(("blocks.4", "blocks.5",
+                 "blocks.6", "blocks.7", "ln_f", "lm_head")))
+    high = {}
+    for level in ("dp", "zero2"):
+        strategy = load_strategy(f"use one_f_one_b(microbatches=4) on pp\nuse {level}() on dp\n")
+        batch = gpt_batches(1)[0]
+        with piper.compile(model, batch, strategy=strategy, mesh={"dp": 2, "pp": 2}, timeout=120) as job:
+            ray.get([a.__ray_call__.remote(_watch_gradient_buffers) for a in job.actors])
+            job.step(*batch)
+            high[level] = ray.get(job.actors[0].__ray_call__.remote(lambda w: w.grad_high_water))
+    assert high["dp"] >= stage0
+    assert high["zero2"] <= 0.8 * stage0

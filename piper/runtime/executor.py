@@ -71,6 +71,7 @@ class Unit:
         self.shard: list[torch.Tensor] = []       # what the optimizer updates
         self.flat_grad: list[torch.Tensor | None] = []
         self.grad_shard: list[torch.Tensor | None] = []
+        self.in_flight: list[list[torch.Tensor]] = []   # ZeRO-2/3 gradient buffers being reduce-scattered
         self.leaves: dict[str, torch.Tensor] = {}
         self._by_bucket: list[list[tuple[torch.Tensor, object]]] = []
         for bucket, data in zip(layout.buckets, init):
@@ -129,7 +130,10 @@ class Unit:
 
     # -- gradients ----------------------------------------------------------------------
     def attach_grads(self) -> None:
-        """Point every parameter's `.grad` into a zeroed flat buffer (once per step)."""
+        """Point every parameter's `.grad` into a zeroed flat buffer, if it has none.
+
+        Replicated gradients keep theirs across steps (as DDP); ZeRO-2/3 get a
+        new one before each backward that follows a reduce-scatter."""
         for i, (bucket, leaves) in enumerate(zip(self.layout.buckets, self._by_bucket)):
             if self.flat_grad[i] is None:
                 self.flat_grad[i] = torch.zeros(bucket.padded, dtype=bucket.dtype, device=self.device)
@@ -137,23 +141,36 @@ class Unit:
                     leaf.grad = self.flat_grad[i][e.offset:e.offset + e.numel].view(e.shape)
 
     def reduce(self, group):
-        works = []
-        for i, bucket in enumerate(self.layout.buckets):
-            flat = self.flat_grad[i]
-            if self.zero <= 1:
-                works.append(comm.all_reduce(flat, group))
-            else:
-                out = torch.empty(bucket.shard_size, dtype=bucket.dtype, device=flat.device)
-                self.grad_shard[i] = out
-                works.append(comm.reduce_scatter_into(out, flat, group))
-        return works
+        """Reduce the gradients over the group: (works, what to run once they are done).
 
-    def after_reduce(self) -> None:
-        if self.zero >= 2:     # only the shard of the gradient is kept
-            for i, leaves in enumerate(self._by_bucket):
-                self.flat_grad[i] = None
-                for leaf, _ in leaves:
-                    leaf.grad = None
+        ZeRO-2/3 reduce-scatter the current buffers into fresh shards and let go
+        of them at once, so the next backward writes into a new buffer while
+        this one is in flight (`in_flight` until done); the shards add up.
+        """
+        if self.zero <= 1:
+            return [comm.all_reduce(flat, group) for flat in self.flat_grad], None
+        works, outs = [], []
+        for i, bucket in enumerate(self.layout.buckets):
+            if self.flat_grad[i] is None:      # every member issues the collective, even with nothing new
+                self.flat_grad[i] = torch.zeros(bucket.padded, dtype=bucket.dtype, device=self.device)
+            out = torch.empty(bucket.shard_size, dtype=bucket.dtype, device=self.device)
+            works.append(comm.reduce_scatter_into(out, self.flat_grad[i], group))
+            outs.append(out)
+        sent = [g for g in self.flat_grad if g is not None]
+        self.in_flight.append(sent)
+        self.flat_grad = [None] * len(self.flat_grad)
+        for leaves in self._by_bucket:
+            for leaf, _ in leaves:
+                leaf.grad = None
+
+        def done():
+            self.in_flight.remove(sent)
+            for i, out in enumerate(outs):
+                if self.grad_shard[i] is None:
+                    self.grad_shard[i] = out
+                else:
+                    self.grad_shard[i].add_(out)
+        return works, done
 
     def step(self) -> None:
         for i, (bucket, shard) in enumerate(zip(self.layout.buckets, self.shard)):
@@ -255,12 +272,16 @@ class Executor:
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
         self.saved_bytes: dict[tuple[int, int], int] = {}
+        self._reducing: dict[str, int] = {}           # reduce-scatters in flight -> computes started since
         for unit in self.units.values():
-            unit.attach_grads()
+            if unit.zero <= 1:
+                unit.attach_grads()
         self.activations = self.activation_peak = 0
         plan, i = self.spec.plan, 0
         while i < len(plan):
             span = self._spans.get(i)
+            if self._reducing and (span is not None or plan[i].node.is_compute):
+                self._settle_reductions()
             if span is None:
                 self._run(plan[i])
                 i += 1
@@ -322,6 +343,8 @@ class Executor:
             self._run(action)
 
     def _wait(self, key: str) -> None:
+        if key not in self.pending:       # a reduce-scatter finished early, before its unit's next backward
+            return
         works, then = self.pending.pop(key)
         for w in works:
             w.wait()
@@ -416,6 +439,7 @@ class Executor:
         region = self.spec.regions[node.region]
         outs, leaves = self.saved.pop((node.region, node.mb))
         tensors, grads = self._backward_targets(region, node.mb, outs)
+        self._grads_for(region)
         if tensors:
             torch.autograd.backward(tensors, grads)
         with self._lock:
@@ -449,6 +473,7 @@ class Executor:
         if action.key not in self._skip:   # else its BI ran the whole backward
             region = self.spec.regions[node.region]
             state = self.saved.pop((node.region, node.mb))
+            self._grads_for(region)
             backward_weights([w for u in region.units for w in self.units[u].weights()], state)
             with self._lock:
                 self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
@@ -490,11 +515,32 @@ class Executor:
 
     def _all_reduce(self, action) -> None:
         unit = self.units[action.node.region]
-        self.pending[action.key] = (unit.reduce(self.groups[action.group]), None)
+        self.pending[action.key] = unit.reduce(self.groups[action.group])
 
     def _reduce_scatter(self, action) -> None:
-        unit = self.units[action.node.region]
-        self.pending[action.key] = (unit.reduce(self.groups[action.group]), unit.after_reduce)
+        self.pending[action.key] = self.units[action.node.region].reduce(self.groups[action.group])
+        self._reducing[action.key] = 0
+
+    def _settle_reductions(self) -> None:
+        """Before a compute: finish the reduce-scatters issued before the previous compute.
+
+        Each has had one compute to overlap with; finishing it frees its gradient
+        buffer now rather than at the update (a pipeline runs forwards of other
+        microbatches in between, so those buffers would all be alive at once).
+        """
+        lagging = [key for key, computes in self._reducing.items() if computes >= 1]
+        for key in lagging:
+            del self._reducing[key]
+            self._wait(key)
+        for key in self._reducing:
+            self._reducing[key] += 1
+
+    def _grads_for(self, region: RegionSpec) -> None:
+        """Before a backward: every unit it writes gradients into has a buffer (ZeRO-2/3 get a
+        new one after each reduce-scatter)."""
+        for u in region.units:
+            if self.units[u].zero >= 2:
+                self.units[u].attach_grads()
 
     def _all_gather(self, action) -> None:
         unit = self.units[action.node.region]
