@@ -266,6 +266,7 @@ class IR:
     placement_spans: tuple[Span | None, ...] = field(default=(), compare=False)
     sharding_spans: tuple[Span | None, ...] = field(default=(), compare=False)
     split_span: Span | None = field(default=None, compare=False)
+    split_b_span: Span | None = field(default=None, compare=False)
     # Indexes of `nodes`, built on first use; rewrites that keep the nodes share them.
     _indexes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 

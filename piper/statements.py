@@ -130,6 +130,7 @@ def split_backward(ir: IR, d: Split) -> IR:
     """
     if ir.backward_split:
         raise error("split-twice", "backward is already split into BI and BW", span=d.span,
+                    labels=(Label(ir.split_b_span, "split here first"),) if ir.split_b_span else (),
                     hint="keep one `split B into BI, BW`")
     index = ir.index()
     nodes = []
@@ -155,7 +156,7 @@ def split_backward(ir: IR, d: Split) -> IR:
     for node in ir.nodes:
         if node.op == "B":
             edges.append(Edge(node.but(op="BI").key, node.but(op="BW").key))
-    return ir.with_(nodes=tuple(nodes), edges=distinct_edges(edges), backward_split=True)
+    return ir.with_(nodes=tuple(nodes), edges=distinct_edges(edges), backward_split=True, split_b_span=d.span)
 
 
 def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
@@ -212,7 +213,9 @@ def shard(ir: IR, d: Shard) -> IR:
     for what in d.what:
         previous = ir.sharded(what) if what != "batch" else (d.over if d.over in ir.batch_axes() else None)
         if previous is not None:
+            first = ir.sharding_span(what)
             raise error("sharded-twice", f"`{what}` is already sharded over `{previous}`", span=d.span,
+                        labels=(Label(first, "sharded here first"),) if first else (),
                         hint="shard each thing once")
         records.append((what, d.over))
         spans.append(d.span)

@@ -125,6 +125,20 @@ def test_unknown_axis_and_region_have_suggestions():
     assert err.value.diagnostics[0].span.file.endswith("test_errors.py")
 
 
+def test_a_second_split_or_shard_points_at_the_first():
+    from piper.capture import Program
+    from piper.dsl.script import load_strategy
+    from piper.job import plan
+
+    for script, first in [("mesh pp=1\nsplit B into BI, BW\nsplit B into BI, BW\n", 2),
+                          ("mesh dp=2\nshard batch over dp\nshard optimizer, grads over dp\nshard grads over dp\n", 3)]:
+        with pytest.raises(piper.PiperError) as err:
+            plan(load_strategy(script), program=Program.chain("PP=1"))
+        (label,) = err.value.diagnostics[0].labels
+        assert label.span.line == first and "first" in label.message
+        assert err.value.diagnostics[0].span.line == first + 1
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
