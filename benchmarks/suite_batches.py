@@ -339,7 +339,8 @@ def _in_step_table(probes: dict[str, Probe], found_in: dict[str, tuple[int, list
         "high-water mark then saves only the sharded optimizer state and gradients.",
     ]
     if sizes.get("dp"):
+        label = {STAGE_ZERO3: "zero3 with one region per stage"}
         result.notes.append("In-step: " + "; ".join(
-            f"{level} / dp {b / sizes['dp']:.1f}x" for level, b in sizes.items() if level != "dp")
+            f"{label.get(level, level)} / dp {b / sizes['dp']:.1f}x" for level, b in sizes.items() if level != "dp")
             + " (largest microbatch with the budget enforced on the in-step high-water mark)")
     return table

@@ -217,6 +217,12 @@ def two_stage_gpt() -> GPT:
     return make_model(n_regions=2)[0]
 
 
+def two_stage_layered_gpt() -> GPT:
+    """`two_stage_gpt` with every block its own `L` region inside its stage: ZeRO-3 then gathers one block at a
+    time (`--model examples/gpt.py:two_stage_layered_gpt`)."""
+    return make_model(n_regions=2, layer_regions=True)[0]
+
+
 def example_batch(batch_size: int = 8, *, block_size: int = GPTConfig.block_size, seed: int = 0):
     """One (idx, targets) batch from the corpus, shaped for `small_gpt()`."""
     return next(batches(_corpus_tokens()[1], batch_size, block_size, seed=seed))

@@ -35,16 +35,19 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--regions", type=int, default=2, help="PP regions in the model (one per pipeline stage)")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layer-regions", action=argparse.BooleanOptionalAction, default=True,
+                        help="each block its own region inside its stage, the unit ZeRO gathers and frees")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args(argv)
     console = Console()
     overrides = dict(item.split("=", 1) for item in args.set)
 
-    model, cfg = make_model(n_layer=args.layers, n_regions=args.regions)
+    model, cfg = make_model(n_layer=args.layers, n_regions=args.regions, layer_regions=args.layer_regions)
     stream = training_batches(args.batch_size)
     first = next(stream)
     params = sum(p.numel() for p in model.parameters())
-    console.print(f"[bold]GPT[/] {cfg.n_layer} blocks in {cfg.n_regions} regions, {params:,} parameters; "
+    regions = ", a region per block" if cfg.layer_regions else ""
+    console.print(f"[bold]GPT[/] {cfg.n_layer} blocks in {cfg.n_regions} PP regions{regions}, {params:,} parameters; "
                   f"strategy [cyan]{os.path.relpath(args.strategy)}[/]")
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr)
     try:

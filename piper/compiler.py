@@ -307,18 +307,23 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
 
     computes = [(i, n) for i, n in enumerate(order) if n.op in _COMPUTE]
     grad_ops = ("B", "BW")
-    last_grad: dict[int, dict[int, int]] = defaultdict(dict)       # unit -> microbatch -> position
-    grad_producers: dict[int, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    # ZeRO-2/3 reduce each microbatch's gradients (see below); replicated ones once per step.
+    per_mb = zero >= 2
+    last_grad: dict[int, dict] = defaultdict(dict)       # unit -> microbatch (or None) -> position
+    grad_producers: dict[int, dict] = defaultdict(lambda: defaultdict(list))
     for i, n in computes:
         if n.op in grad_ops:
+            mb = n.mb if per_mb else None
             for u in units[n.region]:
-                last_grad[u][n.mb] = i
-                grad_producers[u][n.mb].append(n.key)
+                last_grad[u][mb] = i
+                grad_producers[u][mb].append(n.key)
     position = {n.key: i for i, n in computes if n.op == "UPD"}
     for u in owners:
         upd = Node("UPD", u).key
-        if zero <= 1 or len(last_grad[u]) == 1:
-            reductions = [(max(last_grad[u].values()), None, [k for ks in grad_producers[u].values() for k in ks])]
+        if len(last_grad[u]) == 1:
+            ((_, pos),) = last_grad[u].items()
+            ((_, producers),) = grad_producers[u].items()
+            reductions = [(pos, None, producers)]
         else:
             # ZeRO-2/3 hold 1/d of the gradients during the step as well: each
             # microbatch's gradients are reduce-scattered after its last backward

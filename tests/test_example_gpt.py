@@ -153,3 +153,12 @@ def test_small_gpt_matches_example_batch():
 def test_config_errors_name_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**{"vocab_size": 61, **overrides})
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_main_job_trains_with_a_region_per_block_and_without():
+    # README's main job: examples/train_gpt.py, ZeRO-3 + 1F1B on dp=2 x pp=2.
+    from examples.train_gpt import main
+
+    assert main(["--steps", "2", "--batch-size", "16"]) == 0
+    assert main(["--steps", "2", "--batch-size", "16", "--no-layer-regions"]) == 0

@@ -156,7 +156,7 @@ class Unit:
             out = torch.empty(bucket.shard_size, dtype=bucket.dtype, device=self.device)
             works.append(comm.reduce_scatter_into(out, self.flat_grad[i], group))
             outs.append(out)
-        sent = [g for g in self.flat_grad if g is not None]
+        sent = list(self.flat_grad)
         self.in_flight.append(sent)
         self.flat_grad = [None] * len(self.flat_grad)
         for leaves in self._by_bucket:
@@ -343,7 +343,7 @@ class Executor:
             self._run(action)
 
     def _wait(self, key: str) -> None:
-        if key not in self.pending:       # a reduce-scatter finished early, before its unit's next backward
+        if key not in self.pending:       # a reduce-scatter `_settle_reductions` already finished
             return
         works, then = self.pending.pop(key)
         for w in works:

@@ -10,6 +10,9 @@ Two kinds of slot get special treatment:
 - An overlapped slot, `[F(...), B(...)]` (DualPipeV's main phase), runs its
   items at once, each in its own lane with the sends that carry its results,
   so one item's waits and communication hide behind the other's compute.
+- Items of one microbatch whose regions pass values to each other are one
+  chain and share a lane, in plan order: `F(MB=0)` over a stage cut into a
+  region per block names all of them.
 
 The compiler lays a slot's items out one after another in the plan, with the
 communication they need around them. `span` regroups that stretch of the
