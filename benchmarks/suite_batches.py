@@ -33,7 +33,6 @@ import torch
 import piper
 from piper.dsl import load_strategy
 
-from . import probes
 from .harness import SuiteResult, Table, mib, ray_cluster, short_error
 from .workloads import GPTWorkload, gpt_batches, make_gpt, n_params
 
@@ -61,13 +60,13 @@ def script(level: str) -> str:
 
 class Probe:
     """Real runs of one strategy: compile for microbatch size `b`, take two steps, read job.memory()
-    and the in-step high-water mark (`_install_peak`)."""
+    and the in-step high-water mark (its `step_peak`)."""
 
     def __init__(self, ctx, wl: GPTWorkload, level: str, optimizer, *, layered: bool = True):
         self.ctx, self.wl, self.level, self.optimizer = ctx, wl, level, optimizer
         self.kw = dict(wl.model_kw(MESH["pp"]), layer_regions=layered)
         self.layered = layered
-        self.runs: dict[int, dict[int, dict[str, int]]] = {}     # b -> rank -> memory (+ "in_step")
+        self.runs: dict[int, dict[int, dict[str, int]]] = {}     # b -> rank -> job.memory()
 
     def measure(self, b: int) -> dict[int, dict[str, int]]:
         if b not in self.runs:
@@ -78,13 +77,9 @@ class Probe:
                          f"microbatch {b} (global batch {global_batch})")
             with piper.compile(make_gpt(self.kw)[0], batch, strategy=load_strategy(script(self.level)),
                                optimizer=self.optimizer, timeout=180) as job:
-                probes.in_workers(job, _install_peak)
                 job.step(*batch)      # the first step creates the optimizer state; measure the second
                 job.step(*batch)
                 memory = job.memory()
-                peaks = probes.in_workers(job, _read_peak)
-                for rank, peak in enumerate(peaks):
-                    memory[rank]["in_step"] = peak
                 self.runs[b] = memory
         return self.runs[b]
 
@@ -94,7 +89,7 @@ class Probe:
 
     @staticmethod
     def value(m: dict[str, int], metric: str) -> int:
-        return m["in_step"] if metric == "in_step" else Probe.state(m) + m["activations_peak"]
+        return m["step_peak"] if metric == "in_step" else Probe.state(m) + m["activations_peak"]
 
     def total(self, b: int, metric: str = "memory") -> int:
         return max(self.value(m, metric) for m in self.runs[b].values())
@@ -111,49 +106,6 @@ class Probe:
             fit = math.floor((budget - fixed) / per) if per > 0 else CAP
             best = fit if best is None else min(best, fit)
         return max(0, best)
-
-
-def _install_peak(worker) -> None:
-    """Inside a Piper worker (via actor.__ray_call__): after every plan action, add up the bytes of the
-    parameter, gradient and optimizer buffers alive (each storage once) and the saved activations the
-    executor counts; keep the largest sum of the step."""
-    ex = worker.executor
-    worker._bench_peak = 0
-
-    def held() -> int:
-        seen, total = set(), 0
-        for unit in ex.units.values():
-            tensors = [*unit.full, *unit.shard, *(g for g in unit.flat_grad if g is not None),
-                       *(g for g in unit.grad_shard if g is not None), *(g for sent in unit.in_flight for g in sent)]
-            for state in unit.optimizer.state.values():
-                tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
-            for t in tensors:
-                storage = t.untyped_storage()
-                if storage.size() and storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        return total + getattr(ex, "activations", 0)
-
-    for op in {a.node.op.lower() for a in ex.spec.plan}:
-        original = getattr(ex, "_" + op)
-
-        def wrapped(action, original=original):
-            out = original(action)
-            worker._bench_peak = max(worker._bench_peak, held())
-            return out
-
-        setattr(ex, "_" + op, wrapped)
-    run_step = ex.run_step
-
-    def probed(batch):
-        worker._bench_peak = 0
-        return run_step(batch)
-
-    ex.run_step = probed
-
-
-def _read_peak(worker) -> int:
-    return worker._bench_peak
 
 
 def largest(probe: Probe, budget: float, metric: str = "memory") -> tuple[int, list[tuple[int, bool]]]:
@@ -310,7 +262,7 @@ def _in_step_table(probes: dict[str, Probe], found_in: dict[str, tuple[int, list
                    budget: int, result: SuiteResult) -> Table:
     table = Table(f"The same search with B = {mib(budget):.1f} MiB enforced on the in-step high-water mark: the "
                   "most bytes of parameter, gradient and optimizer buffers plus saved activations alive at once "
-                  "during the step (a probe after every plan action)",
+                  "during the step (job.memory()'s step_peak, sampled by the runtime after every plan action)",
                   ["strategy", "largest microbatch (seq)", "vs pp x dp", "in-step peak MiB at largest",
                    "job.memory() total MiB at the same size", "runs (size: fits?)"])
     sizes = {}
@@ -333,10 +285,13 @@ def _in_step_table(probes: dict[str, Probe], found_in: dict[str, tuple[int, list
         "job.memory() reports what a device holds between steps. Within a step a device also holds the "
         "gathered parameters of the regions in use (ZeRO-3: from one compute before a region's compute to "
         "after it), and full gradient buffers: replicated ones (dp) all step; under ZeRO-2/3 one per region "
-        "from a backward until that microbatch's reduce-scatter has finished (counted while in flight).",
+        "from a run of backwards into it until that run's reduce-scatter has finished, which overlaps the "
+        "next compute (buffers in flight count).",
         "pp x zero3, one region per stage: the same model annotated with one region per stage, so ZeRO-3's unit "
-        "is the whole stage and its gathered parameters stay alive across the 1F1B steady state: the "
-        "high-water mark then saves only the sharded optimizer state and gradients.",
+        "is the whole stage: its gathered parameters stay alive across the 1F1B steady state, and a stage's "
+        "full gradients in flight overlap the next forward, so the high-water mark is no lower than dp's. "
+        "The unit must be smaller than the stage for ZeRO-3 to save memory within the step (FSDP wraps each "
+        "layer for the same reason).",
     ]
     if sizes.get("dp"):
         label = {STAGE_ZERO3: "zero3 with one region per stage"}

@@ -282,14 +282,45 @@ def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:
     return {r.index: tuple(sorted({owner[p] for p in r.params})) for r in ir.regions}
 
 
+def _by_group(computes) -> dict[tuple, list[tuple[int, Node]]]:
+    """Device group -> its computes (but updates) with their positions in the global order."""
+    by_group: dict[tuple, list[tuple[int, Node]]] = defaultdict(list)
+    for i, n in computes:
+        if n.op != "UPD":
+            by_group[n.devices].append((i, n))
+    return by_group
+
+
+def _gradient_runs(by_group, units, grad_ops) -> dict[int, list[list[tuple[int, Node]]]]:
+    """Unit -> its runs: backwards into the unit that follow each other on its devices.
+
+    Each run gets one reduce-scatter: a run's gradients add up in one buffer,
+    and the compute after it gives the reduce-scatter something to overlap
+    with before the unit's next backward needs a new buffer.
+    """
+    runs: dict[int, list] = defaultdict(list)
+    for seq in by_group.values():
+        last: dict[int, int] = {}            # unit -> index in seq of its latest backward
+        for j, (i, n) in enumerate(seq):
+            if n.op not in grad_ops:
+                continue
+            for u in units[n.region]:
+                if last.get(u) == j - 1:
+                    runs[u][-1].append((i, n))
+                else:
+                    runs[u].append([(i, n)])
+                last[u] = j
+    return runs
+
+
 def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], list[Edge], dict[str, tuple]]:
     """Place DP/ZeRO collectives into the global order.
 
     - gradients of each parameter unit (the parameters a region owns): one
       ALL_REDUCE (replicated or ZeRO-1) right after the last compute that
       produces them, before UPD; under ZeRO-2/3 a REDUCE_SCATTER_<pass><mb>
-      after the last compute that produces each microbatch's (one plain
-      REDUCE_SCATTER when there is one microbatch);
+      after each run of backwards into the unit (`_gradient_runs`; one plain
+      REDUCE_SCATTER when there is one run);
     - ZeRO-1/2: ALL_GATHER of the updated shards right after UPD;
     - ZeRO-3: ALL_GATHER_<pass><mb> before a compute that needs a unit not
       already gathered, issued one compute early so it overlaps; the unit is
@@ -307,35 +338,32 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
 
     computes = [(i, n) for i, n in enumerate(order) if n.op in _COMPUTE]
     grad_ops = ("B", "BW")
-    # ZeRO-2/3 reduce each microbatch's gradients (see below); replicated ones once per step.
-    per_mb = zero >= 2
-    last_grad: dict[int, dict] = defaultdict(dict)       # unit -> microbatch (or None) -> position
-    grad_producers: dict[int, dict] = defaultdict(lambda: defaultdict(list))
+    last_grad: dict[int, int] = {}
+    grad_producers: dict[int, list[str]] = defaultdict(list)
     for i, n in computes:
         if n.op in grad_ops:
-            mb = n.mb if per_mb else None
             for u in units[n.region]:
-                last_grad[u][mb] = i
-                grad_producers[u][mb].append(n.key)
+                last_grad[u] = i
+                grad_producers[u].append(n.key)
+    by_group = _by_group(computes) if zero >= 2 else {}
+    runs = _gradient_runs(by_group, units, grad_ops) if zero >= 2 else {}
     position = {n.key: i for i, n in computes if n.op == "UPD"}
     for u in owners:
         upd = Node("UPD", u).key
-        if len(last_grad[u]) == 1:
-            ((_, pos),) = last_grad[u].items()
-            ((_, producers),) = grad_producers[u].items()
-            reductions = [(pos, None, producers)]
+        if len(runs.get(u, ())) > 1:
+            # ZeRO-2/3 hold 1/d of the gradients during the step as well: the
+            # gradients of each run of backwards into a unit are reduce-scattered
+            # after it, and the shards add up (FSDP's and DeepSpeed's way).
+            reductions = [(run[-1][0], run[-1][1], [n.key for _, n in run]) for run in runs[u]]
         else:
-            # ZeRO-2/3 hold 1/d of the gradients during the step as well: each
-            # microbatch's gradients are reduce-scattered after its last backward
-            # into the unit, and the shards add up (FSDP's and DeepSpeed's way).
-            reductions = [(pos, mb, grad_producers[u][mb]) for mb, pos in last_grad[u].items()]
-        for pos, mb, producers in reductions:
+            reductions = [(last_grad[u], None, grad_producers[u])]
+        for pos, last, producers in reductions:      # last: the run's last compute (None: the step's)
             if zero <= 1:
                 red = Node("ALL_REDUCE", u, devices=groups[u])
-            elif mb is None:
+            elif last is None:
                 red = Node("REDUCE_SCATTER", u, devices=groups[u])
             else:
-                red = Node("REDUCE_SCATTER", u, mb, order[pos].op, devices=groups[u])
+                red = Node("REDUCE_SCATTER", u, last.mb, last.op, devices=groups[u])
             while pos + 1 < len(order) and order[pos + 1].op == "SEND":
                 pos += 1   # let the gradient sends that unblock other stages go first
             after[pos].append(red)
@@ -349,10 +377,6 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     if zero == 3:
         # Per device group, the computes in order: gather a unit when the previous
         # compute on these devices did not use it; release it when the next will not.
-        by_group: dict[tuple, list[tuple[int, Node]]] = defaultdict(list)
-        for i, n in computes:
-            if n.op != "UPD":
-                by_group[n.devices].append((i, n))
         for g, seq in by_group.items():
             for j, (i, n) in enumerate(seq):
                 need = [u for u in units[n.region] if u in shared]

@@ -298,7 +298,10 @@ class Job:
 
     def memory(self) -> dict[int, dict[str, int]]:
         """Per rank: bytes of parameters, gradients and optimizer state held between
-        steps, and `activations_peak`, the most bytes saved for backward at once in the last step."""
+        steps, `activations_peak`, the most bytes saved for backward at once in the last step, and
+        `step_peak`, the most bytes of parameters, gradients, optimizer state and saved activations
+        alive at once in the last step (sampled after every action: gathered parameters, gradient
+        buffers and reduce-scatters in flight count; temporaries inside an action do not)."""
         self._check_open()
         return dict(enumerate(self._get([a.memory.remote() for a in self.actors], "memory")))
 

