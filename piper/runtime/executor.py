@@ -268,6 +268,7 @@ class Executor:
         self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
         self.activation_peak = 0                  # bytes saved for backward, at most, last step
         self.step_peak = 0                        # bytes of units + saved activations, at most, last step
+        self._unit_list = list(self.units.values())
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
         self._whole, self._skip = whole_backwards(spec.plan, spec.slots)
         # Overlapped slots run their items in threads on CPU, where Gloo matches messages by
@@ -523,9 +524,12 @@ class Executor:
 
         Sampled after each action (a compute's gathered parameters before they go), so a
         transient inside an action (autograd's own temporaries) is not seen."""
-        held = sum(u.held for u in self.units.values())
-        with self._lock:
-            self.step_peak = max(self.step_peak, held + self.activations)
+        held = self.activations
+        for unit in self._unit_list:
+            held += unit.held
+        if held > self.step_peak:           # lanes sample too: raise it under the lock
+            with self._lock:
+                self.step_peak = max(self.step_peak, held)
 
     # -- communication ---------------------------------------------------------------------
     def _value_of(self, node) -> int:
