@@ -285,11 +285,11 @@ def _in_step_table(probes: dict[str, Probe], found_in: dict[str, tuple[int, list
         "job.memory() reports what a device holds between steps. Within a step a device also holds the "
         "gathered parameters of the regions in use (ZeRO-3: from one compute before a region's compute to "
         "after it), and full gradient buffers: replicated ones (dp) all step; under ZeRO-2/3 one per region "
-        "from a run of backwards into it until that run's reduce-scatter has finished, which overlaps the "
-        "next compute (buffers in flight count).",
+        "from a run of backwards into it until that run's reduce-scatter has finished, which overlaps at most "
+        "the next compute, and not one that reads the region (buffers in flight count).",
         "pp x zero3, one region per stage: the same model annotated with one region per stage, so ZeRO-3's unit "
-        "is the whole stage: its gathered parameters stay alive across the 1F1B steady state, and a stage's "
-        "full gradients in flight overlap the next forward, so the high-water mark is no lower than dp's. "
+        "is the whole stage: its gathered parameters stay alive across the 1F1B steady state, so the "
+        "high-water mark saves only the sharded optimizer state and gradients. "
         "The unit must be smaller than the stage for ZeRO-3 to save memory within the step (FSDP wraps each "
         "layer for the same reason).",
     ]

@@ -301,7 +301,7 @@ class Executor:
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
         self.saved_bytes: dict[tuple[int, int], int] = {}
-        self._reducing: dict[str, int] = {}           # reduce-scatters in flight -> computes started since
+        self._reducing: dict[str, tuple] = {}         # reduce-scatter in flight -> (computes since, unit)
         for unit in self.units.values():
             if unit.zero <= 1:
                 unit.attach_grads()
@@ -310,7 +310,9 @@ class Executor:
         while i < len(plan):
             span = self._spans.get(i)
             if self._reducing and (span is not None or plan[i].node.is_compute):
-                self._settle_reductions()
+                actions = [plan[i]] if span is None else [a for lane in span.lanes for a in lane]
+                self._settle_reductions({u for a in actions if a.node.is_compute
+                                         for u in self.spec.regions[a.node.region].units})
             if span is None:
                 self._run(plan[i])
                 if not plan[i].node.is_compute:       # computes sample before they release (`_release`)
@@ -564,21 +566,24 @@ class Executor:
 
     def _reduce_scatter(self, action) -> None:
         self.pending[action.key] = self.units[action.node.region].reduce(self.groups[action.group])
-        self._reducing[action.key] = 0
+        self._reducing[action.key] = (0, action.node.region)
 
-    def _settle_reductions(self) -> None:
-        """Before a compute: finish the reduce-scatters issued before the previous compute.
+    def _settle_reductions(self, reads: set[int]) -> None:
+        """Before a compute that reads the units `reads`: finish the reduce-scatters issued
+        before the previous compute, and those of the units it reads.
 
-        Each has had one compute to overlap with; finishing it frees its gradient
-        buffer now rather than at the update (a pipeline runs forwards of other
-        microbatches in between, so those buffers would all be alive at once).
+        Each overlaps at most one compute, and never one that uses its unit: with a region per
+        block the next block's backward hides it; with a region per stage the stage's next
+        forward would hold the gradients in flight next to its gathered parameters and new
+        activations, so those are finished first. Finishing one frees its gradient buffer now,
+        not at the update.
         """
-        lagging = [key for key, computes in self._reducing.items() if computes >= 1]
-        for key in lagging:
-            del self._reducing[key]
-            self._wait(key)
-        for key in self._reducing:
-            self._reducing[key] += 1
+        for key, (computes, unit) in list(self._reducing.items()):
+            if computes >= 1 or unit in reads:
+                del self._reducing[key]
+                self._wait(key)
+            else:
+                self._reducing[key] = (computes + 1, unit)
 
     def _grads_for(self, region: RegionSpec) -> None:
         """Before a backward: every unit it writes gradients into has a buffer (ZeRO-2/3 get a
