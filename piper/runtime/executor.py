@@ -93,28 +93,23 @@ class Unit:
                 self.leaves[e.name] = leaf
                 leaves.append((leaf, e))
             self._by_bucket.append(leaves)
+        self.optimizer = optimizer(self.shard)
         if zero == 3:
             self.release()          # views made; the parameters come back on each gather
-        self.optimizer = optimizer(self.shard)
-        self.held = 0               # bytes of all the above alive now (`count`)
         self.count()
 
+    def _tensors(self) -> dict[str, list]:
+        """What the unit holds, by kind (None where a buffer is not allocated)."""
+        return {"params": [*self.full, *self.shard],
+                "grads": [*self.flat_grad, *self.grad_shard, *(g for sent in self.in_flight for g in sent)],
+                "optimizer": [v for state in self.optimizer.state.values() for v in state.values()
+                              if torch.is_tensor(v) and v.dim() > 0]}    # not Adam's step counts
+
     def count(self) -> None:
-        """Recount `held`: parameters (gathered and shard), gradients (buffers, in flight, shards) and
-        optimizer state, each storage once. Called where they are allocated or freed, not per action."""
-        tensors = [*self.full, *self.shard, *self.flat_grad, *self.grad_shard,
-                   *(g for sent in self.in_flight for g in sent),
-                   *(v for state in self.optimizer.state.values() for v in state.values()
-                     if torch.is_tensor(v) and v.dim() > 0)]     # as `memory`: not Adam's step counts
-        seen, total = set(), 0
-        for t in tensors:
-            if t is None:
-                continue
-            storage = t.untyped_storage()
-            if storage.size() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        self.held = total
+        """Recount `held`, the bytes of everything in `_tensors` alive now. Called where buffers
+        are allocated or freed, not per action."""
+        seen: set[int] = set()
+        self.held = sum(_storage_bytes(ts, seen) for ts in self._tensors().values())
 
     # -- parameters ---------------------------------------------------------------------
     def views(self) -> dict[str, torch.Tensor]:
@@ -140,8 +135,7 @@ class Unit:
         """ZeRO-3: free the gathered parameters (saved activations keep the storage object)."""
         for full in self.full:
             full.untyped_storage().resize_(0)
-        if hasattr(self, "held"):
-            self.count()
+        self.count()
 
     def gather_updated(self, group):
         """ZeRO-1/2: share every member's updated slice."""
@@ -172,20 +166,15 @@ class Unit:
         """
         if self.zero <= 1:
             return [comm.all_reduce(flat, group) for flat in self.flat_grad], None
-        works, outs = [], []
-        for i, bucket in enumerate(self.layout.buckets):
-            if self.flat_grad[i] is None:      # every member issues the collective, even with nothing new
-                self.flat_grad[i] = torch.zeros(bucket.padded, dtype=bucket.dtype, device=self.device)
-            out = torch.empty(bucket.shard_size, dtype=bucket.dtype, device=self.device)
-            works.append(comm.reduce_scatter_into(out, self.flat_grad[i], group))
-            outs.append(out)
-        sent = list(self.flat_grad)
+        self.attach_grads()        # every member issues the collective, even with nothing new
+        outs = [torch.empty(b.shard_size, dtype=b.dtype, device=self.device) for b in self.layout.buckets]
+        works = [comm.reduce_scatter_into(out, flat, group) for out, flat in zip(outs, self.flat_grad)]
+        sent = [*self.flat_grad, *outs]     # in flight: the buffers read and the shards being filled
         self.in_flight.append(sent)
         self.flat_grad = [None] * len(self.flat_grad)
         for leaves in self._by_bucket:
             for leaf, _ in leaves:
                 leaf.grad = None
-        self.in_flight[-1] += outs      # the shards being filled count too
         self.count()
 
         def done():
@@ -226,27 +215,21 @@ class Unit:
 
     def memory(self) -> dict[str, int]:
         """Bytes held between steps: parameters, gradients, optimizer state."""
-        seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0}
+        seen: set[int] = set()
+        return {kind: _storage_bytes(ts, seen) for kind, ts in self._tensors().items()}
 
-        def count(kind, t):
-            if t is None:
-                return
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen or storage.size() == 0:
-                return
+
+def _storage_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the allocated storages behind `tensors` (None skipped) not already in `seen`."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.size() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
-            out[kind] += storage.size()
-
-        for full, shard, flat, gshard in zip(self.full, self.shard, self.flat_grad, self.grad_shard):
-            count("params", full)
-            count("params", shard)
-            count("grads", flat)
-            count("grads", gshard)
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    count("optimizer", value)
-        return out
+            total += storage.nbytes()
+    return total
 
 
 class Executor:
@@ -279,6 +262,12 @@ class Executor:
         feeds = {r: {spec.values[i.ref][0] for i in region.inputs if i.kind == VALUE}
                  for r, region in spec.regions.items()}
         self._spans = spans(spec.plan, spec.slots, units_of, feeds) if concurrent else {}
+        # Units the compute (or overlapped slot) starting at each plan position reads (`_settle_reductions`).
+        self._reads = {i: frozenset(spec.regions[a.node.region].units) for i, a in enumerate(spec.plan)
+                       if a.node.is_compute}
+        for i, s in self._spans.items():
+            self._reads[i] = frozenset(u for lane in s.lanes for a in lane if a.node.is_compute
+                                       for u in spec.regions[a.node.region].units)
         lanes = max((len(s.lanes) for s in self._spans.values()), default=1)
         self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="piper-lane") if lanes > 1 else None
         self._lock = threading.Lock()             # activation accounting and gradient sums, shared by lanes
@@ -309,10 +298,8 @@ class Executor:
         plan, i = self.spec.plan, 0
         while i < len(plan):
             span = self._spans.get(i)
-            if self._reducing and (span is not None or plan[i].node.is_compute):
-                actions = [plan[i]] if span is None else [a for lane in span.lanes for a in lane]
-                self._settle_reductions({u for a in actions if a.node.is_compute
-                                         for u in self.spec.regions[a.node.region].units})
+            if self._reducing and i in self._reads:
+                self._settle_reductions(self._reads[i])
             if span is None:
                 self._run(plan[i])
                 if not plan[i].node.is_compute:       # computes sample before they release (`_release`)
@@ -568,7 +555,7 @@ class Executor:
         self.pending[action.key] = self.units[action.node.region].reduce(self.groups[action.group])
         self._reducing[action.key] = (0, action.node.region)
 
-    def _settle_reductions(self, reads: set[int]) -> None:
+    def _settle_reductions(self, reads: frozenset) -> None:
         """Before a compute that reads the units `reads`: finish the reduce-scatters issued
         before the previous compute, and those of the units it reads.
 
