@@ -71,7 +71,9 @@ class SavedActivations:
             self.peak = max(self.peak, self.current)
         else:
             entry[1] += 1
-        return _Saved(t, self, ptr)
+        # A detached alias: the tensor itself would tie a saved output to its own node, a cycle
+        # through C++ that a split backward never frees (see piper/runtime/saved.py).
+        return _Saved(t.detach(), self, ptr)
 
     @staticmethod
     def _unpack(packed):

@@ -1,6 +1,10 @@
 """BI then BW gives the gradients of one full backward, without a second pass when possible."""
+import gc
+import weakref
+
 import torch
 
+from piper.runtime.saved import SavedBytes
 from piper.runtime.split_backward import backward_inputs, backward_weights, can_split
 
 
@@ -38,3 +42,25 @@ def test_region_without_differentiable_inputs_falls_back():
     assert dinputs == [] and state[0] == "graph"
     backward_weights([w], state)
     torch.testing.assert_close(w.grad, x.t() @ torch.ones(4, 2))
+
+
+def test_counted_forward_frees_its_activations_after_a_split_backward():
+    """The runtime counts saved bytes with a pack hook; BI + BW must still free every saved
+    tensor. tanh saves its own output: kept as is, that output held its node alive through
+    C++ (a cycle no collector sees) and every microbatch of a split backward leaked."""
+    x = torch.randn(4, 3, dtype=torch.float64).requires_grad_()
+    a = torch.randn(3, 5, dtype=torch.float64).requires_grad_()
+    b = torch.randn(5, 1, dtype=torch.float64).requires_grad_()
+    with SavedBytes(exclude={w.untyped_storage()._cdata for w in (a, b)}) as saved:
+        h = torch.tanh(x @ a)
+        out = h @ b + x.sum(-1, keepdim=True)
+    alive = weakref.ref(h)
+    del h
+    # x (saved by x @ a) and tanh's output h (saved by tanh and by h @ b: one storage, counted once)
+    assert saved.size == (4 * 3 + 4 * 5) * 8
+    assert can_split([out], [x], [a, b])
+    dinputs, state = backward_inputs([out], [torch.ones(4, 1, dtype=torch.float64)], [x], [a, b], split=True)
+    backward_weights([a, b], state)
+    del state, out, dinputs
+    gc.collect()
+    assert alive() is None

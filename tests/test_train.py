@@ -232,3 +232,26 @@ def test_zero2_never_holds_a_stage_of_full_gradients_across_microbatches():
     assert mem["zero2"]["step_peak"] < mem["dp"]["step_peak"]
     for m in mem.values():
         assert m["step_peak"] >= m["params"] + m["grads"] + m["optimizer"] + m["activations_peak"]
+
+
+def _tensors_in_a_graph(worker) -> int:
+    """Inside a worker: tensors still attached to an autograd graph. None should outlive a step."""
+    import gc
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_split_backward_frees_every_graph_by_the_end_of_the_step(schedule):
+    # BI keeps the graph for BW, and BW frees only the part between the weights and BI's
+    # saved intermediates; the rest must go too, or each step leaks a step of activations.
+    import ray
+
+    left = {}
+
+    def count(job):
+        left.update(enumerate(ray.get([a.__ray_call__.remote(_tensors_in_a_graph) for a in job.actors])))
+
+    strategy = load_strategy(f"use {schedule}(microbatches=4) on pp\n")
+    result = train_both(gpt(4), strategy, mesh={"pp": 2}, batches=gpt_batches(), job_hook=count)
+    assert_same_training(result)
+    assert left == {0: 0, 1: 0}

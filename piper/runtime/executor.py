@@ -19,6 +19,7 @@ import torch
 from . import comm
 from .flat import UnitLayout
 from .graphs import unpack
+from .saved import SavedBytes
 from .slots import spans, whole_backwards
 from .split_backward import backward_inputs, backward_weights, can_split
 
@@ -397,20 +398,9 @@ class Executor:
         node = action.node
         region = self.spec.regions[node.region]
         args, leaves = self._args(region, node.mb)
-        counted: set = set()
-        size = 0
-
-        def pack(t):
-            # Count what autograd keeps for backward, once per storage, parameters excluded.
-            nonlocal size
-            storage = t.untyped_storage()
-            if storage._cdata not in counted and storage._cdata not in self._param_storages:
-                counted.add(storage._cdata)
-                size += storage.nbytes()
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), SavedBytes(self._param_storages) as saved:
             outs = region.graph(*args)
+        size = saved.size
         self.saved_bytes[(node.region, node.mb)] = size
         with self._lock:
             self.activations += size
