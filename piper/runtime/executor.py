@@ -161,14 +161,29 @@ class Unit:
     def reduce(self, group):
         """Reduce the gradients over the group: (works, what to run once they are done).
 
-        ZeRO-2/3 reduce-scatter the current buffers into fresh shards and let go
-        of them at once, so the next backward writes into a new buffer while
-        this one is in flight (`in_flight` until done); the shards add up.
+        ZeRO-2/3 reduce-scatter the current buffers and let go of them at once,
+        so the next backward writes into a new buffer while this one is in
+        flight (`in_flight` until done). The shard of the sum lands in
+        `grad_shard` itself: this member first adds what earlier reduce-scatters
+        gave it into its own slice of the buffer, which only it contributes to
+        its shard, and so needs no shard-sized output beside `grad_shard`. With
+        an earlier reduce-scatter of this unit still in flight (the runtime
+        finishes one before the next backward into the unit, so only a plan
+        that reduces twice in a row has that), the shard is not final yet: the
+        result goes to a new tensor, added once both are done.
         """
         if self.zero <= 1:
             return [comm.all_reduce(flat, group) for flat in self.flat_grad], None
         self.attach_grads()        # every member issues the collective, even with nothing new
-        outs = [torch.empty(b.shard_size, dtype=b.dtype, device=self.device) for b in self.layout.buckets]
+        direct = not self.in_flight
+        outs = []
+        for i, (bucket, flat) in enumerate(zip(self.layout.buckets, self.flat_grad)):
+            if direct and self.grad_shard[i] is not None:
+                lo, hi = bucket.bounds(self.index)
+                flat[lo:hi].add_(self.grad_shard[i])
+                outs.append(self.grad_shard[i])
+            else:
+                outs.append(torch.empty(bucket.shard_size, dtype=bucket.dtype, device=self.device))
         works = [comm.reduce_scatter_into(out, flat, group) for out, flat in zip(outs, self.flat_grad)]
         sent = [*self.flat_grad, *outs]     # in flight: the buffers read and the shards being filled
         self.in_flight.append(sent)
@@ -183,7 +198,7 @@ class Unit:
             for i, out in enumerate(outs):
                 if self.grad_shard[i] is None:
                     self.grad_shard[i] = out
-                else:
+                elif out is not self.grad_shard[i]:
                     self.grad_shard[i].add_(out)
             self.count()
         return works, done
