@@ -22,7 +22,7 @@ from operator import itemgetter
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import COMPUTE, IR, Edge, Node, _not_same, distinct_edges
+from .ir import COLLECTIVES, COMPUTE, IR, Edge, Node, _not_same, distinct_edges
 from .lower import add_transfers, check_orders, resolve_placement, temporal_edges, zero_levels
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
@@ -127,7 +127,7 @@ def schedule(ir: IR) -> list[Node]:
     comm = [n for n in index.values() if n.op not in _COMPUTE]
     computes = [n for n in index.values() if n.op in _COMPUTE]
     nodes = comm + computes
-    keys = [n.key for n in nodes]
+    keys = [n[8] for n in nodes]
     n_comm = len(comm)
     number = dict(zip(keys, range(len(keys))))
     entry = [(n.key, i) for i, n in enumerate(comm)]
@@ -520,10 +520,13 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
     return Plans(mesh.world_size, group_of, sequences, transfers, peer_of, shard_of)
 
 
+_WAITABLE = frozenset(("RECV",) + COLLECTIVES)
+
+
 def _waits_of(ir: IR, order: list[Node]) -> dict[str, list[str]]:
     """Node key -> the receives and collectives feeding it by a data edge:
     what an action waits for, nothing else (a send completes on its own)."""
-    waitable = {n.key for n in order if n.op not in _COMPUTE and n.op != "SEND"}
+    waitable = {n[8] for n in order if n[0] in _WAITABLE}
     waits_of: dict[str, list[str]] = {}
     for src, dst, kind, _ in ir.edges:
         if src in waitable and kind == "data":

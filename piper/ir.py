@@ -204,6 +204,7 @@ class Edge(tuple):
 
 
 _IDENTITY = itemgetter(0, 1, 2)
+_NODE_KEY = itemgetter(8)    # a Node's key, without the attribute lookup
 
 
 def distinct_edges(edges) -> tuple[Edge, ...]:
@@ -280,7 +281,7 @@ class IR:
         """Nodes by key (built once per node tuple: most rewrites keep the nodes)."""
         found = self._indexes.get("key")
         if found is None:
-            found = self._indexes["key"] = {n.key: n for n in self.nodes}
+            found = self._indexes["key"] = dict(zip(map(_NODE_KEY, self.nodes), self.nodes))
         return found
 
     def by_pass(self) -> dict[tuple[str, int], dict]:

@@ -16,7 +16,7 @@ from itertools import compress
 from operator import itemgetter, not_
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import IR, Edge, Node, data_edge, distinct_edges, node_key
+from .ir import IR, Edge, Node, data_edge, node_key
 
 _tuple_new = tuple.__new__
 _IDENTITY = itemgetter(0, 1, 2)    # an edge's (src, dst, kind)
@@ -143,9 +143,10 @@ def add_transfers(ir: IR) -> IR:
         p = v.producer
         # One activation transfer per receiving group, named after its first consumer.
         first_on: dict[tuple, int] = {}
-        for c in v.consumers:
+        consumers = tuple(dict.fromkeys(v.consumers))
+        for c in consumers:
             first_on.setdefault(group[c], c)
-        for c in v.consumers:
+        for c in consumers:
             if group[p] == group[c]:
                 continue
             first = first_on[group[c]]
@@ -179,8 +180,10 @@ def add_transfers(ir: IR) -> IR:
                     drop.add((b_c, t, "data"))
                     edges.append(data_edge(grecv[8], t))
                 edges += (data_edge(b_c, gsend[8]), data_edge(gsend[8], grecv[8]))
-    kept = list(compress(ir.edges, map(not_, map(drop.__contains__, map(_IDENTITY, ir.edges)))))
-    return ir.with_(nodes=tuple(nodes), edges=distinct_edges(kept + edges))
+    kept = compress(ir.edges, map(not_, map(drop.__contains__, map(_IDENTITY, ir.edges))))
+    # Every new edge ends at or starts from a new SEND/RECV, once per (value, consumer,
+    # microbatch): none repeats another or one kept, and the IR's own are distinct.
+    return ir.with_(nodes=tuple(nodes), edges=(*kept, *edges))
 
 
 def _transfers(op: str, region: int, phase: str, value: int, peer: int, devices: tuple[int, ...],

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .capture import Program
 from .diagnostics import Label, did_you_mean, error
 from .directives import Directive, Order, Place, Shard, Split
-from .ir import IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
+from .ir import _IDENTITY, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from .mesh import Mesh
 from .selectors import Selector
 
@@ -70,6 +70,7 @@ def apply_all(ir: IR, directives) -> IR:
     A run of `order` statements (a pipeline schedule has one per stage) adds
     its edges in one go: `order` reads the nodes, never the edges, so this is
     `apply` one at a time without copying the growing edge tuple per statement.
+    Two statements may order the same pair: the IR keeps its edges distinct.
     """
     pending: list[Edge] = []
     for d in directives:
@@ -77,10 +78,10 @@ def apply_all(ir: IR, directives) -> IR:
             pending += order_edges(ir, d)
             continue
         if pending:
-            ir, pending = ir.with_(edges=ir.edges + tuple(pending)), []
+            ir, pending = ir.with_(edges=_add_ordered(ir.edges, pending)), []
         ir = apply(ir, d)
     if pending:
-        ir = ir.with_(edges=ir.edges + tuple(pending))
+        ir = ir.with_(edges=_add_ordered(ir.edges, pending))
     return ir
 
 
@@ -232,7 +233,16 @@ def order(ir: IR, d: Order) -> IR:
     backward: its BI and BW together, in that slot (DualPipeV mixes whole and
     split backwards in one schedule).
     """
-    return ir.with_(edges=ir.edges + tuple(order_edges(ir, d)))
+    return ir.with_(edges=_add_ordered(ir.edges, order_edges(ir, d)))
+
+
+def _add_ordered(edges: tuple[Edge, ...], new: list[Edge]) -> tuple[Edge, ...]:
+    """`edges` and the temporal edges `new`, distinct. Two statements may order the same
+    pair; a new temporal edge can repeat only another temporal edge, so only those are checked."""
+    temporal = [e for e in edges if e[2] == "temporal"]
+    if len(dict.fromkeys(map(_IDENTITY, temporal + new))) == len(temporal) + len(new):
+        return edges + tuple(new)
+    return distinct_edges(edges + tuple(new))
 
 
 def order_edges(ir: IR, d: Order) -> list[Edge]:
