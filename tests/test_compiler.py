@@ -43,6 +43,23 @@ def test_ir_text_round_trips():
     assert "order 0F1 -> 0BI0" in text and "node 1BW1 @1,3" in text
 
 
+def test_an_order_repeated_adds_its_edges_once():
+    @piper.strategy
+    def s(s):
+        s.split("MB", 2)
+        s.place("PP=0", s.mesh["pp"][0])
+        s.place("PP=1", s.mesh["pp"][1])
+        for _ in range(2):
+            s.order("PP=0", ["F(MB=0)", "F(MB=1)", "B(MB=0)", "B(MB=1)"])
+
+    mesh = Mesh.of({"pp": 2})
+    ir = apply_all(initial_ir(Program.chain("PP=2"), mesh), s.build(mesh)[1])
+    assert len(set(ir.edges)) == len(ir.edges)
+    assert sum(e.kind == "temporal" for e in ir.edges) == 3
+    compiled = compile_ir(ir)
+    assert len(set(compiled.ir.edges)) == len(compiled.ir.edges)
+
+
 def test_gpipe_plan_in_action_notation():
     compiled = chain_plan(pipeline(2), pp=2)
     assert compiled.show() == (
