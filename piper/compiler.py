@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, namedtuple
 from collections.abc import Mapping
+from itertools import compress
 from operator import itemgetter
 from dataclasses import dataclass, field
 
@@ -528,8 +529,8 @@ def _waits_of(ir: IR, order: list[Node]) -> dict[str, list[str]]:
     what an action waits for, nothing else (a send completes on its own)."""
     waitable = {n[8] for n in order if n[0] in _WAITABLE}
     waits_of: dict[str, list[str]] = {}
-    for src, dst, kind, _ in ir.edges:
-        if src in waitable and kind == "data":
+    for src, dst, kind, _ in compress(ir.edges, map(waitable.__contains__, map(_SRC, ir.edges))):
+        if kind == "data":
             feeds = waits_of.get(dst)
             if feeds is None:
                 waits_of[dst] = [src]
