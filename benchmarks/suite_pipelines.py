@@ -87,9 +87,10 @@ def run(ctx) -> SuiteResult:
         "spread = (max - min) / median of the timed steps.",
         "torch: PipelineStage per stage module (GPTStage: the GPT's own embeddings/blocks/head), loss_fn = the "
         "GPT's cross-entropy, scale_grads=True; Piper: the GPT captured with piper.annotate regions.",
-        "Piper strategy: the stdlib script when stdlib/ has one that loads; otherwise a Python strategy "
-        "(interleaved: the exact per-rank order torch's ScheduleInterleaved1F1B computes, from "
-        "torch.distributed.pipelining._schedule_visualizer.get_schedule_ops; ZBV/DualPipeV: not yet available).",
+        "Piper strategy: the stdlib script named in the row. Should one fail to load, the table notes why, "
+        "and GPipe, 1F1B and Interleaved1F1B fall back to equivalent Python strategies (interleaved: the exact "
+        "per-rank order torch's ScheduleInterleaved1F1B computes, from "
+        "torch.distributed.pipelining._schedule_visualizer.get_schedule_ops).",
         "'step failed' in a Piper cell is the runtime's own error, reported as is; the torch side still runs.",
     ]
     for kind, note in stdlib_notes.items():

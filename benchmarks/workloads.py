@@ -324,7 +324,7 @@ def schedule_strategy(kind: str, *, pp: int, microbatches: int):
     """Piper's equivalent of a torch schedule: (strategy or None, where it comes from, note).
 
     A loadable stdlib script wins; otherwise GPipe, 1F1B and interleaved 1F1B
-    are the Python strategies below, and ZBV / DualPipeV are not available.
+    are the Python strategies below; ZBV and DualPipeV have no fallback.
     """
     found = find_stdlib(kind, microbatches=microbatches, mesh={"pp": pp})
     if found.usable:
