@@ -288,10 +288,10 @@ def _in_step_table(probes: dict[str, Probe], found_in: dict[str, tuple[int, list
         "from a run of backwards into it until that run's reduce-scatter has finished, which overlaps at most "
         "the next compute, and not one that reads the region (buffers in flight count).",
         "pp x zero3, one region per stage: the same model annotated with one region per stage, so ZeRO-3's unit "
-        "is the whole stage: its gathered parameters stay alive across the 1F1B steady state, so the "
-        "high-water mark saves only the sharded optimizer state and gradients. "
-        "The unit must be smaller than the stage for ZeRO-3 to save memory within the step (FSDP wraps each "
-        "layer for the same reason).",
+        "is the whole stage: its gathered parameters stay alive across the 1F1B steady state, beside a full "
+        "gradient buffer during each backward, so within the step it saves far less than with a region per "
+        "block. The unit must be smaller than the stage for ZeRO-3 to save most of its memory within the step "
+        "(FSDP wraps each layer for the same reason).",
     ]
     if sizes.get("dp"):
         label = {STAGE_ZERO3: "zero3 with one region per stage"}
