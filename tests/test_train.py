@@ -240,8 +240,9 @@ def _tensors_in_a_graph(worker) -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
 
 
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_split_backward_frees_every_graph_by_the_end_of_the_step(schedule):
+@pytest.mark.parametrize("schedule,regions", [("zbv", 4), ("dualpipev", 4), ("zero_bubble", 2),
+                                              ("interleaved_zero_bubble", 4)])
+def test_split_backward_frees_every_graph_by_the_end_of_the_step(schedule, regions):
     # BI keeps the graph for BW, and BW frees only the part between the weights and BI's
     # saved intermediates; the rest must go too, or each step leaks a step of activations.
     import ray
@@ -252,6 +253,6 @@ def test_split_backward_frees_every_graph_by_the_end_of_the_step(schedule):
         left.update(enumerate(ray.get([a.__ray_call__.remote(_tensors_in_a_graph) for a in job.actors])))
 
     strategy = load_strategy(f"use {schedule}(microbatches=4) on pp\n")
-    result = train_both(gpt(4), strategy, mesh={"pp": 2}, batches=gpt_batches(), job_hook=count)
+    result = train_both(gpt(regions), strategy, mesh={"pp": 2}, batches=gpt_batches(), job_hook=count)
     assert_same_training(result)
     assert left == {0: 0, 1: 0}
