@@ -18,6 +18,12 @@ def chain_plan(strategy, regions=2, **mesh):
     return plan(strategy, mesh=mesh, program=Program.chain(f"PP={regions}"))
 
 
+def chain_ir(strategy, regions=2, **mesh):
+    """The IR after the statements, before lowering."""
+    mesh = Mesh.of(mesh)
+    return apply_all(initial_ir(Program.chain(f"PP={regions}"), mesh), strategy.build(mesh)[1])
+
+
 def test_node_tokens_parse_back():
     for token in ["2F0", "0UPD", "3BI12", "1BW0", "0SEND_F3>2.1", "2RECV_B3<0.1", "0ALL_REDUCE",
                   "0ALL_GATHER_F3", "1REDUCE_SCATTER", "1REDUCE_SCATTER_BW2", "0ALL_GATHER"]:
@@ -36,8 +42,7 @@ def test_ir_text_round_trips():
         s.split("B")
         s.order("PP=0", ["F(MB=0)", "F(MB=1)", ["BI(MB=0)", "BW(MB=0)"]])
 
-    mesh = Mesh.of({"dp": 2, "pp": 2})
-    ir = apply_all(initial_ir(Program.chain("PP=2"), mesh), s.build(mesh)[1])
+    ir = chain_ir(s, dp=2, pp=2)
     text = format_ir(ir)
     assert parse_ir(text) == ir
     assert "order 0F1 -> 0BI0" in text and "node 1BW1 @1,3" in text
@@ -52,8 +57,7 @@ def test_an_order_repeated_adds_its_edges_once():
         for _ in range(2):
             s.order("PP=0", ["F(MB=0)", "F(MB=1)", "B(MB=0)", "B(MB=1)"])
 
-    mesh = Mesh.of({"pp": 2})
-    ir = apply_all(initial_ir(Program.chain("PP=2"), mesh), s.build(mesh)[1])
+    ir = chain_ir(s, pp=2)
     assert len(set(ir.edges)) == len(ir.edges)
     assert sum(e.kind == "temporal" for e in ir.edges) == 3
     compiled = compile_ir(ir)
