@@ -13,13 +13,12 @@ goes depends on what runs before it.
 from __future__ import annotations
 
 from itertools import compress
-from operator import itemgetter, not_
+from operator import not_
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import IR, Edge, Node, data_edge, node_key
+from .ir import _IDENTITY, IR, Edge, Node, data_edge, node_key
 
 _tuple_new = tuple.__new__
-_IDENTITY = itemgetter(0, 1, 2)    # an edge's (src, dst, kind)
 
 
 def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
