@@ -1,5 +1,6 @@
-"""The PyTorch baselines: torch.distributed on Gloo, one Ray actor per process,
-the same process count, model code, microbatching and optimizer (AdamW) as Piper.
+"""The PyTorch baselines: torch.distributed (Gloo on CPU, NCCL on CUDA), one Ray
+actor per process, the same process count, model code, microbatching and
+optimizer (AdamW) as Piper.
 
     group = TorchGroup(world=2)                       # 2 actors, one Gloo process group
     group.setup("pipeline", schedule="Schedule1F1B", model_kw=..., microbatches=8)
@@ -9,7 +10,8 @@ the same process count, model code, microbatching and optimizer (AdamW) as Piper
 Each baseline is a few lines of ordinary PyTorch, written as its tutorial
 shows (PipelineStage + a schedule; DistributedDataParallel; FSDP2
 `fully_shard`). Like Piper's workers, each actor runs torch on one thread
-(Ray sets OMP_NUM_THREADS=1 in actors).
+(Ray sets OMP_NUM_THREADS=1 in actors). With device="cuda" each actor holds
+one GPU, as Piper's workers do.
 """
 from __future__ import annotations
 
@@ -49,10 +51,12 @@ class WithLoss(torch.nn.Module):
 
 
 class TorchWorker:
-    """One baseline process: joins a Gloo group once, then hosts one baseline at a time."""
+    """One baseline process: joins a process group once, then hosts one baseline at a time."""
 
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, device: str = "cpu"):
         self.rank, self.world = rank, world
+        # Ray shows a GPU actor exactly its own GPU, as device 0.
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.kind = None
         self.tracker = None
@@ -65,7 +69,10 @@ class TorchWorker:
     def init(self, address: str, timeout_s: float) -> int:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
         return os.getpid()
 
@@ -93,6 +100,7 @@ class TorchWorker:
             net, cfg = make_gpt(model_kw)
             n_stages = cfg.n_regions
             make_stage, loss_fn = (lambda s: GPTStage(net, s)), gpt_loss
+        net.to(self.device)        # stages share the model's modules, so they move with it
         self.tracker = probes.SavedActivations() if track_activations else None
         if kind == "pipeline":
             from torch.distributed.pipelining import PipelineStage, schedules
@@ -102,7 +110,7 @@ class TorchWorker:
             if self.tracker is not None:
                 for m in modules:
                     self.tracker.wrap_module(m)
-            stages = [PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(modules, self.stage_ids)]
+            stages = [PipelineStage(m, s, n_stages, self.device) for m, s in zip(modules, self.stage_ids)]
             cls = getattr(schedules, schedule)
             self.schedule = cls(stages if schedule in MULTI_STAGE else stages[0], microbatches, loss_fn=loss_fn)
             self.first = 0 in self.stage_ids
@@ -119,7 +127,8 @@ class TorchWorker:
         elif kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            self.model = DistributedDataParallel(net)
+            on_gpu = self.device.type == "cuda"
+            self.model = DistributedDataParallel(net, device_ids=[self.device.index] if on_gpu else None)
             params = list(self.model.parameters())
         elif kind == "fsdp2":
             from torch.distributed.fsdp import fully_shard
@@ -148,6 +157,7 @@ class TorchWorker:
         """One optimizer step; x/y are this rank's inputs (None where it needs none). Returns (loss|None, seconds)."""
         if self.tracker is not None:
             self.tracker.reset()
+        x, y = (None if t is None else t.to(self.device) for t in (x, y))
         t0 = time.perf_counter()
         loss = None
         if self.kind == "pipeline":
@@ -186,14 +196,14 @@ class TorchWorker:
 
 
 class TorchGroup:
-    """`world` TorchWorker actors sharing one Gloo process group."""
+    """`world` TorchWorker actors sharing one process group (Gloo; NCCL with device="cuda")."""
 
-    def __init__(self, world: int, *, timeout: float = 300.0):
+    def __init__(self, world: int, *, timeout: float = 300.0, device: str = "cpu"):
         import ray
 
         self.world, self.timeout = world, timeout
-        actor = ray.remote(num_cpus=0)(TorchWorker)
-        self.actors = [actor.remote(r, world) for r in range(world)]
+        actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(TorchWorker)
+        self.actors = [actor.remote(r, world, device) for r in range(world)]
         try:
             address = self._get([self.actors[0].rendezvous_address.remote()])[0]
             self.pids = self._get([a.init.remote(address, timeout) for a in self.actors])
@@ -260,7 +270,7 @@ def set_up_group(ctx, group: TorchGroup | None, world: int, timeout: float, *arg
 
     try:
         if group is None:
-            group = TorchGroup(world, timeout=timeout)
+            group = TorchGroup(world, timeout=timeout, device=ctx.device)
         group.setup(*args, **kwargs)
         return group, None
     except Exception as exc:

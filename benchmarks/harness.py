@@ -225,8 +225,8 @@ def ray_cluster():
 
 # -- the machine -------------------------------------------------------------------------------------
 
-def machine() -> dict[str, str]:
-    """Cores, memory, CPU model and library versions, for the results header."""
+def machine(device: str = "cpu") -> dict[str, str]:
+    """Cores, memory, CPU model and library versions (and the GPUs on CUDA), for the results header."""
     info = {"python": platform.python_version(), "platform": platform.platform(),
             "cores": str(os.cpu_count()), "torch": torch.__version__}
     try:
@@ -250,7 +250,14 @@ def machine() -> dict[str, str]:
         info["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         pass
-    info["threads per worker"] = "1 (Ray sets OMP_NUM_THREADS=1 in actors; baselines call torch.set_num_threads(1))"
+    if device == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["gpus"] = f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+        info["cuda"] = str(torch.version.cuda)
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    else:
+        info["threads per worker"] = ("1 (Ray sets OMP_NUM_THREADS=1 in actors; baselines call "
+                                      "torch.set_num_threads(1))")
     return info
 
 

@@ -47,7 +47,11 @@ def run(ctx) -> SuiteResult:
     with ray_cluster():
         for n in devices:
             group = None
+            unhosted = ctx.cannot_host(n)
             for level, baseline, label in PAIRS:
+                if unhosted:
+                    table.add(n, level, label, unhosted, unhosted, *[None] * 4)
+                    continue
                 ctx.log(f"data-parallel: Piper {level} vs {label} on {n} devices")
                 piper_error = None
                 group, torch_error = set_up_group(ctx, group, n, timeout, baseline, model_kw=kw)
@@ -57,7 +61,7 @@ def run(ctx) -> SuiteResult:
                 try:
                     model, _ = make_gpt(kw)
                     job = piper.compile(model, batches[0], strategy=strategy, mesh={"dp": n}, optimizer=optimizer,
-                                        timeout=timeout)
+                                        timeout=timeout, device=ctx.device)
                 except Exception as exc:
                     piper_error = f"failed: {short_error(exc)}"
                     ctx.log(traceback.format_exc())

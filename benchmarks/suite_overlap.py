@@ -64,7 +64,8 @@ def run(ctx) -> SuiteResult:
 
 
 def _start(ctx, kw, batch, strategy, mesh, optimizer):
-    return piper.compile(make_gpt(kw)[0], batch, strategy=strategy, mesh=mesh, optimizer=optimizer, timeout=120)
+    return piper.compile(make_gpt(kw)[0], batch, strategy=strategy, mesh=mesh, optimizer=optimizer, timeout=120,
+                         device=ctx.device)
 
 
 def _close(*jobs) -> None:
@@ -81,6 +82,9 @@ def _zero3_vs_dp(ctx, result, wl, regions, devices, warmup, steps, optimizer) ->
                   ["devices", "dp ms", "zero3 ms", "zero3 / dp", "dp compute ms", "zero3 compute ms",
                    "dp not compute ms", "zero3 not compute ms", "spread dp", "spread zero3", "max |Δloss|"])
     for n in devices:
+        if ctx.cannot_host(n):
+            table.add(n, ctx.cannot_host(n), *[None] * 9)
+            continue
         ctx.log(f"overlap: zero3 vs dp on {n} devices")
         jobs = {}
         try:
@@ -112,8 +116,10 @@ def _zero3_vs_dp(ctx, result, wl, regions, devices, warmup, steps, optimizer) ->
         "the communication it failed to hide.",
         "dp: one all-reduce of each region's flat gradients after its backward; zero3: each region's "
         "parameters all-gathered one compute ahead of its forward and again of its backward, gradients "
-        "reduce-scattered, all asynchronous (Gloo on loopback).",
+        "reduce-scattered, all asynchronous (" + ("NCCL" if ctx.device == "cuda" else "Gloo on loopback") + ").",
     ]
+    if ctx.device == "cuda":
+        table.notes.append("compute on CUDA: each compute timed on the GPU by CUDA events around it.")
     return table
 
 
@@ -152,6 +158,9 @@ def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimi
                    "predicted DualPipeV ms (halves concurrent, ideal)", "predicted bubble 1F1B",
                    "predicted bubble DualPipeV", "max |Δloss|"])
     for m in microbatch_counts:
+        if ctx.cannot_host(p):
+            table.add(m, ctx.cannot_host(p), *[None] * 14)
+            continue
         ctx.log(f"overlap: DualPipeV vs 1F1B on pp={p}, {m} microbatches")
         jobs = {}
         try:
@@ -161,7 +170,8 @@ def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimi
                 if strategy is None:
                     raise RuntimeError(f"{kind} is not available: {note}")
                 jobs[name] = piper.compile(make_gpt(wl.model_kw(regions))[0], batches[0], strategy=strategy,
-                                           mesh={"pp": p}, optimizer=optimizer, timeout=120, overlap=overlap)
+                                           mesh={"pp": p}, optimizer=optimizer, timeout=120, overlap=overlap,
+                                           device=ctx.device)
             recs = {name: Recorder(job) for name, job in jobs.items()}
             errors = run_steps(recs, batches, warmup=warmup, steps=steps)
             if errors:
@@ -211,4 +221,7 @@ def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimi
         "max |Δloss|: the schedules train the same model (same weights and batches), so their losses "
         "agree step by step up to float rounding.",
     ]
+    if ctx.device == "cuda":
+        table.notes.append("On CUDA the runtime runs a slot's items in turn (NCCL matches messages by issue "
+                           "order), so 'lanes' and 'in turn' are the same runtime there.")
     return table

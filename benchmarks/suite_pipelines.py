@@ -47,8 +47,12 @@ def run(ctx) -> SuiteResult:
     with ray_cluster():
         for p in devices:
             group = None
+            unhosted = ctx.cannot_host(p)
             for kind in kinds:
                 torch_name, per_rank = PIPELINE_SCHEDULES[kind]
+                if unhosted:
+                    table.add(p, torch_name.removeprefix("Schedule"), "—", unhosted, unhosted, *[None] * 4)
+                    continue
                 regions = p * per_rank
                 kw = wl.model_kw(regions)
                 ctx.log(f"pipelines: {torch_name} vs Piper on {p} devices ({regions} regions)")
@@ -67,7 +71,7 @@ def run(ctx) -> SuiteResult:
                     try:
                         model, _ = make_gpt(kw)
                         job = piper.compile(model, batches[0], strategy=strategy, mesh={"pp": p},
-                                            optimizer=optimizer, timeout=timeout)
+                                            optimizer=optimizer, timeout=timeout, device=ctx.device)
                     except Exception as exc:
                         piper_error = f"failed: {short_error(exc)}"
                         ctx.log(traceback.format_exc())

@@ -98,3 +98,43 @@ def test_fit_exponent_and_formatting():
     md = markdown([SuiteResult("x", 9, "X", "cmd", tables=[t])], command="cmd", started=__import__("datetime").datetime.now(),
                   info={"cores": "2"})
     assert "| a | b\\|c |" in md and "| 1.5 | — |" in md
+
+
+def test_a_report_keeps_the_other_devices_part():
+    from benchmarks.runner import GPU_HEADING, merged
+
+    cpu_v1, cpu_v2 = "# Piper benchmark results\n\ncpu one\n", "# Piper benchmark results\n\ncpu two\n"
+    gpu_v1, gpu_v2 = f"{GPU_HEADING}\n\ngpu one\n", f"{GPU_HEADING}\n\ngpu two\n"
+    assert merged("", cpu_v1, "cpu") == cpu_v1
+    both = merged(cpu_v1, gpu_v1, "cuda")
+    assert both == cpu_v1 + "\n" + gpu_v1                       # the GPU part goes after the CPU part
+    assert merged(both, cpu_v2, "cpu") == cpu_v2 + "\n" + gpu_v1   # a CPU run keeps the GPU results
+    assert merged(both, gpu_v2, "cuda") == cpu_v1 + "\n" + gpu_v2  # and the other way round
+    assert merged("", gpu_v1, "cuda") == gpu_v1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_refused_with_the_fix():
+    code, out = run_harness("--device", "cuda", "--quick", timeout=120)
+    assert code == 2 and "torch sees no CUDA GPU here" in out and "without --device cuda" in out, out
+    assert "Traceback" not in out
+    code, out = run_harness("--device", "cuda", "--suite", "compiler", "overlap", timeout=120)
+    assert code == 2 and "compiler runs on CPU only" in out and "GPU suites: pipelines, data-parallel, overlap" in out
+
+
+def test_cuda_rows_name_the_gpus_they_need(ray_cluster):
+    # Each row of a GPU suite needs one GPU per process; rows the machine cannot host say so
+    # instead of failing (a one-GPU machine can still run the others).
+    from benchmarks import suite_data_parallel
+    from benchmarks.runner import Context
+    from rich.console import Console
+
+    ctx = Context(quick=True, console=Console(quiet=True), device="cuda")
+    ctx.gpus = 1
+    assert ctx.cannot_host(1) is None and ctx.cannot_host(2) == "needs 2 GPUs, this machine has 1"
+    assert ctx.command("data-parallel").endswith("--suite data-parallel --quick --device cuda")
+    result = suite_data_parallel.run(ctx)
+    rows = result.tables[0].rows
+    assert [row[:5] for row in rows] == [["2", "dp", "DistributedDataParallel", *["needs 2 GPUs, this machine has 1"] * 2],
+                                         ["2", "zero3", "FSDP2 fully_shard", *["needs 2 GPUs, this machine has 1"] * 2]]
+    assert result.metrics == {}

@@ -263,6 +263,9 @@ class Executor:
         self.pending: dict[str, tuple[list, object]] = {}
         self.sends: list = []
         self.timings: dict[str, float] = {}       # compute seconds per action, last step
+        # On a GPU the host only queues kernels, so a compute's host time says nothing of
+        # its cost: CUDA events around it time it on the device, read once the step is over.
+        self._events: dict[str, tuple] | None = {} if self.device.type == "cuda" else None
         self.cpu_timings: dict[str, float] = {}   # the same in this thread's CPU seconds (CPU devices)
         self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
         self.activation_peak = 0                  # bytes saved for backward, at most, last step
@@ -330,6 +333,8 @@ class Executor:
             work.wait()
         self.sends.clear()
         losses = [float(x) for x in self.losses]
+        if self._events:
+            self._device_timings()
         del self.values, self.grads, self.grad_out, self.saved, self.batch
         return losses
 
@@ -339,14 +344,28 @@ class Executor:
         compute = action.node.is_compute
         cpu = time.thread_time() if compute else 0.0     # a system call: only where it is kept
         start = time.perf_counter()
+        if compute and self._events is not None:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
         getattr(self, "_" + action.node.op.lower())(action)
         end = time.perf_counter()
         if compute:
             self.timings[action.key] = end - start
+            if self._events is not None:
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+                self._events[action.key] = (begin, done)
             # CPU seconds are what the action costs on a core of its own: the wall time above
             # also holds whatever other processes sharing the core took meanwhile.
             self.cpu_timings[action.key] = time.thread_time() - cpu
         return start, end
+
+    def _device_timings(self) -> None:
+        """Replace the computes' host times with their CUDA-event times (the step is over)."""
+        for key, (begin, done) in self._events.items():
+            done.synchronize()
+            self.timings[key] = begin.elapsed_time(done) / 1e3
+        self._events.clear()
 
     def _run_lane(self, lane) -> tuple[float, float]:
         """Run a lane's actions; (start of its first compute, end of its last)."""
