@@ -31,6 +31,7 @@ import torch
 
 import piper
 from piper.interop import overlapped_slots
+from piper.simulate import STEP, actions_seconds
 
 from .harness import SuiteResult, Table, ms, ray_cluster, short_error
 from .suite_cost_model import Recorder, predict, run_steps
@@ -146,6 +147,14 @@ def _passes(data) -> str:
             f"{ms(p.get('UPD', 0)):.1f})")
 
 
+def _cpu(data) -> tuple[float, float]:
+    """The busiest device's CPU seconds per step (median over steps): in its computes, and in the whole
+    worker process (every thread: the runtime, Gloo's transfers)."""
+    computes = statistics.median(max(actions_seconds(r) for r in step.values()) for step in data.cpu_timings)
+    process = statistics.median(max(r.get(STEP, 0.0) for r in step.values()) for step in data.cpu_timings)
+    return computes, process
+
+
 def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimizer) -> Table:
     batches = gpt_batches(wl, warmup + steps)
     p = 2
@@ -205,6 +214,13 @@ def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimi
                             f"{ratio_turn:.3f} in turn (target > 1); {sim_one.step_time / sim_lanes.step_time:.3f} "
                             f"predicted from the measured costs, {sim_one.step_time / sim_ideal.step_time:.3f} "
                             "if slot halves ran fully concurrently")
+        (one_c, one_p), (turn_c, turn_p) = _cpu(one), _cpu(turn)
+        result.metrics.update({f"{key}.1f1b_cpu_ms": ms(one_p), f"{key}.dualpipev_in_turn_cpu_ms": ms(turn_p)})
+        if ctx.device == "cpu":
+            result.notes.append(
+                f"(b) {m} microbatches, CPU per step on the busiest device: 1F1B {ms(one_p):.0f} ms "
+                f"({ms(one_c):.0f} in computes), DualPipeV in turn {ms(turn_p):.0f} ms ({ms(turn_c):.0f}); "
+                f"idle: 1F1B {ms(one.step - one_p):.0f} ms, DualPipeV {ms(turn.step - turn_p):.0f} ms")
     table.notes += [
         "lanes: the runtime's default — the two items of an overlapped slot [F, B] run at once in two threads "
         "of the worker, each with the sends of its results; in turn: piper.compile(..., overlap=False), one "
@@ -220,6 +236,12 @@ def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimi
         "each [F, B] slot costing max(F, B) of the in-turn run — an upper bound on what two streams could give.",
         "max |Δloss|: the schedules train the same model (same weights and batches), so their losses "
         "agree step by step up to float rounding.",
+        "CPU per step (in the notes below): job.timings(cpu=True), the busiest device's whole worker process "
+        "and its computes; idle = step - process CPU. DualPipeV's V crosses between the devices twice per "
+        "microbatch each way (regions 0->1 and 2->3), 1F1B's once, and every Gloo message costs CPU at both "
+        "ends; its split backwards cost more than whole ones too. The idle time DualPipeV saves must exceed "
+        "that extra CPU: on two shared cores it does at 4 microbatches, and barely if at all at 8, where "
+        "1F1B's own bubble is down to 1/(m+1).",
     ]
     if ctx.device == "cuda":
         table.notes.append("On CUDA the runtime runs a slot's items in turn (NCCL matches messages by issue "
