@@ -121,6 +121,7 @@ MODEL = {
 }
 # A running job (job.py).
 JOBS = {
+    "bad-device": "`device=` other than 'auto', 'cpu' or 'cuda'",
     "no-resources": "the Ray cluster cannot host one worker per device",
     "worker-timeout": "workers did not finish within the job's timeout",
     "worker-died": "a worker process died (killed, out of memory)",

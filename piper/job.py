@@ -104,6 +104,9 @@ def _microbatch_inputs(example_inputs, mesh: Mesh, directives):
     return tuple(x[:size] for x in example_inputs), microbatches, shards, batch
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
 def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, optimizer=None, *,
             address: str | None = None, device: str = "auto", timeout: float = 300.0,
             overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None) -> "Job":
@@ -119,6 +122,10 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     `worker_env` sets environment variables in the worker processes before
     they start (Ray's runtime_env), e.g. allocator settings.
     """
+    if device not in DEVICES:
+        raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
+                    hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
+                         "'auto' picks CUDA when the cluster has a GPU for every device")
     mesh, directives = build_strategy(strategy, mesh, overrides)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
     program = capture(model, mb_inputs)
@@ -169,8 +176,14 @@ class Job:
             ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=True)
             self._owns_ray = True
         world = self.mesh.world_size
+        gpus = ray.cluster_resources().get("GPU", 0)
         if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world else "cpu"
+            device = "cuda" if gpus >= world else "cpu"
+        elif device == "cuda" and gpus < world:
+            # Waiting `timeout` for a placement group that can never fit tells the user nothing.
+            raise error("no-resources", f"device='cuda' needs a GPU for each of the {world} devices, and the Ray "
+                        f"cluster has {gpus:g}", hint="shrink the mesh, add GPUs to the cluster, or run on CPU "
+                        "(device='cpu', Gloo)")
         self.device = device
         bundle = {"GPU": 1, "CPU": 0.01} if device == "cuda" else {"CPU": 0.01}
         self._pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")

@@ -209,3 +209,22 @@ def test_plain_tensor_attribute_asks_for_register_buffer():
         capture(TensorAttribute(), (torch.randn(8, 4), torch.randn(8)))
     assert err.value.code == "unsupported-model"
     assert "register_buffer" in err.value.diagnostics[0].hint
+
+
+def test_an_unknown_device_is_refused_before_the_model_is_captured():
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(Unannotated(), XY, device="gpu")    # capturing would fail: compute outside regions
+    assert err.value.code == "bad-device"
+    assert "device='gpu' is not one of 'auto', 'cpu', 'cuda'" in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.usefixtures("ray_cluster")
+def test_cuda_without_enough_gpus_fails_at_once_with_the_count():
+    # Not after `timeout` waiting for a placement that can never fit.
+    batch = gpt_batches(1)[0]
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(gpt(2), batch, strategy=pipeline(2), mesh={"pp": 2}, device="cuda", timeout=60)
+    assert err.value.code == "no-resources"
+    assert "needs a GPU for each of the 2 devices, and the Ray cluster has 0" in str(err.value)
+    assert "device='cpu'" in err.value.diagnostics[0].hint
