@@ -33,7 +33,7 @@ def run(ctx) -> SuiteResult:
     quick = ctx.quick
     wl, regions = workload(quick)
     devices = (2,) if quick else (2, 4)
-    warmup, steps = (1, 2) if quick else (2, 7)
+    warmup, steps = (1, 2) if quick else (2, 10)
     timeout = 120.0
     batches = gpt_batches(wl, warmup + steps)
     kw = wl.model_kw(regions)

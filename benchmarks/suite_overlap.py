@@ -52,7 +52,7 @@ def workloads(quick: bool) -> tuple[GPTWorkload, int, GPTWorkload]:
 def run(ctx) -> SuiteResult:
     quick = ctx.quick
     dp_wl, dp_regions, pp_wl = workloads(quick)
-    warmup, steps = (1, 3) if quick else (2, 7)
+    warmup, steps = (1, 3) if quick else (2, 10)
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     result = SuiteResult("overlap", 5, "Communication/computation overlap: zero3 vs dp, DualPipeV vs 1F1B",
                          ctx.command("overlap"))

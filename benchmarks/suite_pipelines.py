@@ -33,7 +33,7 @@ def run(ctx) -> SuiteResult:
     wl = workload(quick)
     devices = (2,) if quick else (2, 4)
     kinds = tuple(PIPELINE_SCHEDULES)
-    warmup, steps = (1, 2) if quick else (2, 6)
+    warmup, steps = (1, 2) if quick else (2, 10)
     timeout = 120.0
     batches = gpt_batches(wl, warmup + steps)
     result = SuiteResult("pipelines", 1, "Pipeline schedules: torch.distributed.pipelining vs Piper", ctx.command("pipelines"))
