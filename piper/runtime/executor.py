@@ -314,6 +314,8 @@ class Executor:
             if unit.zero <= 1:
                 unit.attach_grads()
         self.activations = self.activation_peak = self.step_peak = 0
+        if self._events:                              # left by a step that failed
+            self._events.clear()
         plan, i = self.spec.plan, 0
         while i < len(plan):
             span = self._spans.get(i)
