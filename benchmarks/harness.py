@@ -104,6 +104,13 @@ class Timings:
         t = self.times[name]
         return (max(t) - min(t)) / statistics.median(t)
 
+    def paired_ratios(self, a: str, b: str) -> list[float]:
+        """a's time over b's, step by step: each pair ran back to back on the same batch, so
+        drift of the machine's speed over the run cancels in each ratio."""
+        if not (self.ok(a) and self.ok(b)):
+            return []
+        return [x / y for x, y in zip(self.times[a], self.times[b])]
+
     def max_loss_gap(self, a: str, b: str) -> float | None:
         if not (self.ok(a) and self.ok(b)):
             return None
@@ -151,10 +158,13 @@ class HeadToHead:
     p_ms: float | None
     ratio: float | None
     cells: list
+    quartiles: tuple[float, float] | None = None     # of the paired ratios: where the middle half fell
 
     def metrics(self) -> list[tuple[str, float]]:
+        q1, q3 = self.quartiles or (None, None)
         return [(name, value) for name, value in (("torch_ms", self.t_ms), ("piper_ms", self.p_ms),
-                                                   ("ratio", self.ratio)) if value is not None]
+                                                   ("ratio", self.ratio), ("ratio_q1", q1), ("ratio_q3", q3))
+                if value is not None]
 
 
 def head_to_head(group, job, batches: list, *, warmup: int, steps: int, torch_error: str | None,
@@ -181,11 +191,17 @@ def head_to_head(group, job, batches: list, *, warmup: int, steps: int, torch_er
         piper_error = f"step failed: {short_error(timings.errors['piper'])}"
     t_ms, p_ms = ms(timings.median("torch")), ms(timings.median("piper"))
     ratio = t_ms / p_ms if t_ms and p_ms else None
+    paired = timings.paired_ratios("torch", "piper")
+    quartiles = None
+    if len(paired) >= 2:
+        q1, _, q3 = statistics.quantiles(paired, n=4)
+        quartiles = (q1, q3)
     gap = timings.max_loss_gap("torch", "piper")
     cells = [t_ms if torch_error is None else torch_error, p_ms if piper_error is None else piper_error,
-             None if ratio is None else f"{ratio:.2f}x", timings.spread("torch"), timings.spread("piper"),
-             None if gap is None else f"{gap:.1e}"]
-    return HeadToHead(group, torch_error, piper_error, t_ms, p_ms, ratio, cells)
+             None if ratio is None else f"{ratio:.2f}x",
+             None if quartiles is None else f"{quartiles[0]:.2f} – {quartiles[1]:.2f}",
+             timings.spread("torch"), timings.spread("piper"), None if gap is None else f"{gap:.1e}"]
+    return HeadToHead(group, torch_error, piper_error, t_ms, p_ms, ratio, cells, quartiles)
 
 
 def fit_exponent(xs: list[float], ys: list[float]) -> float | None:

@@ -40,8 +40,8 @@ def run(ctx) -> SuiteResult:
     result = SuiteResult("data-parallel", 2, "Data parallel and ZeRO-3 vs DDP and FSDP2", ctx.command("data-parallel"))
     table = Table(f"Steady-state step time (median of {steps} steps after {warmup} warm-up, A/B alternated); "
                   f"{wl.describe(regions)}, split evenly over the devices",
-                  ["devices", "Piper", "torch", "torch ms", "Piper ms", "ratio torch/Piper", "spread torch",
-                   "spread Piper", "max |Δloss|"])
+                  ["devices", "Piper", "torch", "torch ms", "Piper ms", "ratio torch/Piper",
+                   "paired ratios, middle half", "spread torch", "spread Piper", "max |Δloss|"])
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     sources = {}
     with ray_cluster():
@@ -50,7 +50,7 @@ def run(ctx) -> SuiteResult:
             unhosted = ctx.cannot_host(n)
             for level, baseline, label in PAIRS:
                 if unhosted:
-                    table.add(n, level, label, unhosted, unhosted, *[None] * 4)
+                    table.add(n, level, label, unhosted, unhosted, *[None] * 5)
                     continue
                 ctx.log(f"data-parallel: Piper {level} vs {label} on {n} devices")
                 piper_error = None
@@ -74,7 +74,9 @@ def run(ctx) -> SuiteResult:
             if group is not None:
                 group.close()
     table.notes += [
-        "ratio > 1 means Piper's step is faster; 'max |Δloss|' compares the two systems' losses step by step.",
+        "ratio > 1 means Piper's step is faster; 'max |Δloss|' compares the two systems' losses step by step. "
+        "Paired ratios: torch's step over Piper's for each pair of steps run back to back, 25th to 75th "
+        "percentile.",
         "DDP: DistributedDataParallel(model) with default buckets; FSDP2: fully_shard on each region's modules "
         "(the same parameter groups as Piper's flat units: embeddings + first blocks, ..., last blocks + head), "
         "then on the root; reshard_after_forward=True (ZeRO-3). Both call optimizer.zero_grad() (set_to_none).",

@@ -138,3 +138,31 @@ def test_cuda_rows_name_the_gpus_they_need(ray_cluster):
     assert [row[:5] for row in rows] == [["2", "dp", "DistributedDataParallel", *["needs 2 GPUs, this machine has 1"] * 2],
                                          ["2", "zero3", "FSDP2 fully_shard", *["needs 2 GPUs, this machine has 1"] * 2]]
     assert result.metrics == {}
+
+
+def test_head_to_head_reports_where_the_paired_ratios_fall():
+    import re
+
+    from benchmarks.harness import Timings, head_to_head
+
+    timings = Timings({"torch": [2.0, 3.0, 4.0], "piper": [1.0, 3.0, 2.0]}, {})
+    assert timings.paired_ratios("torch", "piper") == [2.0, 1.0, 2.0]
+    assert timings.paired_ratios("torch", "absent") == []
+
+    class Fake:
+        closed = False
+
+        def step(self, x, y):
+            return 1.5
+
+        def close(self):
+            self.closed = True
+
+    group, job = Fake(), Fake()
+    race = head_to_head(group, job, [(None, None)] * 5, warmup=1, steps=4, torch_error=None, piper_error=None)
+    assert job.closed and race.group is group
+    assert re.fullmatch(r"\d+\.\d\d – \d+\.\d\d", race.cells[3]), race.cells
+    q1, q3 = race.quartiles
+    assert 0 < q1 <= q3
+    assert {"ratio", "ratio_q1", "ratio_q3"} <= dict(race.metrics()).keys()
+    assert race.cells[-1] == "0.0e+00"                 # the same losses
