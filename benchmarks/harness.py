@@ -270,7 +270,11 @@ def machine(device: str = "cpu") -> dict[str, str]:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["gpus"] = f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
         info["cuda"] = str(torch.version.cuda)
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        try:
+            version = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except (AttributeError, RuntimeError):
+            info["nccl"] = "unknown"
     else:
         info["threads per worker"] = ("1 (Ray sets OMP_NUM_THREADS=1 in actors; baselines call "
                                       "torch.set_num_threads(1))")
