@@ -6,6 +6,6 @@ batch, microbatches, dtype and process count, plus compiler and runtime costs.
     python -m benchmarks --suite compiler overhead --quick --out /tmp/results.md
     python -m benchmarks --list
 
-Each comparison alternates the two systems step by step (A B, B A, A B ...) and
+Each comparison alternates the two systems step by step (A B A B ...) and
 reports the median steady-state step time (after warm-up) and the ratio.
 """

@@ -118,15 +118,12 @@ class Timings:
 
 
 def alternate(systems: dict, batches: list, *, warmup: int, steps: int) -> Timings:
-    """Run `systems` (name -> step(x, y) -> loss) in turn, A B, B A, A B ..., on the same batches.
+    """Run `systems` (name -> step(x, y) -> loss) in turn, A B A B ..., on the same batches.
 
     Step i of every system sees batch i, so systems that start from the same
     weights must give the same losses (a check that the comparison is fair).
     The first `warmup` steps of each system are not timed. A system whose
     step raises is recorded in `errors` and dropped; the others go on.
-    Odd steps run the systems in reverse order (A B, B A, A B, ...): whatever
-    going first or second costs (a core still busy with the other system's
-    last messages, say) falls on both alike.
     """
     if len(batches) < warmup + steps:
         raise ValueError(f"alternate needs {warmup + steps} batches, got {len(batches)}")
@@ -134,7 +131,7 @@ def alternate(systems: dict, batches: list, *, warmup: int, steps: int) -> Timin
     losses = {name: [] for name in systems}
     errors: dict[str, BaseException] = {}
     for i in range(warmup + steps):
-        for name, step in in_turn(systems, i):
+        for name, step in systems.items():
             if name in errors:
                 continue
             t0 = time.perf_counter()
@@ -148,12 +145,6 @@ def alternate(systems: dict, batches: list, *, warmup: int, steps: int) -> Timin
             if i >= warmup:
                 times[name].append(dt)
     return Timings(times, losses, errors)
-
-
-def in_turn(systems: dict, i: int) -> list:
-    """`systems`' items in their order on even steps, reversed on odd ones."""
-    items = list(systems.items())
-    return items[::-1] if i % 2 else items
 
 
 @dataclass

@@ -35,7 +35,7 @@ from piper.report import inflight_peak
 from piper.simulate import SLOT, STEP, actions_seconds, simulate, timed_slots
 
 from . import probes
-from .harness import SuiteResult, Table, in_turn, ms, ray_cluster, short_error
+from .harness import SuiteResult, Table, ms, ray_cluster, short_error
 from .workloads import (PIPELINE_SCHEDULES, GPTWorkload, gpt_batches, make_chain, make_gpt, schedule_strategy,
                         zero_strategy)
 
@@ -135,11 +135,10 @@ class Recorder:
 
 
 def run_steps(recorders: dict[str, Recorder], batches, *, warmup: int, steps: int) -> dict[str, BaseException]:
-    """Step every recorder in turn on the same batches (A B, then B A: `harness.in_turn`); record the steps
-    after warm-up."""
+    """Step every recorder in turn (A B A B ...) on the same batches; record the steps after warm-up."""
     errors: dict[str, BaseException] = {}
     for i in range(warmup + steps):
-        for name, rec in in_turn(recorders, i):
+        for name, rec in recorders.items():
             if name in errors:
                 continue
             try:

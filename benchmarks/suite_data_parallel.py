@@ -38,7 +38,7 @@ def run(ctx) -> SuiteResult:
     batches = gpt_batches(wl, warmup + steps)
     kw = wl.model_kw(regions)
     result = SuiteResult("data-parallel", 2, "Data parallel and ZeRO-3 vs DDP and FSDP2", ctx.command("data-parallel"))
-    table = Table(f"Steady-state step time (median of {steps} steps after {warmup} warm-up, alternated A B, B A); "
+    table = Table(f"Steady-state step time (median of {steps} steps after {warmup} warm-up, A/B alternated); "
                   f"{wl.describe(regions)}, split evenly over the devices",
                   ["devices", "Piper", "torch", "torch ms", "Piper ms", "ratio torch/Piper",
                    "paired ratios, middle half", "spread torch", "spread Piper", "max |Δloss|"])

@@ -1,7 +1,7 @@
 """Suite 5, `overlap`: does communication hide behind computation?
 
 (a) ZeRO-3 against plain data parallelism on the same model and devices
-    (dp=2 and dp=4), alternating steps (A B, B A). ZeRO-3 moves about 1.5x the
+    (dp=2 and dp=4), alternating steps A B A B. ZeRO-3 moves about 1.5x the
     bytes of dp (an all-gather of each region's parameters before its forward
     and again before its backward, a reduce-scatter of its gradients, against
     one all-reduce), issued asynchronously one compute ahead; if that traffic
@@ -79,7 +79,7 @@ def _zero3_vs_dp(ctx, result, wl, regions, devices, warmup, steps, optimizer) ->
     batches = gpt_batches(wl, warmup + steps)
     kw = wl.model_kw(regions)
     table = Table(f"(a) zero3 vs dp, same model and devices: median of {steps} steps after {warmup} warm-up, "
-                  f"alternated A B, B A; {wl.describe(regions)}, split evenly over the devices",
+                  f"A/B alternated; {wl.describe(regions)}, split evenly over the devices",
                   ["devices", "dp ms", "zero3 ms", "zero3 / dp", "dp compute ms", "zero3 compute ms",
                    "dp not compute ms", "zero3 not compute ms", "spread dp", "spread zero3", "max |Δloss|"])
     for n in devices:

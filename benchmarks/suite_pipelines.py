@@ -37,7 +37,7 @@ def run(ctx) -> SuiteResult:
     timeout = 120.0
     batches = gpt_batches(wl, warmup + steps)
     result = SuiteResult("pipelines", 1, "Pipeline schedules: torch.distributed.pipelining vs Piper", ctx.command("pipelines"))
-    table = Table(f"Steady-state step time (median of {steps} steps after {warmup} warm-up, alternated A B, B A); "
+    table = Table(f"Steady-state step time (median of {steps} steps after {warmup} warm-up, A/B alternated); "
                   f"{wl.describe()}, {MICROBATCHES} microbatches",
                   ["devices", "torch schedule", "Piper strategy", "torch ms", "Piper ms", "ratio torch/Piper",
                    "paired ratios, middle half", "spread torch", "spread Piper", "max |Δloss|"])
