@@ -124,6 +124,11 @@ def alternate(systems: dict, batches: list, *, warmup: int, steps: int) -> Timin
     weights must give the same losses (a check that the comparison is fair).
     The first `warmup` steps of each system are not timed. A system whose
     step raises is recorded in `errors` and dropped; the others go on.
+
+    Always in the same order, so each step of a system follows a step of the
+    other: a step that follows one of its own system ran about 5% faster here
+    (DualPipeV against torch on 2 devices, 20 steps), and A B, B A would give
+    each system such steps at every other pair, widening the spread for both.
     """
     if len(batches) < warmup + steps:
         raise ValueError(f"alternate needs {warmup + steps} batches, got {len(batches)}")

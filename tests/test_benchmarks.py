@@ -166,3 +166,13 @@ def test_head_to_head_reports_where_the_paired_ratios_fall():
     assert 0 < q1 <= q3
     assert {"ratio", "ratio_q1", "ratio_q3"} <= dict(race.metrics()).keys()
     assert race.cells[-1] == "0.0e+00"                 # the same losses
+
+
+def test_alternation_keeps_one_order_so_each_step_follows_the_other_system():
+    from benchmarks.harness import alternate
+
+    calls = []
+    systems = {name: (lambda x, y, name=name: calls.append((name, x)) or 1.0) for name in ("a", "b")}
+    timings = alternate(systems, [(i, None) for i in range(3)], warmup=1, steps=2)
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert len(timings.times["a"]) == len(timings.times["b"]) == 2
