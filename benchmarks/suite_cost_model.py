@@ -86,12 +86,13 @@ class Measured:
                 for step in self.cpu_timings for per_rank in step.values() if STEP in per_rank]
         return max(0.0, statistics.median(rest)) if rest else 0.0
 
-    def compute(self) -> float:
-        """The busiest rank's compute seconds per step (median over steps).
+    def compute(self, cpu: bool = False) -> float:
+        """The busiest rank's compute seconds per step (median over steps; CPU seconds with `cpu`).
 
         Actions of an overlapped slot count one by one (the slot's own `a&b` entry,
         the span it kept the device busy, is not added again)."""
-        return statistics.median(max(actions_seconds(r) for r in step.values()) for step in self.timings)
+        return statistics.median(max(actions_seconds(r) for r in step.values())
+                                 for step in (self.cpu_timings if cpu else self.timings))
 
     def by_pass(self) -> dict[str, float]:
         """The busiest rank's compute seconds per pass: F, backward (B + BI + BW), UPD (medians over steps)."""

@@ -31,7 +31,7 @@ import torch
 
 import piper
 from piper.interop import overlapped_slots
-from piper.simulate import STEP, actions_seconds
+from piper.simulate import STEP
 
 from .harness import SuiteResult, Table, ms, ray_cluster, short_error
 from .suite_cost_model import Recorder, predict, run_steps
@@ -83,8 +83,8 @@ def _zero3_vs_dp(ctx, result, wl, regions, devices, warmup, steps, optimizer) ->
                   ["devices", "dp ms", "zero3 ms", "zero3 / dp", "dp compute ms", "zero3 compute ms",
                    "dp not compute ms", "zero3 not compute ms", "spread dp", "spread zero3", "max |Δloss|"])
     for n in devices:
-        if ctx.cannot_host(n):
-            table.add(n, ctx.cannot_host(n), *[None] * 9)
+        if unhosted := ctx.cannot_host(n):
+            table.add(n, unhosted, *[None] * 9)
             continue
         ctx.log(f"overlap: zero3 vs dp on {n} devices")
         jobs = {}
@@ -150,9 +150,8 @@ def _passes(data) -> str:
 def _cpu(data) -> tuple[float, float]:
     """The busiest device's CPU seconds per step (median over steps): in its computes, and in the whole
     worker process (every thread: the runtime, Gloo's transfers)."""
-    computes = statistics.median(max(actions_seconds(r) for r in step.values()) for step in data.cpu_timings)
     process = statistics.median(max(r.get(STEP, 0.0) for r in step.values()) for step in data.cpu_timings)
-    return computes, process
+    return data.compute(cpu=True), process
 
 
 def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimizer) -> Table:
@@ -167,8 +166,8 @@ def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimi
                    "predicted DualPipeV ms (halves concurrent, ideal)", "predicted bubble 1F1B",
                    "predicted bubble DualPipeV", "max |Δloss|"])
     for m in microbatch_counts:
-        if ctx.cannot_host(p):
-            table.add(m, ctx.cannot_host(p), *[None] * 14)
+        if unhosted := ctx.cannot_host(p):
+            table.add(m, unhosted, *[None] * 14)
             continue
         ctx.log(f"overlap: DualPipeV vs 1F1B on pp={p}, {m} microbatches")
         jobs = {}
