@@ -127,6 +127,8 @@ JOBS = {
     "worker-died": "a worker process died (killed, out of memory)",
     "worker-failed": "a worker raised an exception",
     "job-closed": "`step` on a job that is closed",
+    "bad-precision": "`precision=` other than 'fp32', 'bf16' or 'fp16'",
+    "bad-clip": "`clip_grad_norm=` that is not a positive number",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

@@ -22,6 +22,7 @@ from .compiler import Compiled, compile_ir
 from .diagnostics import PiperError, error
 from .directives import Shard, Split
 from .mesh import Mesh
+from .options import TrainingOptions, check_clip, compute_dtype
 from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
 from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
@@ -109,7 +110,8 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, optimizer=None, *,
             address: str | None = None, device: str = "auto", timeout: float = 300.0,
-            overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None) -> "Job":
+            overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None,
+            precision: str = "fp32", clip_grad_norm: float | None = None) -> "Job":
     """Capture `model`, apply `strategy` on `mesh`, verify, and start one worker per device.
 
     `strategy` is a `@piper.strategy` function, a path to a `.pps` script, or
@@ -121,7 +123,13 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     one after the other instead of at once (CPU; CUDA always runs them in turn).
     `worker_env` sets environment variables in the worker processes before
     they start (Ray's runtime_env), e.g. allocator settings.
+    `precision="bf16"` (or "fp16") computes in 16 bits with float32 master
+    weights, optimizer state and gradient reductions; "fp32" (the default)
+    computes in the model's own dtype. `clip_grad_norm=1.0` clips the
+    gradients by their global norm over the whole model before each update,
+    as torch.nn.utils.clip_grad_norm_ on one device.
     """
+    training = TrainingOptions(compute_dtype(precision), check_clip(clip_grad_norm))
     if device not in DEVICES:
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
@@ -132,15 +140,17 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     compiled = compile_directives(program, mesh, directives)
     return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
                batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
-               timeout=timeout, overlap=overlap, worker_env=worker_env)
+               timeout=timeout, overlap=overlap, worker_env=worker_env, training=training)
 
 
 class Job:
     """A compiled strategy running on Ray actors, one per device."""
 
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
-                 shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None):
+                 shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None,
+                 training: "TrainingOptions | None" = None):
         self.program = program
+        self.training = training or TrainingOptions()
         self.worker_env = dict(worker_env or {})
         self.concurrent = overlap
         self.compiled = compiled
@@ -237,6 +247,7 @@ class Job:
         spec = WorkerSpec(rank, self.mesh.world_size, self.compiled.plans[rank], regions, values, units,
                           self.compiled.zero, optimizer, 1.0 / (self.microbatches * self.shards),
                           {k: self._buffers[k] for k in needed}, groups, slots, self.concurrent)
+        self.training.configure(spec, ir, program)
         return spec, init
 
     # -- running -----------------------------------------------------------------------------
@@ -330,6 +341,11 @@ class Job:
         self._check_open()
         return dict(enumerate(self._get([a.timings.remote(cpu) for a in self.actors], "timings")))
 
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (with `clip_grad_norm=`)."""
+        self._check_open()
+        return self._get([self.actors[0].__ray_call__.remote(_last_grad_norm)], "grad_norm")[0]
+
     def show(self) -> str:
         return self.compiled.show()
 
@@ -363,6 +379,11 @@ class Job:
             self.close()
         except Exception:
             pass
+
+
+def _last_grad_norm(worker):
+    clip = worker.executor.clip
+    return clip.norm if clip is not None else None
 
 
 def _worker_error(exc, rank: int, what: str) -> PiperError:

@@ -14,14 +14,18 @@ import functools
 import torch
 
 
-def single_device(model: torch.nn.Module, batches, optimizer) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train `model` (in place) on `batches`, one optimizer step per batch."""
+def single_device(model: torch.nn.Module, batches, optimizer, clip_grad_norm: float | None = None
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train `model` (in place) on `batches`, one optimizer step per batch (gradients clipped
+    by `torch.nn.utils.clip_grad_norm_` first, if `clip_grad_norm` is given)."""
     opt = optimizer(list(model.parameters()))
     losses = []
     for batch in batches:
         opt.zero_grad()
         loss = model(*batch)
         loss.backward()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -45,5 +49,5 @@ def train_both(model: torch.nn.Module, strategy, *, mesh, batches, optimizer=Non
         state = job.state_dict()
         if job_hook is not None:
             job_hook(job)
-    ref_losses, ref_state = single_device(reference, batches, optimizer)
+    ref_losses, ref_state = single_device(reference, batches, optimizer, compile_kw.get("clip_grad_norm"))
     return losses, ref_losses, state, ref_state

@@ -18,6 +18,7 @@ import torch
 
 from . import comm
 from .flat import UnitLayout
+from .clip import GlobalNormClip
 from .graphs import unpack
 from .saved import SavedBytes
 from .slots import spans, whole_backwards
@@ -51,6 +52,7 @@ class WorkerSpec:
     groups: list = field(default_factory=list)    # every collective group, same order on all ranks
     slots: tuple = ()                             # `order` slots of several computes, as tuples of keys
     concurrent: bool = True                       # run an overlapped slot's items at once (CPU only, see below)
+    clip_grad_norm: float | None = None           # clip by the global gradient norm (`clip.py`)
 
 
 class Unit:
@@ -290,6 +292,7 @@ class Executor:
         lanes = max((len(s.lanes) for s in self._spans.values()), default=1)
         self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="piper-lane") if lanes > 1 else None
         self._lock = threading.Lock()             # activation accounting and gradient sums, shared by lanes
+        self.clip = GlobalNormClip(spec.clip_grad_norm) if spec.clip_grad_norm is not None else None
 
     # -- one step -------------------------------------------------------------------------
     def run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
@@ -334,6 +337,10 @@ class Executor:
         for work in self.sends:
             work.wait()
         self.sends.clear()
+        if self.clip is not None:        # the updates it held back, after clipping
+            self.clip.finish(self._unit_list, self._run)
+            for key in list(self.pending):
+                self._wait(key)
         losses = [float(x) for x in self.losses]
         if self._events:
             self._device_timings()
@@ -526,6 +533,8 @@ class Executor:
         self._release(action)
 
     def _upd(self, action) -> None:
+        if self.clip is not None and self.clip.defer(action):
+            return
         self.units[action.node.region].step()
         self._sample()
 
@@ -606,6 +615,8 @@ class Executor:
                 self.units[u].attach_grads()
 
     def _all_gather(self, action) -> None:
+        if not action.node.phase and self.clip is not None and self.clip.defer(action):
+            return                        # ZeRO-1/2's gather of updated shards follows its UPD
         unit = self.units[action.node.region]
         group = self.groups[action.group]
         works = unit.gather(group) if action.node.phase else unit.gather_updated(group)

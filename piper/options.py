@@ -1,0 +1,51 @@
+"""The training options of `piper.compile` that every strategy shares: `precision=` and
+`clip_grad_norm=`, checked before anything is captured or started.
+
+    piper.compile(model, batch, strategy=..., precision="bf16", clip_grad_norm=1.0)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .diagnostics import did_you_mean, error
+
+# precision= -> the dtype computes run in (None: the model's own dtype).
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The 16-bit dtype `precision` computes in, or None for the model's own dtype ("fp32")."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        shown = repr(precision)
+        raise error("bad-precision", f"precision={shown} is not one of {', '.join(map(repr, PRECISIONS))}",
+                    notes=("'bf16' and 'fp16' compute in 16 bits and keep the master weights, the optimizer "
+                           "state and the gradient reductions in float32; 'fp32' computes in the model's own "
+                           "dtype",),
+                    hint=(did_you_mean(precision, PRECISIONS) if isinstance(precision, str) else None)
+                    or "use precision='bf16' (8-bit integer training is not supported)")
+    return PRECISIONS[precision]
+
+
+def check_clip(value) -> float | None:
+    """`clip_grad_norm=` as a float (None: no clipping); a positive finite number or a diagnostic."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise error("bad-clip", f"clip_grad_norm={value!r} must be a positive number",
+                    hint="pass the largest global gradient norm to allow, e.g. clip_grad_norm=1.0, or None")
+    return float(value)
+
+
+class TrainingOptions:
+    """What `piper.compile` hands each worker of `precision=`, `clip_grad_norm=` and the
+    regions a strategy's `recompute` statements picked."""
+
+    def __init__(self, dtype: torch.dtype | None = None, clip: float | None = None):
+        self.dtype = dtype
+        self.clip = clip
+
+    def configure(self, spec, ir, program) -> None:
+        """Set this job's options on one worker's spec."""
+        spec.clip_grad_norm = self.clip

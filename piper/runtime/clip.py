@@ -1,0 +1,87 @@
+"""Gradient clipping by the global norm (`piper.compile(..., clip_grad_norm=1.0)`).
+
+The norm is over every parameter of the model, whatever the strategy: each
+device adds the squares of the gradient elements it owns, one all-reduce over
+all devices sums them, and every device scales its gradients by the same
+factor before its optimizer steps. "Owns" makes each element count once: a
+unit's flat gradient buffer is cut into the same slices ZeRO shards it into
+(`Bucket.bounds`), so a replicated unit (dp, ZeRO-1, after its all-reduce)
+counts its slice on each replica and a ZeRO-2/3 unit counts its shard. The
+result equals `torch.nn.utils.clip_grad_norm_` on one device.
+
+The updates (and ZeRO-1/2's gathers of the updated shards after them) wait
+until the end of the step: a unit's gradients may be final long before other
+stages finish their backwards, and no device may step until the norm over
+all of them is known. Nothing later in a step reads an updated parameter, so
+holding the updates back changes no other action.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GlobalNormClip:
+    """Per worker: holds the step's updates back, then clips and runs them (`finish`)."""
+
+    def __init__(self, max_norm: float):
+        self.max_norm = float(max_norm)
+        self.deferred: list = []      # UPD and ALL_GATHER-after-UPD actions, in plan order
+        self.flushing = False
+        self.norm: float | None = None   # the last step's global gradient norm, before clipping
+
+    def defer(self, action) -> bool:
+        """True if `action` is held back until `finish` (the executor then skips it for now)."""
+        if self.flushing:
+            return False
+        self.deferred.append(action)
+        return True
+
+    def finish(self, units, run) -> None:
+        """Clip every unit's gradients by the global norm, then run the held-back actions with `run`.
+
+        Called on every device at the end of the step, once every reduction is done."""
+        squares = torch.zeros((), dtype=torch.float64)
+        device = None
+        for unit in units:
+            for grad in owned_gradients(unit):
+                device = grad.device
+                squares = squares.to(grad.device) + grad.double().pow(2).sum()
+        if device is None:
+            device = next((full.device for u in units for full in u.full), torch.device("cpu"))
+            squares = squares.to(device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM)
+        total = squares.sqrt()
+        self.norm = float(total)
+        # torch.nn.utils.clip_grad_norm_'s factor, clamped so gradients only ever shrink.
+        factor = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+        for unit in units:
+            for grad in scaled_gradients(unit):
+                grad.mul_(factor.to(grad.dtype))
+        actions, self.deferred = self.deferred, []
+        self.flushing = True
+        try:
+            for action in actions:
+                run(action)
+        finally:
+            self.flushing = False
+
+
+def owned_gradients(unit):
+    """The gradient elements this member of the unit's group counts towards the norm."""
+    for i, bucket in enumerate(unit.layout.buckets):
+        if unit.zero >= 2:
+            if unit.grad_shard[i] is not None:
+                yield unit.grad_shard[i]
+        elif unit.flat_grad[i] is not None:
+            lo, hi = bucket.bounds(unit.index)
+            yield unit.flat_grad[i][lo:hi]
+
+
+def scaled_gradients(unit):
+    """The gradient buffers `Unit.step` hands the optimizer (all of them: each replica scales its own)."""
+    for i in range(len(unit.layout.buckets)):
+        grad = unit.grad_shard[i] if unit.zero >= 2 else unit.flat_grad[i]
+        if grad is not None:
+            yield grad
