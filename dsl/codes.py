@@ -84,6 +84,7 @@ STATEMENTS = {
     "bad-order-item": "an order item that is not a pass of a microbatch (UPD, or a region alone)",
     "unknown-node": "an order item names a microbatch or pass that does not exist",
     "ordered-twice": "one pass of one microbatch appears twice in an `order`",
+    "bad-recompute": "`recompute` of a pass or a microbatch instead of regions",
 }
 # Placement and sharding, checked as the strategy is lowered (lower.py).
 PLACEMENT = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 
 from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
-from piper.directives import SHARDABLE, Order, Place, Shard, Split
+from piper.directives import SHARDABLE, Order, Place, Recompute, Shard, Split
 from piper.mesh import Mesh
 from piper.selectors import ANY, PASSES, Selector
 
@@ -219,6 +219,11 @@ class Interpreter:
         axis = self.axis_of(self.value(stmt.over, env), stmt.over.span, env, "`shard ... over`")
         if isinstance(axis, str):
             self.emit(Shard(tuple(seen), axis, stmt.span))
+
+    def exec_recompute(self, stmt: n.Recompute, env: Env) -> None:
+        selectors = [self.region(region, env) for region in stmt.regions]
+        if all(s is not None for s in selectors):
+            self.emit(Recompute(tuple(selectors), stmt.span))
 
     def exec_for(self, stmt: n.For, env: Env) -> None:
         start = self.int_of(stmt.start, env, "a loop bound")
@@ -597,4 +602,5 @@ _EXEC = {
     n.Order: Interpreter.exec_order,
     n.Slots: Interpreter.exec_slots,
     n.Use: Interpreter.exec_use,
+    n.Recompute: Interpreter.exec_recompute,
 }

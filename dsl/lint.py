@@ -111,6 +111,9 @@ class _Linter:
             self.expr(stmt.index)
         elif isinstance(stmt, n.Shard):
             self.read(stmt.over.name)
+        elif isinstance(stmt, n.Recompute):
+            for region in stmt.regions:
+                self.tags(region.tags)
         elif isinstance(stmt, n.Split):
             for part in stmt.parts:
                 self.expr(part)

@@ -183,7 +183,15 @@ class Order:
     span: Span
 
 
-Stmt = Let | Split | Place | Shard | Use | For | If | Order | Slots
+@dataclass(frozen=True)
+class Recompute:
+    """`recompute PP=*` or `recompute PP=0 L=*, PP=1 L=0`: regions that recompute in backward."""
+
+    regions: tuple[Region, ...]
+    span: Span
+
+
+Stmt = Let | Split | Place | Shard | Use | For | If | Order | Slots | Recompute
 
 # ---- the top level
 

@@ -261,6 +261,8 @@ class _Convert:
             return n.Place(self.region(c[0]), self.name(c[1]), self.expr(c[2]), span)
         if kind == "shard_stmt":
             return n.Shard(tuple(self.name(x) for x in c[:-1]), self.name(c[-1]), span)
+        if kind == "recompute_stmt":
+            return n.Recompute(tuple(self.region(r) for r in c), span)
         if kind == "use_stmt":
             on = self.name(c[2]) if len(c) > 2 else None
             return n.Use(self.name(c[0]), tuple(self.arg(a) for a in c[1].children), on, span)

@@ -100,9 +100,9 @@ EXAMPLES: dict[str, list[str]] = {
 
 # Reserved: the lexer would read them as names where no keyword fits; the indenter retypes them.
 KEYWORDS = frozenset({"mesh", "import", "strategy", "let", "split", "into", "place", "on", "shard", "over",
-                      "use", "for", "in", "if", "else", "order", "and", "or", "not", "true", "false"})
+                      "recompute", "use", "for", "in", "if", "else", "order", "and", "or", "not", "true", "false"})
 _STATEMENT_WORDS = {"MESH", "IMPORT", "STRATEGY", "LET", "SPLIT", "PLACE", "SHARD", "USE", "FOR", "IF",
-                    "ORDER", "ELSE"}
+                    "ORDER", "ELSE", "RECOMPUTE"}
 _EXPRESSION_START = {"INT", "NAME", "LPAR", "MINUS", "NOT", "TRUE", "FALSE"}
 _LINE_END = {"_NL", "$END", "<EOF>", "_DEDENT"}
 _WORDS = {

@@ -56,4 +56,13 @@ class Order:
     item_spans: tuple[tuple[Span | None, ...], ...] = ()
 
 
-Directive = Split | Place | Shard | Order
+@dataclass(frozen=True)
+class Recompute:
+    """`recompute PP=*`: the regions the selectors pick keep only their inputs in forward
+    and run forward again in backward (activation checkpointing)."""
+
+    selectors: tuple[Selector, ...]
+    span: Span | None = None
+
+
+Directive = Split | Place | Shard | Order | Recompute

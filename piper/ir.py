@@ -263,6 +263,7 @@ class IR:
     backward_split: bool = False
     placement: tuple[tuple[int, tuple[int, ...]], ...] = ()
     sharding: tuple[tuple[str, str], ...] = ()
+    recompute: tuple[int, ...] = ()                 # regions that run forward again in backward
     # Where each placement / sharding record came from; not part of the value.
     placement_spans: tuple[Span | None, ...] = field(default=(), compare=False)
     sharding_spans: tuple[Span | None, ...] = field(default=(), compare=False)

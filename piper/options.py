@@ -49,3 +49,5 @@ class TrainingOptions:
     def configure(self, spec, ir, program) -> None:
         """Set this job's options on one worker's spec."""
         spec.clip_grad_norm = self.clip
+        for r, region in spec.regions.items():
+            region.recompute = r in ir.recompute

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .capture import Program
 from .diagnostics import Label, did_you_mean, error
-from .directives import Directive, Order, Place, Shard, Split
+from .directives import Directive, Order, Place, Recompute, Shard, Split
 from .ir import _IDENTITY, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from .mesh import Mesh
 from .selectors import Selector
@@ -61,6 +61,10 @@ def apply(ir: IR, directive: Directive) -> IR:
         return shard(ir, directive)
     if isinstance(directive, Order):
         return order(ir, directive)
+    if isinstance(directive, Recompute):
+        from .recompute import recompute
+
+        return recompute(ir, directive)
     raise TypeError(f"not a directive: {directive!r}")
 
 

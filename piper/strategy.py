@@ -16,7 +16,7 @@ import inspect
 import sys
 
 from .diagnostics import PiperError, Span, did_you_mean, error
-from .directives import SHARDABLE, Directive, Order, Place, Shard, Split
+from .directives import SHARDABLE, Directive, Order, Place, Recompute, Shard, Split
 from .mesh import DeviceGroup, Mesh
 from .selectors import parse_selector
 
@@ -92,6 +92,15 @@ class Builder:
             slots.append(tuple(parse_selector(x, span=span) for x in group))
         self.directives.append(Order(parse_selector(selector, span=span), tuple(slots), span,
                                      tuple(tuple(span for _ in slot) for slot in slots)))
+
+    def recompute(self, *selectors: str) -> None:
+        """`s.recompute("PP=*")`: the regions picked keep only their inputs in forward and
+        recompute in backward (`recompute PP=*` in the language)."""
+        span = _caller_span()
+        if not selectors:
+            raise error("bad-recompute", "recompute needs the regions to recompute", span=span,
+                        hint='e.g. s.recompute("PP=*")')
+        self.directives.append(Recompute(tuple(parse_selector(x, span=span) for x in selectors), span))
 
     def use(self, strategy, **params) -> None:
         """Apply another strategy here, e.g. `s.use(zero3, axis="dp")`."""

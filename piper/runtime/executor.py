@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm
+from . import comm, recompute
 from .flat import UnitLayout
 from .clip import GlobalNormClip
 from .graphs import unpack
@@ -35,6 +35,7 @@ class RegionSpec:
     outputs: tuple[int, ...]      # value ids
     loss: bool
     units: tuple[int, ...]        # owner regions whose parameters it reads
+    recompute: bool = False       # keep only the inputs in forward, run it again in backward
 
 
 @dataclass
@@ -441,9 +442,12 @@ class Executor:
         node = action.node
         region = self.spec.regions[node.region]
         args, leaves = self._args(region, node.mb)
-        with torch.enable_grad(), SavedBytes(self._param_storages) as saved:
-            outs = region.graph(*args)
-        size = saved.size
+        if region.recompute:
+            outs, kept, size = recompute.forward(region.graph, args, self.device, self._param_storages)
+        else:
+            with torch.enable_grad(), SavedBytes(self._param_storages) as saved:
+                outs = region.graph(*args)
+            size, kept = saved.size, outs
         self.saved_bytes[(node.region, node.mb)] = size
         with self._lock:
             self.activations += size
@@ -452,8 +456,19 @@ class Executor:
             self.values[(v, node.mb)] = out
         if region.loss:
             self.losses.append(outs[-1].detach())
-        self.saved[(node.region, node.mb)] = (outs, leaves)
+        self.saved[(node.region, node.mb)] = (kept, leaves)
         self._release(action)
+
+    def _recomputed(self, region: RegionSpec, node, outs):
+        """A `recompute` region's outputs, with their graph: its forward again (else `outs`)."""
+        if not isinstance(outs, recompute.Kept):
+            return outs
+        outs, size = recompute.rerun(region.graph, outs, self.device, self._param_storages)
+        with self._lock:
+            self.saved_bytes[(node.region, node.mb)] = self.saved_bytes.get((node.region, node.mb), 0) + size
+            self.activations += size
+            self.activation_peak = max(self.activation_peak, self.activations)
+        return outs
 
     def _backward_targets(self, region: RegionSpec, mb: int, outs):
         tensors, grads = [], []
@@ -491,6 +506,7 @@ class Executor:
         node = action.node
         region = self.spec.regions[node.region]
         outs, leaves = self.saved.pop((node.region, node.mb))
+        outs = self._recomputed(region, node, outs)
         tensors, grads = self._backward_targets(region, node.mb, outs)
         self._grads_for(region)
         if tensors:
@@ -506,6 +522,7 @@ class Executor:
         node = action.node
         region = self.spec.regions[node.region]
         outs, leaves = self.saved[(node.region, node.mb)]
+        outs = self._recomputed(region, node, outs)
         tensors, grads = self._backward_targets(region, node.mb, outs)
         keys = list(leaves)
         weights = [w for u in region.units for w in self.units[u].weights()]
