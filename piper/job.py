@@ -136,7 +136,8 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
                          "'auto' picks CUDA when the cluster has a GPU for every device")
     mesh, directives = build_strategy(strategy, mesh, overrides)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
-    program = capture(model, mb_inputs)
+    program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)))
+    training.master_specs(program, model)
     compiled = compile_directives(program, mesh, directives)
     return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
                batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
@@ -301,7 +302,7 @@ class Job:
                       for i in self.program.regions[r.index].inputs if i.kind == BATCH}
             payload = {}
             for i in wanted:
-                x = batch[i].detach().cpu()
+                x = self.training.cast(batch[i].detach().cpu())
                 start = shard * per * self.microbatches
                 payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
             refs.append(actor.step.remote(payload))

@@ -51,3 +51,30 @@ class TrainingOptions:
         spec.clip_grad_norm = self.clip
         for r, region in spec.regions.items():
             region.recompute = r in ir.recompute
+        spec.compute_dtype = self.dtype
+        if self.dtype is not None:
+            spec.buffers = {k: self.cast(v) for k, v in spec.buffers.items()}
+
+    # -- precision= ----------------------------------------------------------------------------
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
+        """A floating-point tensor in the compute dtype (others, e.g. token ids, as they are)."""
+        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+
+    def capture_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as the regions will compute: a meta-device copy in the compute dtype, so the
+        graphs' own constants and casts follow it. In full precision, the model itself."""
+        if self.dtype is None:
+            return model
+        from .capture import _meta_copy
+
+        return _meta_copy(model).to(self.dtype)
+
+    def master_specs(self, program, model: torch.nn.Module) -> None:
+        """Keep the parameters' own dtypes (float32 masters) in `program.params`: the flat units,
+        their shards and the optimizer are laid out from these."""
+        if self.dtype is None:
+            return
+        from .capture import TensorSpec
+
+        own = dict(model.named_parameters())
+        program.params = {k: TensorSpec(v.shape, own[k].dtype) if k in own else v for k, v in program.params.items()}

@@ -54,6 +54,7 @@ class WorkerSpec:
     slots: tuple = ()                             # `order` slots of several computes, as tuples of keys
     concurrent: bool = True                       # run an overlapped slot's items at once (CPU only, see below)
     clip_grad_norm: float | None = None           # clip by the global gradient norm (`clip.py`)
+    compute_dtype: torch.dtype | None = None      # 16-bit compute, float32 master (`precision.py`)
 
 
 class Unit:
@@ -121,6 +122,9 @@ class Unit:
 
     def weights(self) -> list[torch.Tensor]:
         return list(self.leaves.values())
+
+    def refresh(self) -> None:
+        """Before a step: bring any compute copy of the parameters up to date (`precision.py`)."""
 
     def gather(self, group):
         """ZeRO-3: refill the full buffers from every member's shard (async)."""
@@ -259,7 +263,10 @@ class Executor:
         for region in spec.regions.values():
             region.graph = unpack(region.graph, self.device)
         self.groups = comm.new_groups(spec.groups)
-        self.units = {u: Unit(layout, spec.rank, spec.zero, init[u], spec.optimizer, self.device)
+        from .precision import make_unit
+
+        make = make_unit(spec.compute_dtype)
+        self.units = {u: make(layout, spec.rank, spec.zero, init[u], spec.optimizer, self.device)
                       for u, layout in spec.units.items()}
         self.buffers = {k: v.to(self.device) for k, v in spec.buffers.items()}
         self.by_value = {(p, i): v for v, (p, i, *_rest) in spec.values.items()}
@@ -275,6 +282,7 @@ class Executor:
         self.step_peak = 0                        # bytes of units + saved activations, at most, last step
         self._unit_list = list(self.units.values())
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
+        self._param_storages |= {s for u in self.units.values() for s in getattr(u, "storages", list)()}
         self._whole, self._skip = whole_backwards(spec.plan, spec.slots)
         # Overlapped slots run their items in threads on CPU, where Gloo matches messages by
         # tag. NCCL matches point-to-point messages by issue order and its communicators
@@ -315,6 +323,7 @@ class Executor:
         self.saved_bytes: dict[tuple[int, int], int] = {}
         self._reducing: dict[str, tuple] = {}         # reduce-scatter in flight -> (computes since, unit)
         for unit in self.units.values():
+            unit.refresh()
             if unit.zero <= 1:
                 unit.attach_grads()
         self.activations = self.activation_peak = self.step_peak = 0
@@ -463,6 +472,10 @@ class Executor:
         """A `recompute` region's outputs, with their graph: its forward again (else `outs`)."""
         if not isinstance(outs, recompute.Kept):
             return outs
+        views = {}
+        for u in region.units:             # the parameters as this backward sees them (gathered again)
+            views.update(self.units[u].views())
+        outs.args = [views[i.ref] if i.kind == PARAM else a for i, a in zip(region.inputs, outs.args)]
         outs, size = recompute.rerun(region.graph, outs, self.device, self._param_storages)
         with self._lock:
             self.saved_bytes[(node.region, node.mb)] = self.saved_bytes.get((node.region, node.mb), 0) + size
