@@ -78,13 +78,16 @@ class TorchWorker:
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, kind: str, *, model_kw: dict, model: str = "gpt", microbatches: int = 1,
-              schedule: str | None = None, lr: float = 1e-3, track_activations: bool = False) -> dict:
+              schedule: str | None = None, lr: float = 1e-3, track_activations: bool = False,
+              precision: str = "fp32", checkpoint: bool = False) -> dict:
         """Build a baseline and return what this rank holds.
 
         kind: 'pipeline' (a torch.distributed.pipelining schedule), 'ddp',
         'fsdp2', or 'eager' (one process, a plain loop over microbatches).
         model: 'gpt' (examples.gpt, `model_kw` for make_model) or 'chain'
-        (LinearChain, `model_kw` for make_chain).
+        (LinearChain, `model_kw` for make_chain). For 'fsdp2': `precision="bf16"`
+        is `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`, and
+        `checkpoint=True` wraps every block in torch.utils.checkpoint (non-reentrant).
         """
         import torch.distributed as dist
 
@@ -131,12 +134,19 @@ class TorchWorker:
             self.model = DistributedDataParallel(net, device_ids=[self.device.index] if on_gpu else None)
             params = list(self.model.parameters())
         elif kind == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            if checkpoint:
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+                for i, block in enumerate(net.blocks):
+                    net.blocks[i] = checkpoint_wrapper(block)
+            low = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+            policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
             # One FSDP unit per Piper region (the same flat units ZeRO-3 gathers), then the root.
             for region in range(cfg.n_regions):
-                fully_shard(region_modules(net, region))
-            self.model = fully_shard(net)
+                fully_shard(region_modules(net, region), mp_policy=policy)
+            self.model = fully_shard(net, mp_policy=policy)
             params = list(self.model.parameters())
         else:
             raise ValueError(f"unknown baseline {kind!r}")

@@ -1,0 +1,157 @@
+"""Suite 9, `training-features`: mixed precision and activation recomputation.
+
+(a) The example GPT under ZeRO-3 x 1F1B on dp=2 x pp=2 (Piper only: torch has
+    no FSDP2 x pipelining composition that runs here): fp32 against
+    `precision="bf16"`, and without and with `recompute PP=*`. Step time
+    (median wall clock, and the busiest worker's CPU seconds per step, which
+    a loaded machine disturbs less) and peak bytes per device (`job.memory()`:
+    `step_peak`, parameters + gradients + optimizer state + saved activations
+    at their in-step high-water mark, and `activations_peak`).
+(b) The same features side by side with FSDP2 on dp=2, Piper `zero3`:
+    `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` against
+    `precision="bf16"`, and torch.utils.checkpoint around every block against
+    `recompute PP=*`. Step times A/B alternated; ratio = torch / Piper.
+
+On CPU, bf16 matmuls are not faster than fp32 ones (no AMX on most CPUs, and
+casts cost extra), so the step-time column shows what 16 bits cost here, not
+what they save on a GPU; the bytes are what carries over.
+
+    python -m benchmarks --suite training-features [--quick]
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+import traceback
+
+import torch
+
+import piper
+from piper.dsl.script import load_strategy
+
+from .baselines import set_up_group
+from .harness import SuiteResult, Table, head_to_head, mib, ms, ray_cluster, short_error
+from .workloads import GPTWorkload, gpt_batches, make_gpt
+
+VARIANTS = (("fp32", "fp32", False), ("bf16", "bf16", False), ("fp32 + recompute", "fp32", True),
+            ("bf16 + recompute", "bf16", True))
+
+
+def workload(quick: bool) -> GPTWorkload:
+    if quick:
+        return GPTWorkload(n_layer=4, n_embd=64, n_head=2, block_size=32, batch=16)
+    return GPTWorkload(n_layer=4, n_embd=128, n_head=4, block_size=64, batch=32)
+
+
+def _strategy(text: str, recompute: bool):
+    return load_strategy(text + ("recompute PP=*\n" if recompute else ""))
+
+
+def run(ctx) -> SuiteResult:
+    quick = ctx.quick
+    wl = workload(quick)
+    warmup, steps = (1, 3) if quick else (2, 8)
+    batches = gpt_batches(wl, warmup + steps)
+    result = SuiteResult("training-features", 9, "Mixed precision and recomputation", ctx.command("training-features"))
+    with ray_cluster():
+        result.tables.append(_pipeline_table(ctx, result, wl, batches, warmup, steps))
+        result.tables.append(_fsdp_table(ctx, result, wl, batches, warmup, steps))
+    return result
+
+
+def _pipeline_table(ctx, result, wl, batches, warmup, steps) -> Table:
+    microbatches = 4
+    text = f"use one_f_one_b(microbatches={microbatches}) on pp\nuse zero3() on dp\n"
+    table = Table(f"(a) ZeRO-3 x 1F1B, dp=2 x pp=2, {microbatches} microbatches; {wl.describe(2)}; "
+                  f"median of {steps} steps after {warmup} warm-up; bytes: the largest over the 4 devices",
+                  ["variant", "step ms", "busiest CPU ms/step", "step_peak MiB", "activations_peak MiB",
+                   "step_peak vs fp32", "final loss"])
+    model, _ = make_gpt(wl.model_kw(2))
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    base = None
+    unhosted = ctx.cannot_host(4)
+    for label, precision, recompute in VARIANTS:
+        if unhosted:
+            table.add(label, unhosted, *[None] * 5)
+            continue
+        ctx.log(f"training-features: ZeRO-3 x 1F1B, {label}")
+        try:
+            with piper.compile(model, batches[0], strategy=_strategy(text, recompute), mesh={"dp": 2, "pp": 2},
+                               optimizer=optimizer, timeout=300, precision=precision, device=ctx.device) as job:
+                times, cpu, losses = [], [], []
+                for i, batch in enumerate(batches):
+                    t0 = time.perf_counter()
+                    losses.append(job.step(*batch))
+                    if i >= warmup:
+                        times.append(time.perf_counter() - t0)
+                        cpu.append(max(t["step"] for t in job.timings(cpu=True).values()))
+                memory = job.memory()
+        except Exception as exc:
+            ctx.log(traceback.format_exc())
+            table.add(label, f"failed: {short_error(exc)}", *[None] * 5)
+            continue
+        step_ms, cpu_ms = ms(statistics.median(times)), ms(statistics.median(cpu))
+        peak = max(m["step_peak"] for m in memory.values())
+        acts = max(m["activations_peak"] for m in memory.values())
+        base = peak if label == "fp32" else base
+        table.add(label, step_ms, cpu_ms, mib(peak), mib(acts), f"{peak / base:.2f}x" if base else None,
+                  losses[-1])
+        key = label.replace(" + ", "_")
+        result.metrics.update({f"pp_{key}_step_ms": step_ms, f"pp_{key}_cpu_ms": cpu_ms,
+                               f"pp_{key}_step_peak": float(peak), f"pp_{key}_activations_peak": float(acts)})
+    table.notes.append("CPU ms/step: the busiest worker process's CPU seconds in a step (every thread), "
+                       "from job.timings(cpu=True)['step'].")
+    return table
+
+
+def _fsdp_table(ctx, result, wl, batches, warmup, steps) -> Table:
+    table = Table(f"(b) Piper zero3 vs FSDP2 fully_shard, dp=2; {wl.describe(2)}; median of {steps} steps after "
+                  f"{warmup} warm-up, A/B alternated",
+                  ["variant", "torch", "torch ms", "Piper ms", "ratio torch/Piper", "paired ratios, middle half",
+                   "spread torch", "spread Piper", "max |Δloss|", "Piper step_peak MiB"])
+    kw = wl.model_kw(2)
+    model, _ = make_gpt(kw)
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    group = None
+    unhosted = ctx.cannot_host(2)
+    rows = (("fp32", "fp32", False, "fully_shard"),
+            ("bf16", "bf16", False, "MixedPrecisionPolicy(bf16, reduce fp32)"),
+            ("fp32 + recompute", "fp32", True, "checkpoint_wrapper per block"))
+    for label, precision, recompute, torch_label in rows:
+        if unhosted:
+            table.add(label, torch_label, unhosted, unhosted, *[None] * 6)
+            continue
+        ctx.log(f"training-features: zero3 vs FSDP2, {label}")
+        group, torch_error = set_up_group(ctx, group, 2, 120.0, "fsdp2", model_kw=kw, precision=precision,
+                                          checkpoint=recompute)
+        job, piper_error, peak = None, None, None
+        try:
+            job = piper.compile(model, batches[0], strategy=_strategy("use zero3() on dp\n", recompute),
+                                mesh={"dp": 2}, optimizer=optimizer, timeout=120, precision=precision,
+                                device=ctx.device)
+        except Exception as exc:
+            ctx.log(traceback.format_exc())
+            piper_error = f"failed: {short_error(exc)}"
+        if job is not None:
+            step, calls = job.step, []
+
+            def measured(x, y, step=step, job=job):
+                nonlocal peak
+                loss = step(x, y)
+                calls.append(1)
+                if len(calls) == len(batches):       # after the last step only: one step's median input
+                    peak = max(m["step_peak"] for m in job.memory().values())
+                return loss
+            job.step = measured
+        h2h = head_to_head(group, job, batches, warmup=warmup, steps=steps, torch_error=torch_error,
+                           piper_error=piper_error)
+        group = h2h.group
+        table.add(label, torch_label, *h2h.cells, mib(peak))
+        key = label.replace(" + ", "_")
+        result.metrics.update({f"fsdp_{key}_{name}": value for name, value in h2h.metrics()})
+    if group is not None:
+        group.close()
+    table.notes.append("Piper's last step also reads job.memory() (one round trip to each worker); the median "
+                       "step time leaves it out.")
+    return table
