@@ -16,6 +16,9 @@ ZERO3 = ("optimizer", "grads", "params")
 STRATEGIES = {
     "dp": (lambda: data_parallel(), {"dp": 2}),
     "zero3": (lambda: data_parallel(*ZERO3), {"dp": 2}),
+    # ZeRO-1/2 all-gather the updated shards after each update: held back with it.
+    "zero1x1f1b": (lambda: pipeline(4, order=one_f_one_b, batch_axis="dp", zero=("optimizer",)), {"dp": 2, "pp": 2}),
+    "zero2": (lambda: data_parallel("optimizer", "grads"), {"dp": 2}),
     "1f1b": (lambda: pipeline(4, order=one_f_one_b), {"pp": 2}),
     "zero3x1f1b": (lambda: pipeline(4, order=one_f_one_b, batch_axis="dp", zero=ZERO3), {"dp": 2, "pp": 2}),
 }

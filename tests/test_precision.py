@@ -92,3 +92,16 @@ def test_bad_precision_is_a_diagnostic(value):
     assert info.value.code == "bad-precision"
     if value == "int8":
         assert "not supported" in str(info.value)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_bf16_with_recompute_under_zero_bubble():
+    # Split backward (BI/BW) resumes through the cast to the float32 masters; the recomputed forward
+    # takes the 16-bit parameters as the backward sees them.
+    from piper.dsl.script import load_strategy
+
+    batches = gpt_batches(3)
+    strategy = load_strategy("use zero_bubble(microbatches=4) on pp\nrecompute PP=*\n")
+    model, losses, _, _ = _train(strategy, {"pp": 2}, batches, precision="bf16")
+    ref_losses, _ = mixed_precision_reference(model, batches, torch.bfloat16)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)

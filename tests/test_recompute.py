@@ -98,3 +98,12 @@ def test_recompute_of_a_pass_is_a_syntax_error():
     with pytest.raises(piper.PiperError) as info:
         load_strategy("recompute F(MB=0)\n").build(Mesh.of({}))
     assert info.value.diagnostics[0].span.line == 1
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_recompute_with_clipping_under_dualpipev_lanes():
+    # DualPipeV: overlapped F/B slots in lanes, whole and split backwards; every region recomputes,
+    # and clipping holds every update to the end of the step.
+    result = train_both(gpt(4, torch.float64), load_strategy(_script("dualpipev", "PP=*")), mesh={"pp": 2},
+                        batches=gpt_batches(2, batch=8), clip_grad_norm=0.5)
+    assert_same_training(result, rtol=1e-9, atol=1e-9)
