@@ -90,6 +90,7 @@ def _model_checks(text: str, file: str, *, mesh, overrides, model, regions, buil
 
 def cmd_check(args) -> int:
     from .dsl.check import check_and_build
+    from .gc_guard import no_cycle_collection
     from .render import render, summary
 
     overrides = _parse_sets(args.set)
@@ -106,10 +107,12 @@ def cmd_check(args) -> int:
             unreadable = True
             continue
         checked += 1
-        found, built = check_and_build(text, file, mesh=mesh, overrides=overrides)
-        if (args.model or regions) and not any(d.severity == "error" for d in found):
-            found += _model_checks(text, file, mesh=mesh, overrides=overrides, model=args.model, regions=regions,
-                                   built=built)
+        with no_cycle_collection():   # a big script's run makes 100k+ acyclic objects (0.1 s of GC at 64 x 512)
+            found, built = check_and_build(text, file, mesh=mesh, overrides=overrides)
+            if (args.model or regions) and not any(d.severity == "error" for d in found):
+                found += _model_checks(text, file, mesh=mesh, overrides=overrides, model=args.model,
+                                       regions=regions, built=built)
+            del built
         diagnostics += found
     fmt = args.format or ("rich" if sys.stdout.isatty() else "text")
     sys.stdout.write(render(diagnostics, format=fmt, color=None if fmt == "rich" else False))
