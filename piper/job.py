@@ -24,7 +24,6 @@ from .planning import _no_cycle_collection, compile_directives
 from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
 from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
-from .simulate import verify
 from .strategy import as_strategy
 
 
