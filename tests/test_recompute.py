@@ -107,3 +107,10 @@ def test_recompute_with_clipping_under_dualpipev_lanes():
     result = train_both(gpt(4, torch.float64), load_strategy(_script("dualpipev", "PP=*")), mesh={"pp": 2},
                         batches=gpt_batches(2, batch=8), clip_grad_norm=0.5)
     assert_same_training(result, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("text", ["recompute\n", "recompute PP\n", "recompute F(MB=0)\n"])
+def test_recompute_without_a_region_is_named(text):
+    with pytest.raises(piper.PiperError) as info:
+        load_strategy(text).build(Mesh.of({}))
+    assert info.value.code == "unexpected-token-in-selector"
