@@ -14,6 +14,7 @@ from . import nodes as n
 from .interpreter import Interpreter
 from .lint import lint
 from .program import Found, Program
+from .source import bidi_warnings, cap_repeated, too_large
 from .syntax import parse_recovering
 from .values import Limits
 
@@ -184,12 +185,16 @@ def check_source(text: str, file: str = "<script>", *, mesh=None, overrides: dic
 
 
 def _check(text: str, file: str, *, mesh, overrides, limits: Limits) -> list[Diagnostic]:
+    large = too_large(text, file)
+    if large is not None:
+        return [large]
+    bidi = bidi_warnings(text, file)
     module, syntax = parse_recovering(text, file)
     if module is None:
-        return syntax
+        return bidi + syntax
     program = Program(module)
     declared, out = declared_mesh(module)
     run_mesh, problems = resolve_mesh(module, declared, mesh)
     out += problems
     out += analyze_module(module, program, mesh=run_mesh, overrides=overrides, concrete=True, limits=limits)
-    return ordered(dedupe(out), file)
+    return cap_repeated(ordered(dedupe(bidi + out), file))

@@ -56,10 +56,12 @@ FILES = {
     "import-cycle": "files import each other in a circle",
     "mesh-mismatch": "the script's `mesh` line differs from the mesh it is run on",
     "file-not-found": "the script file cannot be read",
+    "script-too-large": "a script over the size limit (256 KiB), reported without reading the rest",
 }
 WARNINGS = {
     "unused-let": "a `let` that nothing reads (warning)",
     "shadowed-name": "a name that hides a parameter, variable or mesh axis (warning)",
+    "bidi-character": "an invisible text-direction control in the source, as in trojan-source (warning)",
 }
 TOOLS = {
     "analysis-unavailable": "model checks were asked for but cannot run here (note)",

@@ -62,7 +62,9 @@ def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None
 
 def compile_directives(program: Program, mesh: Mesh, directives) -> Compiled:
     """Apply the directives to the program's DAG, lower, schedule and verify."""
-    with _no_cycle_collection():
+    from .stage_count import explain_unplaced
+
+    with _no_cycle_collection(), explain_unplaced(program, directives):
         compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
         verify(compiled)       # raises on deadlock before anything runs
     return compiled
