@@ -124,6 +124,7 @@ MODEL = {
 # A running job (job.py).
 JOBS = {
     "bad-device": "`device=` other than 'auto', 'cpu' or 'cuda'",
+    "bad-optimizer": "an optimizer given by name, built already, needing a closure, or not elementwise",
     "no-resources": "the Ray cluster cannot host one worker per device",
     "worker-timeout": "workers did not finish within the job's timeout",
     "worker-died": "a worker process died (killed, out of memory)",

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .annotate import reset_counters
 from .diagnostics import error
+from .model_checks import check_layers
 
 # The kinds of region input, in the order a region's graph takes them.
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
@@ -171,6 +172,7 @@ def capture(model: torch.nn.Module, example_inputs) -> Program:
     """
     if not isinstance(model, torch.nn.Module):
         raise error("bad-model", f"piper.compile needs a torch.nn.Module, not {type(model).__name__}")
+    check_layers(model)
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
             raise error("bad-inputs", f"example input {i} is a {type(x).__name__}, not a tensor",
