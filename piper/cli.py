@@ -176,6 +176,14 @@ def cmd_check(args) -> int:
 def cmd_explain(args) -> int:
     from .dsl.codes import known_codes, page
 
+    if getattr(args, "list", False) or args.code is None:
+        if args.code is None and not getattr(args, "list", False):
+            raise _Usage("name a CODE (e.g. piper explain unknown-axis), or pass --list to see every code")
+        from .dsl.codes import CODES
+
+        width = max(map(len, CODES))
+        sys.stdout.write("".join(f"{code:<{width}}  {CODES[code]}\n" for code in sorted(CODES)))
+        return EXIT_OK
     text = page(args.code)
     if text is None:
         hint = did_you_mean(args.code, known_codes())
@@ -228,7 +236,10 @@ def cmd_show(args) -> int:
     if args.what == "ir":
         sys.stdout.write(format_ir(compiled.ir))
     else:
-        print(compiled.show())
+        from .show_plans import plan_grid, plan_lines
+
+        layout = plan_grid if getattr(args, "layout", "lines") == "grid" else plan_lines
+        sys.stdout.write(layout(compiled, legend=not getattr(args, "no_legend", False)))
     return EXIT_OK
 
 
@@ -294,12 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     explain = commands.add_parser("explain", help="explain a diagnostic code, with an example and the fix")
-    explain.add_argument("code", metavar="CODE")
+    explain.add_argument("code", metavar="CODE", nargs="?")
+    explain.add_argument("--list", action="store_true", help="list every code with its one-line summary")
     explain.set_defaults(func=cmd_explain)
 
     show = commands.add_parser("show", help="print each device's plan (or the IR) for a script")
     _planning_flags(show)
     show.add_argument("--what", choices=("plans", "ir"), default="plans")
+    show.add_argument("--layout", choices=("lines", "grid"), default="lines",
+                      help="one action per line, device after device (default), or devices side by side")
+    show.add_argument("--no-legend", action="store_true", help="leave out the legend of the action notation")
     show.set_defaults(func=cmd_show)
 
     sim = commands.add_parser("simulate", help="predict step time, bubbles and microbatches in flight")
