@@ -340,12 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
     imp.set_defaults(func=lambda args: _interop("import_main", args))
 
-    run = commands.add_parser("run", help="train with a script")
-    run.add_argument("script", metavar="SCRIPT")
-    run.add_argument("--model", metavar="PATH.py:FACTORY")
-    run.add_argument("--mesh", metavar="AXIS=SIZE,...")
-    run.add_argument("--set", action="append", metavar="NAME=VALUE")
-    run.add_argument("--steps", type=int, default=None, metavar="N")
+    run = commands.add_parser("run", help="train a model file's model with a script")
+    from .run_args import add_run_arguments
+
+    add_run_arguments(run)
     run.set_defaults(func=cmd_run)
     return parser
 
