@@ -14,7 +14,7 @@ legend (region R, microbatch M, value V, peer region P):
   RSEND_FM>P.V   send forward value V of microbatch M to region P's devices (e.g. 0SEND_F0>1.0)
   RRECV_FM<P.V   receive it from region P; SEND_B / RECV_B carry its gradient back
   RALL_REDUCE    all-reduce region R's gradients (data parallel, ZeRO-1)
-  RREDUCE_SCATTER_BM  reduce-scatter them after microbatch M's backward (ZeRO-2/3)
+  RREDUCE_SCATTER    reduce-scatter them (ZeRO-2/3); _BM: after microbatch M's backward
   RALL_GATHER    all-gather region R's parameters after the update (ZeRO-1/2);
                  RALL_GATHER_FM before its forward of microbatch M (ZeRO-3)
   RALL_TO_ALL    exchange tokens between expert shards"""
