@@ -41,7 +41,7 @@ def _parse_regions(text: str | None) -> dict[str, int] | None:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, count = part.partition("=")
         if not eq or not name.strip().isidentifier() or not count.strip().isdigit():
-            raise _Usage(f"--regions takes TAG=COUNT pairs such as PP=8,EP=4, not {text!r}")
+            raise _Usage(f"--regions takes TAG=COUNT such as PP=8 (one chain of regions), not {text!r}")
         out[name.strip()] = int(count)
     return out
 
