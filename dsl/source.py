@@ -59,7 +59,7 @@ def read_source(path, *, limit: int = MAX_SCRIPT_BYTES) -> str:
     if len(data) > limit:   # the file grew after stat
         raise SourceError("script-too-large", _too_large(len(data), limit, more=True), _TOO_LARGE_HINT)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")     # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as err:
         raise SourceError("file-not-found", f"it is not UTF-8 text (byte {err.start})",
                           "save the script as UTF-8") from None

@@ -112,6 +112,12 @@ def test_a_file_that_grows_after_stat_is_read_only_to_the_limit(tmp_path, monkey
     assert err.value.code == "script-too-large"
 
 
+def test_a_byte_order_mark_is_not_part_of_the_script(tmp_path, capsys):
+    path = tmp_path / "bom.pps"
+    path.write_bytes(b"\xef\xbb\xbfmesh dp=2\nshard batch over dp\n")
+    assert main(["check", str(path)]) == 0
+
+
 def test_script_text_over_the_limit_is_refused_too():
     (d,) = check_source("let x = 1\n" * (MAX_SCRIPT_BYTES // 10 + 1), "gen.pps")
     assert d.code == "script-too-large"
