@@ -77,58 +77,19 @@ def _model_checks(text: str, file: str, *, mesh, overrides, model, regions) -> l
     except PiperError:
         return []  # the script's own errors are already reported
     run_mesh = mesh if mesh is not None else script.mesh
-    if not model and not regions and not _schedules(script.module):
-        return []   # no place, order or use: nothing about devices to check
+    if not model and not regions:   # plan against the regions the script names itself
+        from .script_regions import regions_to_check
+
+        regions, problems = regions_to_check(script, run_mesh, file)
+        if regions is None:
+            return problems
     if run_mesh is None:
-        if not model and not regions:
-            return [_note("analysis-unavailable", f"{file}: the schedule was not checked for deadlocks: "
-                          "the script declares no mesh", hint="declare one in the script (`mesh dp=2, pp=4`) "
-                          "or pass --mesh dp=2,pp=4 to check the plans too")]
         return [_note("analysis-unavailable", f"{file}: model checks need a mesh",
                       hint="declare one in the script (`mesh dp=2, pp=4`) or pass --mesh dp=2,pp=4")]
-    if not model and not regions:
-        regions, problem = _regions_of(script, run_mesh, file)
-        if problem is not None:
-            return [problem]
     try:
         return list(analysis.analyze(script, mesh=run_mesh, model_spec=model, regions=regions))
     except PiperError as err:
         return list(err.diagnostics)
-
-
-def _schedules(node) -> bool:
-    """Whether a script (or any strategy in it) holds a `place`, `order` or `use` statement."""
-    from .dsl import nodes
-
-    if isinstance(node, (nodes.Place, nodes.Order, nodes.Use)):
-        return True
-    if isinstance(node, (list, tuple)):
-        return any(_schedules(item) for item in node)
-    if isinstance(node, (nodes.Module, nodes.Strategy, nodes.For, nodes.If)):
-        return any(_schedules(getattr(node, f)) for f in getattr(node, "__dataclass_fields__", ()))
-    return False
-
-
-def _regions_of(script, mesh, file: str):
-    """The regions the script names itself, or a note saying why the plans were not checked."""
-    from .script_regions import describe, named_regions
-
-    try:
-        _, directives = script.build(mesh)
-    except PiperError as err:
-        first = err.diagnostics[0]
-        if first.code == "missing-parameter":   # a strategy library: its user gives the values
-            return None, _note("analysis-unavailable", f"{file}: the schedule was not checked: {first.message}",
-                               hint="pass the values with --set NAME=VALUE to check its plans")
-        return None, first
-    regions = named_regions(directives)
-    if not regions:   # nothing placed: every region runs everywhere; one region stands for them
-        return {"PP": 1}, None
-    if len(regions) > 1:
-        return None, _note("analysis-unavailable", f"{file}: the schedule was not checked: the script names "
-                           f"{describe(regions)}, and an abstract model has one kind of region",
-                           hint="pass --model PATH.py:FACTORY to check it against the model itself")
-    return regions, None
 
 
 def cmd_check(args) -> int:
