@@ -9,6 +9,8 @@ ratio) would train a different model without any error, so it is refused.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .diagnostics import error
@@ -37,7 +39,10 @@ def check_optimizer(optimizer) -> None:
                     hint=f"pass functools.partial(torch.optim.{type(optimizer).__name__}, lr=...) instead")
     if not callable(optimizer):
         raise error("bad-optimizer", f"optimizer={optimizer!r} is not callable", hint=_FIX)
-    cls = optimizer if isinstance(optimizer, type) else None
+    target = optimizer
+    while isinstance(target, functools.partial):   # partial(torch.optim.AdamW, lr=...): no need to build one
+        target = target.func
+    cls = target if isinstance(target, type) and issubclass(target, torch.optim.Optimizer) else None
     if cls is None:
         probe = torch.zeros(4, requires_grad=True)
         try:
