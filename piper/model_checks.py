@@ -9,13 +9,12 @@ statistics, as when fine-tuning) is fine.
 """
 from __future__ import annotations
 
-import torch
-
 from .diagnostics import error
 
 
-def check_layers(model: torch.nn.Module) -> None:
+def check_layers(model) -> None:
     """Raise unsupported-model naming the first BatchNorm layer in training mode."""
+    import torch   # here, not at the top: capture's module is imported by torch-free planning
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training:
             kind = type(module).__name__
