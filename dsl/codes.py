@@ -133,7 +133,7 @@ JOBS = {
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {
-    "bad-flag": "a `piper export` flag that cannot be used",
+    "bad-flag": "a flag that cannot be used (`piper export`'s, or `--regions` with several tags)",
     "export-unsupported": "a schedule torch's CSV cannot express (regions other than PP=k, no pipeline axis)",
     "bad-schedule-csv": "a torch schedule CSV that `piper import` cannot read",
     "bad-ir": "IR text that `parse_ir` cannot read",
