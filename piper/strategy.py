@@ -97,7 +97,7 @@ class Builder:
         """Apply another strategy here, as `use` does in a script.
 
         `s.use("one_f_one_b", microbatches=8, on="pp")` is the script's
-        `use one_f_one_b(microbatches=8) on pp` (a standard-library or imported
+        `use one_f_one_b(microbatches=8) on pp` (a standard-library strategy by
         name); `s.use(zero3, axis="dp")` takes a `@piper.strategy` function or
         a path to a .pps file, with its parameters by name.
         """
