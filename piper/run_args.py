@@ -27,7 +27,7 @@ def add_training_arguments(run) -> None:
                      help="the global batch, split over microbatches and data-parallel shards (default 16)")
     run.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="torch.optim's (default adamw)")
     run.add_argument("--lr", type=float, default=1e-3, metavar="RATE", help="learning rate (default 1e-3)")
-    run.add_argument("--seed", type=int, default=0, help="seed for the model's weights and data (default 0)")
+    run.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the model is built (default 0)")
 
 
 def add_cluster_arguments(run) -> None:
