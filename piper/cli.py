@@ -98,7 +98,7 @@ def cmd_check(args) -> int:
     from .dsl.check import check_and_build
     from .dsl.source import SourceError, read_source
     from .gc_guard import no_cycle_collection
-    from .render import render, summary
+    from .render import render, summary, visible
 
     overrides = _parse_sets(args.set)
     regions = _parse_regions(args.regions)
@@ -114,7 +114,7 @@ def cmd_check(args) -> int:
                                               hint=err.hint))
                 checked += 1
                 continue
-            print(f"piper check: error: cannot read {file}: {err.reason}", file=sys.stderr)
+            print(f"piper check: error: cannot read {visible(file)}: {err.reason}", file=sys.stderr)
             unreadable = True
             continue
         checked += 1

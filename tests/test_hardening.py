@@ -78,6 +78,12 @@ def test_a_link_to_dev_zero_and_a_folder_are_refused(tmp_path, capsys):
     assert "a character device, not a regular file" in err and "a folder, not a regular file" in err
 
 
+def test_a_file_name_with_an_escape_is_shown_escaped(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "x\x1b[2J.pps")]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "x\\x1b[2J.pps: no such file" in err
+
+
 def test_imports_are_read_the_same_way(script, tmp_path):
     os.mkfifo(tmp_path / "lib.pps")
     (d,) = check_source('import "lib.pps"\n', str(tmp_path / "job.pps"))
