@@ -54,7 +54,8 @@ def stage_count_error(program, directives) -> Diagnostic | None:
             notes=(f"a pipeline schedule places one `{tag}` region per device along its axis (or `virtual` per "
                    "device, for interleaved ones), so the axis size and the model's region count must agree",),
             hint=f"make the pipeline axis {len(have)} devices long, annotate the model with {len(indices)} `{tag}` "
-                 f"region{'s' if len(indices) != 1 else ''}, or use a schedule that holds several regions per device (e.g. "
+                 f"region{'s' if len(indices) != 1 else ''}, or use a schedule that holds several regions per "
+                 f"device (e.g. "
                  f"`interleaved_1f1b(virtual={max(len(have) // max(len(indices), 1), 2)})`)")
     return None
 

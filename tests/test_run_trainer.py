@@ -1,5 +1,4 @@
 """`piper run` as a trainer: its flags, the model file's data, the metric it reports, --save."""
-import textwrap
 
 import pytest
 import torch
