@@ -1,4 +1,4 @@
-"""When a schedule places fewer regions than the model has: say how many, and which `use` line.
+"""When a schedule places fewer (or more) regions than the model has: say how many, and which `use` line.
 
 `use one_f_one_b(...) on pp` on a mesh with pp=2 places PP=0 and PP=1, one
 region per pipeline device; a model annotated with four `PP` regions then has
@@ -35,7 +35,11 @@ def stage_count_error(program, directives) -> Diagnostic | None:
                 placed.setdefault(tag, set()).add(index)
     for tag, indices in placed.items():
         have = model.get(tag, set())
-        if not have or indices >= have:
+        if not have or indices == have:
+            continue
+        if indices > have:      # the schedule names regions the model does not have
+            return _too_many(places, tag, indices, have)
+        if not indices < have:
             continue
         top = max(indices)
         last = next(d for d in reversed(places) if dict(d.selector.region_tags()).get(tag) == top)
@@ -60,13 +64,29 @@ def stage_count_error(program, directives) -> Diagnostic | None:
     return None
 
 
+def _too_many(places, tag: str, indices: set[int], have: set[int]) -> Diagnostic | None:
+    extra = sorted(indices - have)
+    first = next(d for d in places if dict(d.selector.region_tags()).get(tag) == extra[0])
+    if not first.trace:
+        return None   # the script's own `place` line: unknown-region points at it
+    return Diagnostic(
+        "unknown-region", f"the strategy places {len(indices)} `{tag}` regions (`{tag}=0..{max(indices)}`), and the "
+        f"model has {len(have)}: {', '.join(f'{tag}={i}' for i in extra)} "
+        f"{'do' if len(extra) > 1 else 'does'} not exist", span=first.trace[0],
+        labels=(Label(first.span, f"places {tag}={extra[0]}"),) if first.span is not None else (),
+        notes=(f"this schedule needs {len(indices)} `{tag}` regions on this mesh (e.g. `virtual` regions per "
+               "device along its axis)",),
+        hint=f"annotate the model with {len(indices)} `{tag}` regions, shrink the pipeline axis or `virtual`, or "
+             "use a schedule with one region per device (`one_f_one_b`)")
+
+
 @contextlib.contextmanager
 def explain_unplaced(program, directives):
     """Re-raise the compiler's `unplaced-region` as `stage_count_error` where that applies."""
     try:
         yield
     except PiperError as err:
-        if err.code != "unplaced-region":
+        if err.code not in ("unplaced-region", "unknown-region"):
             raise
         better = stage_count_error(program, directives)
         if better is None:

@@ -221,3 +221,13 @@ def test_a_schedule_for_fewer_stages_than_the_model_names_the_use_line(script, c
                             "PP=2, PP=3 are never placed")
     assert d["labels"][0]["file"].endswith("one_f_one_b.pps")
     assert "pipeline axis 4 devices long" in d["hint"]
+
+
+def test_a_schedule_for_more_stages_than_the_model_names_the_use_line(script, capsys):
+    path = script("mesh pp=2\nuse interleaved_1f1b(microbatches=4, virtual=2) on pp\n")
+    assert main(["check", path, "--regions", "PP=2", "--format", "json"]) == 1
+    (d,) = json.loads(capsys.readouterr().out)
+    assert d["code"] == "unknown-region" and (d["file"], d["line"]) == (path, 2)
+    assert d["message"] == ("the strategy places 4 `PP` regions (`PP=0..3`), and the model has 2: "
+                            "PP=2, PP=3 do not exist")
+    assert main(["check", path, "--regions", "PP=4"]) == 0
