@@ -141,14 +141,3 @@ def test_a_wrong_batch_leaves_the_job_usable(ray_cluster):
             job.step(torch.zeros(8, 5, dtype=torch.float64), XY[1])
         assert isinstance(job.step(*XY), float)     # nothing reached the worker; it still trains
 
-
-def test_1f1b_on_two_devices_for_a_four_stage_model_names_the_use_line(capsys, monkeypatch):
-    """The issue's case: the example GPT has 4 PP regions, gpt_zero3_1f1b.pps runs 1F1B on pp=2."""
-    from piper.cli import main
-
-    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parent.parent)
-    assert main(["check", "examples/gpt_zero3_1f1b.pps", "--model", "examples/gpt.py:small_gpt",
-                 "--format", "concise"]) == 1
-    out = capsys.readouterr().out
-    assert "examples/gpt_zero3_1f1b.pps:6:1: error[unplaced-region]: the strategy places 2 `PP` regions " \
-           "(`PP=0..1`), and the model has 4: PP=2, PP=3 are never placed" in out
