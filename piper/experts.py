@@ -164,3 +164,45 @@ def expert_state(ir: IR, program: Program, weights: dict[str, int], shards: dict
         ranks = sorted(devices, key=lambda r: ir.mesh.coords(r)[axis])
         out[name] = torch.cat([shards[r]["experts"][name] for r in ranks])
     return out
+
+
+def moe_regions(program: Program) -> dict[int, int]:
+    """Region -> how many MoE layers it holds."""
+    out: dict[int, int] = {}
+    for layer in moe_layers(program):
+        out[layer.region] = out.get(layer.region, 0) + 1
+    return out
+
+
+def add_all_to_alls(compiled, program: Program):
+    """Under `shard experts`: an ALL_TO_ALL node after every pass that moves tokens.
+
+    before: 0F3 0SEND_F3>1.0 ...          after: 0F3 0ALL_TO_ALL_F3 0SEND_F3>1.0 ...
+    A forward of a region with MoE layers exchanges each layer's counts, then
+    dispatches and combines its tokens over the expert group; its backward
+    (B, or BI after `split B`) runs the reverse all-to-alls. The node stands
+    for those exchanges in the IR, the plans, `piper show --what ir`, the
+    collective-order check and the simulator's costs (`comm_cost(node)`);
+    the compute issues them from inside its graph, so the executor has
+    nothing left to do at the node. BW moves no tokens.
+    """
+    from .compiler import Compiled, project
+    from .ir import Edge, Node
+
+    if compiled.ir.sharded("experts") is None:
+        return compiled
+    regions = moe_regions(program)
+    if not regions:
+        return compiled
+    ir = compiled.ir
+    order, edges = [], []
+    for n in compiled.order:
+        order.append(n)
+        if n.op in ("F", "B", "BI") and n.region in regions and len(n.devices) > 1:
+            a2a = Node("ALL_TO_ALL", n.region, n.mb, n.op, devices=n.devices, stream="ep")
+            order.append(a2a)
+            edges.append(Edge(n.key, a2a.key))
+    release = {a.key: a.release for plan in compiled.plans.values() for a in plan
+               if a is not None and a.node.is_compute and a.release}
+    ir = ir.with_(nodes=tuple(order), edges=ir.edges + tuple(edges))
+    return Compiled(ir, order, project(ir, order, release), compiled.zero, compiled.warnings)

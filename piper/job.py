@@ -67,6 +67,7 @@ def compile_directives(program: Program, mesh: Mesh, directives) -> Compiled:
     with _no_cycle_collection():
         compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
         experts.check(program, compiled.ir)
+        compiled = experts.add_all_to_alls(compiled, program)
         verify(compiled)       # raises on deadlock before anything runs
     return compiled
 

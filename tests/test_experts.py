@@ -275,3 +275,31 @@ def test_dualpipev_pp2_with_expert_parallel_dp2_in_lanes():
     assert_same(train_both(Tiny(4, moe_layer()).double(), strategy, mesh={"dp": 2, "pp": 2},
                            batches=tiny_batches(batch=16), job_hook=hook))
     assert seen["slots"], "the overlapped slots ran in lanes"
+
+
+def test_all_to_alls_are_nodes_of_the_ir_and_the_plans():
+    from piper.ir import format_ir, parse_ir
+    from piper.simulate import check_collective_order, simulate
+
+    compiled, _ = compile_only(Tiny(4, moe_layer()), script(
+        "mesh dp=2, pp=2\nuse dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + EP), None)
+    text = format_ir(compiled.ir)
+    assert "node 0ALL_TO_ALL_F3 @" in text and " ep\n" in text
+    assert parse_ir(text) == compiled.ir
+    for rank, plan in compiled.plans.items():
+        keys = [a.key for a in plan]
+        for i, a in enumerate(plan):
+            if a.node.op in ("F", "BI"):
+                assert keys[i + 1] == f"{a.node.region}ALL_TO_ALL_{a.node.op}{a.node.mb}"
+                assert plan[i + 1].group == a.node.devices
+    check_collective_order(dict(compiled.plans))      # every member of every group, not one replica
+    # Priced by the simulator's communication costs like any collective.
+    cheap = simulate(dict(compiled.plans)).step_time
+    dear = simulate(dict(compiled.plans), comm_cost=lambda n: 0.5 if n.op == "ALL_TO_ALL" else 0.0).step_time
+    assert dear > cheap
+
+
+def test_no_all_to_alls_when_the_experts_are_replicated():
+    compiled, _ = compile_only(Tiny(2, moe_layer()), script(
+        "mesh dp=2, pp=2\nuse one_f_one_b(microbatches=2) on pp\nuse dp() on dp\n"), None)
+    assert not any(a.node.op == "ALL_TO_ALL" for plan in compiled.plans.values() for a in plan)

@@ -620,6 +620,9 @@ class Executor:
             if self.units[u].zero >= 2:
                 self.units[u].attach_grads()
 
+    def _all_to_all(self, action) -> None:
+        """The compute before it issued these all-to-alls from its graph (`piper.experts.add_all_to_alls`)."""
+
     def _all_gather(self, action) -> None:
         unit = self.units[action.node.region]
         group = self.groups[action.group]
