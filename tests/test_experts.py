@@ -148,13 +148,20 @@ def test_capture_keeps_each_primitive_as_one_node():
     assert targets.count("piper.moe_combine.default") == 1
 
 
-def compile_only(model, strategy, mesh):
+_captured = {}
+
+
+def compile_only(model, strategy, mesh, key=None):
+    """Compile without workers; `key` names a capture to reuse (export takes seconds)."""
     from piper import experts
     from piper.job import _microbatch_inputs, build_strategy, compile_directives
 
     mesh, directives = build_strategy(strategy, mesh)
     inputs, *_ = _microbatch_inputs(tiny_batches(1)[0], mesh, directives)
-    return compile_directives(capture(copy.deepcopy(model), inputs), mesh, directives), experts
+    cache = (key, tuple(inputs[0].shape))
+    if key is None or cache not in _captured:
+        _captured[cache] = capture(copy.deepcopy(model), inputs)
+    return compile_directives(_captured[cache], mesh, directives), experts
 
 
 def test_indivisible_experts_is_a_diagnostic_on_the_statement():
@@ -303,3 +310,15 @@ def test_no_all_to_alls_when_the_experts_are_replicated():
     compiled, _ = compile_only(Tiny(2, moe_layer()), script(
         "mesh dp=2, pp=2\nuse one_f_one_b(microbatches=2) on pp\nuse dp() on dp\n"), None)
     assert not any(a.node.op == "ALL_TO_ALL" for plan in compiled.plans.values() for a in plan)
+
+
+@pytest.mark.parametrize("schedule,regions", [("one_f_one_b(microbatches=4)", 2),
+                                              ("interleaved_1f1b(microbatches=4, virtual=2)", 4),
+                                              ("zbv(microbatches=4)", 4), ("dualpipev(microbatches=4)", 4)])
+@pytest.mark.parametrize("data", ["dp", "zero1", "zero2", "zero3"])
+def test_expert_parallel_composes_with_every_schedule(schedule, regions, data):
+    compiled, _ = compile_only(Tiny(regions, moe_layer()), script(
+        f"mesh dp=2, pp=2\nuse {schedule} on pp\nuse {data}() on dp\n" + EP), None, key=f"tiny{regions}")
+    a2a = [a for plan in compiled.plans.values() for a in plan if a.node.op == "ALL_TO_ALL"]
+    # each region runs on 2 devices; per microbatch its forward and its backward (B or BI) move tokens
+    assert len(a2a) == regions * 2 * 4 * 2
