@@ -322,3 +322,42 @@ def test_expert_parallel_composes_with_every_schedule(schedule, regions, data):
     a2a = [a for plan in compiled.plans.values() for a in plan if a.node.op == "ALL_TO_ALL"]
     # each region runs on 2 devices; per microbatch its forward and its backward (B or BI) move tokens
     assert len(a2a) == regions * 2 * 4 * 2
+
+
+def test_expert_parallel_is_shard_experts():
+    from piper.capture import Program
+    from piper.statements import apply_all, initial_ir
+
+    @piper.strategy
+    def python_form(s):
+        s.shard("batch", over="dp")
+        s.shard("experts", over="dp")
+
+    def ir_of(strategy):
+        from piper.job import build_strategy
+        mesh, directives = build_strategy(strategy, {"dp": 2})
+        return apply_all(initial_ir(Program.chain("PP=1"), mesh), directives)
+
+    assert ir_of(python_form) == ir_of(script("use dp() on dp\nuse expert_parallel() on dp\n"))
+    assert ir_of(python_form).sharded("experts") == "dp"
+
+
+def test_each_lane_has_its_own_expert_group():
+    import threading
+
+    from piper.runtime import experts
+
+    lanes = [experts.ExpertGroup(None, (0, 1), 1), experts.ExpertGroup(None, (0, 1), 1)]
+    seen = {}
+
+    def lane(k):
+        with experts.lane_group(lanes, k):
+            seen[k] = experts.current()
+
+    threads = [threading.Thread(target=lane, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen[0] is lanes[0] and seen[1] is lanes[1] and lanes[0].index == 1
+    assert experts.current() is None          # nothing installed on this thread: the local meaning
