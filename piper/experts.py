@@ -72,9 +72,19 @@ def check(program: Program, ir: IR) -> None:
     Abstract programs (`--regions PP=4`, no graphs) have no layers to check.
     """
     axis = ir.sharded("experts")
-    if axis is None or any(r.graph is None for r in program.regions):
+    if axis is None:
         return
     span = ir.sharding_span("experts")
+    batch = ir.batch_axes()
+    if tuple(batch) != (axis,):
+        first = ir.sharding_span("batch")
+        raise error("unsupported-sharding", f"experts are sharded over `{axis}` but the batch is sharded over "
+                    f"{', '.join(f'`{a}`' for a in batch) or 'nothing'}", span=span,
+                    labels=(Label(first, "batch sharded here"),) if first else (),
+                    hint=f"shard the batch over `{axis}` alone (`shard batch over {axis}`): expert parallelism "
+                         "sends each replica's tokens to the replica holding their expert")
+    if any(r.graph is None for r in program.regions):
+        return
     size = ir.mesh.size(axis)
     layers = moe_layers(program)
     if not layers:
@@ -94,14 +104,6 @@ def check(program: Program, ir: IR) -> None:
             raise error("indivisible-experts", f"expert weight `{name}` has {experts} experts, which do not divide "
                         f"over `{axis}` of size {size}", span=span,
                         hint=f"use a multiple of {size} experts")
-    batch = ir.batch_axes()
-    if tuple(batch) != (axis,):
-        first = ir.sharding_span("batch")
-        raise error("unsupported-sharding", f"experts are sharded over `{axis}` but the batch is sharded over "
-                    f"{', '.join(f'`{a}`' for a in batch) or 'nothing'}", span=span,
-                    labels=(Label(first, "batch sharded here"),) if first else (),
-                    hint=f"shard the batch over `{axis}` alone (`shard batch over {axis}`): expert parallelism "
-                         "sends each replica's tokens to the replica holding their expert")
 
 
 def groups(ir: IR) -> tuple[tuple[int, ...], ...]:

@@ -361,3 +361,16 @@ def test_each_lane_has_its_own_expert_group():
         t.join()
     assert seen[0] is lanes[0] and seen[1] is lanes[1] and lanes[0].index == 1
     assert experts.current() is None          # nothing installed on this thread: the local meaning
+
+
+@pytest.mark.parametrize("mesh,model,code", [("dp=3, pp=2", "examples/moe.py:moe_two_regions", "indivisible-experts"),
+                                             ("dp=2, pp=2", "examples/gpt.py:two_stage_gpt", "no-experts")])
+def test_piper_check_reports_expert_mistakes_without_a_traceback(tmp_path, capsys, mesh, model, code):
+    from piper.cli import main
+
+    path = tmp_path / "ep.pps"
+    path.write_text(f"mesh {mesh}\nuse one_f_one_b(microbatches=2) on pp\nuse dp() on dp\nshard experts over dp\n")
+    assert main(["check", str(path), "--model", model]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert f"error[{code}]" in text and "ep.pps:4:1" in text and "Traceback" not in text
