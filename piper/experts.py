@@ -142,7 +142,10 @@ def slots_lanes(job) -> int:
     """How many lanes the job's overlapped slots can run at once (1: every item in turn)."""
     if not job.concurrent:
         return 1
-    return max([len(slot) for slots in job._multi_slots().values() for slot in slots] + [1])
+    lanes = getattr(job, "_expert_lanes", None)     # the same for every rank: computed once per job
+    if lanes is None:
+        lanes = job._expert_lanes = max([len(slot) for slots in job._multi_slots().values() for slot in slots] + [1])
+    return lanes
 
 
 def expert_spec(program: Program, ir: IR, rank: int, params: dict, lanes: int):

@@ -244,6 +244,7 @@ def test_expert_parallel_over_dp2_holds_half_the_experts():
         # parameters: the dense flat unit (padded to the group) and half of every expert weight
         padded = -(-dense // 8 // 2) * 2 * 8
         assert seen["memory"][rank]["params"] == padded + experts // 2
+        assert seen["memory"][rank]["step_peak"] > seen["memory"][rank]["params"]
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -374,3 +375,9 @@ def test_piper_check_reports_expert_mistakes_without_a_traceback(tmp_path, capsy
     out = capsys.readouterr()
     text = out.out + out.err
     assert f"error[{code}]" in text and "ep.pps:4:1" in text and "Traceback" not in text
+
+
+def test_the_example_dualpipev_ep_script_checks_clean(capsys):
+    from piper.cli import main
+
+    assert main(["check", "examples/moe_dualpipev_ep.pps", "--model", "examples/moe.py:moe_four_regions"]) == 0

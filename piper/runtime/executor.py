@@ -557,6 +557,8 @@ class Executor:
         held = self.activations
         for unit in self._unit_list:
             held += unit.held
+        if self.experts is not None:
+            held += self.experts.held
         if held > self.step_peak:           # lanes sample too: raise it under the lock
             with self._lock:
                 self.step_peak = max(self.step_peak, held)

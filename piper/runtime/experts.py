@@ -121,6 +121,11 @@ class Experts:
     def shards(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().cpu().clone() for leaves in self.leaves.values() for name, t in leaves.items()}
 
+    @property
+    def held(self) -> int:
+        """Bytes of expert parameters, gradients and optimizer state alive now (for `step_peak`)."""
+        return sum(self.memory().values())
+
     def memory(self) -> dict[str, int]:
         params = sum(t.untyped_storage().nbytes() for ls in self.leaves.values() for t in ls.values())
         grads = sum(t.grad.untyped_storage().nbytes() for ls in self.leaves.values() for t in ls.values()
