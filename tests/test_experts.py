@@ -8,11 +8,9 @@ import torch.nn.functional as F
 
 import piper
 import piper.nn
-from examples.moe import make_model, training_batches
 from piper.capture import capture
 from piper.diagnostics import PiperError
 from piper.dsl import load_strategy
-from piper.job import plan
 from piper.testing import train_both
 
 
