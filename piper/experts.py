@@ -187,9 +187,10 @@ def add_all_to_alls(compiled, program: Program):
     dispatches and combines its tokens over the expert group; its backward
     (B, or BI after `split B`) runs the reverse all-to-alls. The node stands
     for those exchanges in the IR, the plans, `piper show --what ir`, the
-    collective-order check and the simulator's costs (`comm_cost(node)`);
-    the compute issues them from inside its graph, so the executor has
-    nothing left to do at the node. BW moves no tokens.
+    collective-order check and the simulator's costs (`comm_cost(node)`,
+    measured as the node's entry in `job.timings()`); the compute issues
+    them from inside its graph, so the executor has nothing left to do at
+    the node. BW moves no tokens.
     """
     from .compiler import Compiled, project
     from .ir import Edge, Node

@@ -233,6 +233,8 @@ def test_expert_parallel_over_dp2_holds_half_the_experts():
 
     def hook(job):
         seen["memory"] = job.memory()
+        seen["timings"] = job.timings()
+        seen["plans"] = dict(job.compiled.plans)
     assert_same(train_both(model, script("use dp() on dp\n" + EP), mesh={"dp": 2}, batches=tiny_batches(),
                            job_hook=hook))
     experts = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-1] in ("w1", "w2", "w3")
@@ -243,6 +245,13 @@ def test_expert_parallel_over_dp2_holds_half_the_experts():
         padded = -(-dense // 8 // 2) * 2 * 8
         assert seen["memory"][rank]["params"] == padded + experts // 2
         assert seen["memory"][rank]["step_peak"] > seen["memory"][rank]["params"]
+    # The all-to-alls each compute issued are timed under their ALL_TO_ALL node, and price a simulation.
+    from piper.simulate import simulate
+
+    timings = seen["timings"][0]
+    assert {"0ALL_TO_ALL_F0", "0ALL_TO_ALL_B0"} <= set(timings) and timings["0ALL_TO_ALL_F0"] > 0
+    sim = simulate(seen["plans"], costs=timings, comm_cost=lambda node: timings.get(node.key, 0.0))
+    assert sim.step_time >= timings["0F0"] + timings["0ALL_TO_ALL_F0"]
 
 
 @pytest.mark.usefixtures("ray_cluster")

@@ -353,10 +353,14 @@ class Executor:
         if compute and self._events is not None:
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
+        if compute and self.experts is not None:
+            self.experts.exchanged()          # count only this compute's all-to-alls
         getattr(self, "_" + action.node.op.lower())(action)
         end = time.perf_counter()
         if compute:
             self.timings[action.key] = end - start
+            if self.experts is not None:      # its all-to-alls go to their ALL_TO_ALL node
+                self.experts.account(action.node, self.timings)
             if self._events is not None:
                 done = torch.cuda.Event(enable_timing=True)
                 done.record()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -42,15 +43,19 @@ class ExpertGroup:
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """`counts[e]` rows for global expert `e` -> `[size * local]` rows each member sends here."""
+        start = time.perf_counter()
         out = torch.empty_like(counts)
         dist.all_to_all_single(out, counts.contiguous(), group=self.group)
+        _thread.seconds = getattr(_thread, "seconds", 0.0) + time.perf_counter() - start
         return out
 
     def all_to_all(self, rows: torch.Tensor, out_splits: torch.Tensor, in_splits: torch.Tensor) -> torch.Tensor:
         """Send `in_splits[j]` rows to member j, receive `out_splits[j]` from it."""
+        start = time.perf_counter()
         outs, ins = out_splits.tolist(), in_splits.tolist()
         out = rows.new_empty(sum(outs), *rows.shape[1:])
         dist.all_to_all_single(out, rows.contiguous(), outs, ins, group=self.group)
+        _thread.seconds = getattr(_thread, "seconds", 0.0) + time.perf_counter() - start
         return out
 
 
@@ -101,6 +106,21 @@ class Experts:
             leaves = {name: init[name].to(device).clone().requires_grad_() for name in names}
             self.leaves[unit] = leaves
             self.optimizers[unit] = optimizer(list(leaves.values()))
+
+    @staticmethod
+    def exchanged() -> float:
+        """Seconds the calling thread spent in expert all-to-alls since it last asked."""
+        seconds, _thread.seconds = getattr(_thread, "seconds", 0.0), 0.0
+        return seconds
+
+    def account(self, node, timings: dict[str, float]) -> None:
+        """Move the all-to-all seconds of the compute `node` just ran from its own time to its
+        ALL_TO_ALL node's (`0ALL_TO_ALL_F3`), so a simulation priced from `job.timings()`
+        (computes as `costs`, the node as `comm_cost`) counts them once."""
+        seconds = self.exchanged()
+        if seconds and node.op in ("F", "B", "BI"):
+            timings[f"{node.region}ALL_TO_ALL_{node.op}{node.mb}"] = seconds
+            timings[node.key] = max(0.0, timings[node.key] - seconds)
 
     def views(self, unit: int) -> dict[str, torch.Tensor]:
         return self.leaves.get(unit, {})
