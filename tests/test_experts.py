@@ -82,12 +82,13 @@ class SkewedMoE(torch.nn.Module):
     """A layer of one's own on the primitives: every token goes to expert 0 (and, for top-2,
     expert 1); the other experts get no token at all."""
 
-    def __init__(self, dim, hidden, num_experts, top_k):
+    def __init__(self, dim, hidden, num_experts, top_k, scale=None):
         super().__init__()
         self.router = torch.nn.Linear(dim, num_experts, bias=False)
         self.w_in = torch.nn.Parameter(torch.randn(num_experts, dim, hidden) * 0.1)
         self.w_out = torch.nn.Parameter(torch.randn(num_experts, hidden, dim) * 0.1)
         self.top_k = top_k
+        self.scale = scale         # a number: w_in reaches expert_mm through a multiplication
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
@@ -95,7 +96,8 @@ class SkewedMoE(torch.nn.Module):
         experts = torch.arange(self.top_k, device=x.device).expand(tokens.shape[0], self.top_k)
         gates = probs[:, :self.top_k]
         routed, counts, handle = piper.nn.dispatch(tokens, experts, self.w_in.shape[0])
-        y = piper.nn.expert_mm(torch.tanh(piper.nn.expert_mm(routed, counts, self.w_in)), counts, self.w_out)
+        w_in = self.w_in if self.scale is None else self.w_in * self.scale
+        y = piper.nn.expert_mm(torch.tanh(piper.nn.expert_mm(routed, counts, w_in)), counts, self.w_out)
         return piper.nn.combine(y, gates, handle).reshape(x.shape)
 
 
@@ -388,3 +390,15 @@ def test_the_example_dualpipev_ep_script_checks_clean(capsys):
     from piper.cli import main
 
     assert main(["check", "examples/moe_dualpipev_ep.pps", "--model", "examples/moe.py:moe_four_regions"]) == 0
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_expert_weight_that_is_not_passed_straight_in_stays_replicated_and_exact():
+    # w_in * 2 is not a parameter at expert_mm: it stays in the dense unit (all-reduced over dp),
+    # and each device's expert_mm takes its own experts' rows of it.
+    layer = lambda: SkewedMoE(8, 8, 4, 2, scale=2.0)  # noqa: E731
+    model = Tiny(1, layer).double()
+    from piper import experts
+    program = capture(copy.deepcopy(model), tiny_batches(1, batch=4)[0])
+    assert sorted(experts.expert_params(program)) == ["layers.0.w_out"]
+    assert_same(train_both(model, script("use dp() on dp\n" + EP), mesh={"dp": 2}, batches=tiny_batches()))
