@@ -131,9 +131,8 @@ class Experts:
     def step(self, unit: int) -> None:
         if unit not in self.optimizers:
             return
-        for leaf in self.leaves[unit].values():
-            if leaf.grad is None:           # no token reached these experts in the whole step
-                leaf.grad = torch.zeros_like(leaf)
+        # An expert no token reached still has a (zero) gradient from expert_mm's backward, as on
+        # one device; a weight no compute used has none, and the optimizer skips it, as torch's do.
         self.optimizers[unit].step()
         for leaf in self.leaves[unit].values():
             leaf.grad = None
