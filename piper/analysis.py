@@ -6,12 +6,19 @@ from __future__ import annotations
 from .capture import Program, capture
 from .compiler import Compiled
 from .diagnostics import Diagnostic, PiperError, error
+from .planning import compile_directives
 
 
 def program_for(mesh, directives, *, model_spec: str | None = None, regions=None,
                 batch_size: int | None = None) -> Program:
     """The regions to plan for: an abstract chain (`PP=8`) or a model captured on meta."""
     if regions:
+        if len(regions) > 1:
+            shown = ",".join(f"{k}={v}" for k, v in regions.items())
+            raise error("bad-flag", f"--regions {shown} names {len(regions)} kinds of region; an abstract model "
+                        "is one chain of a single kind", hint=f"pass one, e.g. --regions "
+                        f"{next(iter(regions))}={next(iter(regions.values()))}, or --model PATH.py:FACTORY "
+                        "for a model whose regions nest")
         return Program.chain(regions)
     if not model_spec:
         raise error("no-regions", "planning needs the model's regions",
@@ -28,8 +35,6 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
 def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=None,
                    batch_size: int | None = None) -> Compiled:
     """Build, lower, schedule and verify `script` (a loaded script or strategy)."""
-    from .job import compile_directives
-
     mesh, directives = script.build(mesh)
     program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
     return compile_directives(program, mesh, directives)

@@ -12,11 +12,14 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
-import torch
-import torch.fx as fx
-
 from .annotate import reset_counters
 from .diagnostics import error
+from .lazy import LazyModule
+from .model_checks import check_layers
+
+# Imported on first use: planning with `--regions` (Program.chain) never needs torch.
+torch = LazyModule("torch")
+fx = LazyModule("torch.fx")
 
 # The kinds of region input, in the order a region's graph takes them.
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
@@ -36,7 +39,8 @@ class TensorSpec:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        dtype = getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        return n * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ class Program:
             name, _, count = tags.partition("=")
             tags = {name.strip(): int(count)}
         (name, count), = tags.items()
-        spec = TensorSpec((1,), torch.float32)
+        spec = TensorSpec((1,), "float32")   # a torch dtype's name: an abstract chain never loads torch
         values = tuple(Value(i, i, 0, (i + 1,), spec, True) for i in range(count - 1))
         regions = []
         for i in range(count):
@@ -171,6 +175,7 @@ def capture(model: torch.nn.Module, example_inputs) -> Program:
     """
     if not isinstance(model, torch.nn.Module):
         raise error("bad-model", f"piper.compile needs a torch.nn.Module, not {type(model).__name__}")
+    check_layers(model)
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
             raise error("bad-inputs", f"example input {i} is a {type(x).__name__}, not a tensor",

@@ -9,50 +9,25 @@
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import os
 import time
 
 import torch
 
 from . import experts
+from .batch_check import check_step_inputs, input_names
 from .capture import BATCH, BUFFER, Program, capture
-from .compiler import Compiled, compile_ir
+from .compiler import Compiled
 from .diagnostics import PiperError, error
 from .directives import Shard, Split
 from .mesh import Mesh
 from .experts import expert_spec, expert_state, slots_lanes
+from .planning import _no_cycle_collection, compile_directives
 from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
 from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
-from .simulate import verify
-from .statements import apply_all, initial_ir
 from .strategy import as_strategy
-
-
-@contextlib.contextmanager
-def _no_cycle_collection():
-    """The IR is hundreds of thousands of small acyclic objects: the cyclic
-    collector would re-scan them again and again while they are built.
-
-    What survives (the compiled IR and plans) lives as long as the job, so it
-    joins the oldest generation directly: otherwise the first young collection
-    after this scans every object compiled (0.2 s at 200k nodes), only to
-    promote them all. Skipped if anything is frozen already (gc.freeze is the
-    caller's, then), as unfreezing would release it.
-    """
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            if not gc.get_freeze_count():
-                gc.freeze()       # every tracked object, young ones included...
-                gc.unfreeze()     # ...back, into the oldest generation
-            gc.enable()
 
 
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
@@ -60,16 +35,6 @@ def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None
     with _no_cycle_collection():
         mesh, directives = build_strategy(strategy, mesh, overrides)
         return compile_directives(program, mesh, directives)
-
-
-def compile_directives(program: Program, mesh: Mesh, directives) -> Compiled:
-    """Apply the directives to the program's DAG, lower, schedule and verify."""
-    with _no_cycle_collection():
-        compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
-        experts.check(program, compiled.ir)
-        compiled = experts.add_all_to_alls(compiled, program)
-        verify(compiled)       # raises on deadlock before anything runs
-    return compiled
 
 
 def split_counts(mesh: Mesh, directives) -> tuple[int, int]:
@@ -130,6 +95,9 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
                          "'auto' picks CUDA when the cluster has a GPU for every device")
+    from .optim_check import check_optimizer
+
+    check_optimizer(optimizer)    # before capture: a wrong optimizer is a one-line fix
     mesh, directives = build_strategy(strategy, mesh, overrides)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
     program = capture(model, mb_inputs)
@@ -145,6 +113,7 @@ class Job:
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
                  shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None):
         self.program = program
+        self.input_names = input_names(model, len(program.batch))
         self.worker_env = dict(worker_env or {})
         self.concurrent = overlap
         self.compiled = compiled
@@ -279,13 +248,7 @@ class Job:
     def step(self, *batch) -> float:
         """One optimizer step on the global batch; returns its mean loss."""
         self._check_open()
-        if len(batch) != len(self.program.batch):
-            raise error("bad-inputs", f"step takes {len(self.program.batch)} batch tensor(s), got {len(batch)}",
-                        hint="pass the same inputs as example_inputs")
-        for x in batch:
-            if x.shape[0] != self.batch_size:
-                raise error("bad-inputs", f"step got a batch of {x.shape[0]}; this job was compiled for "
-                            f"{self.batch_size}", hint="keep the global batch size fixed, or compile again")
+        check_step_inputs(batch, self.program.batch, self.batch_size, self.input_names)
         ir = self.compiled.ir
         per = self.batch_size // (self.microbatches * self.shards)
         axes = ir.batch_axes()
