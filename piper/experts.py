@@ -11,10 +11,13 @@ optimizer state; the rest of the model keeps whatever dp/ZeRO says.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .capture import PARAM, Program
 from .diagnostics import Label, error
 from .ir import IR
+
+if TYPE_CHECKING:
+    from .capture import Program
 
 DISPATCH = "piper.moe_dispatch.default"
 EXPERT_MM = "piper.expert_mm.default"
@@ -51,6 +54,8 @@ def moe_layers(program: Program) -> list[MoELayer]:
 
 def expert_params(program: Program) -> dict[str, int]:
     """Expert weight name -> its number of experts (dim 0), for weights fed straight into expert_mm."""
+    from .capture import PARAM
+
     found: dict[str, int] = {}
     for region in program.regions:
         if region.graph is None:
