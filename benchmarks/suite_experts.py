@@ -1,4 +1,4 @@
-"""Suite 9, `experts`: expert parallelism on the example MoE transformer (examples/moe.py).
+"""Suite 10, `experts`: expert parallelism on the example MoE transformer (examples/moe.py).
 
 (a) experts divided (`expert_parallel` over dp=2) vs replicated (plain `dp`):
     step time, alternating the two jobs step by step on the same batches, and
@@ -42,7 +42,7 @@ def _batches(quick: bool, n: int):
 
 def run(ctx) -> SuiteResult:
     quick = ctx.quick
-    result = SuiteResult("experts", 9, "Expert parallelism: EP vs replicated experts; DualPipeV x EP lanes",
+    result = SuiteResult("experts", 10, "Expert parallelism: EP vs replicated experts; DualPipeV x EP lanes",
                          ctx.command("experts"))
     warmup, steps = (2, 4) if quick else (3, 10)
     batches = _batches(quick, warmup + steps)
