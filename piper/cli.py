@@ -195,8 +195,10 @@ def cmd_simulate(args) -> int:
         with open(args.timings, encoding="utf-8") as f:
             timings = {k: float(v) for k, v in json.load(f).items()}
     costs.update({k: v for k, v in timings.items() if k != STEP})
-    sim = simulate(compiled.plans.representatives(), costs=costs, overlap=timed_slots(timings), cores=args.cores,
-                   devices=compiled.ir.mesh.world_size, background=background_seconds(timings))
+    plans = compiled.plans.representatives()
+    sim = simulate(plans, costs=costs, overlap=timed_slots(timings), cores=args.cores,
+                   devices=compiled.ir.mesh.world_size, background=background_seconds(timings),
+                   record_comm=bool(args.trace))
     table = Table(title=f"{args.script}: predicted step {sim.step_time:g}, bubble {sim.bubble_fraction:.1%}")
     for column in ("rank", "busy", "idle", "bubble", "peak microbatches in flight"):
         table.add_column(column, justify="right")
@@ -206,6 +208,11 @@ def cmd_simulate(args) -> int:
     console.print(table)
     if args.timeline:
         console.print(timeline_text(sim), markup=False, highlight=False)
+    if args.trace:
+        from .trace import simulation_trace, write
+
+        write(simulation_trace(plans, sim, mesh=compiled.ir.mesh, meta={"script": args.script}), args.trace)
+        print(f"piper simulate: wrote {args.trace} (open it in ui.perfetto.dev)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -256,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--cores", type=int, metavar="N",
                      help="the devices share N CPU cores (costs from job.timings(cpu=True))")
     sim.add_argument("--timeline", action="store_true", help="draw each device's timeline")
+    sim.add_argument("--trace", metavar="FILE.json", help="write the predicted step as a Chrome/Perfetto trace")
     sim.set_defaults(func=cmd_simulate)
 
     export = commands.add_parser("export", help="write a script's schedule for torch.distributed.pipelining")
@@ -278,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mesh", metavar="AXIS=SIZE,...")
     run.add_argument("--set", action="append", metavar="NAME=VALUE")
     run.add_argument("--steps", type=int, default=None, metavar="N")
+    run.add_argument("--trace", metavar="FILE.json", help="write the last steps as a Chrome/Perfetto trace")
+    run.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line per step")
     run.set_defaults(func=cmd_run)
     return parser
 

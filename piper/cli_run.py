@@ -28,6 +28,9 @@ def run(args) -> int:
         from .train import fit
 
         tokens = first[0].numel()
-        losses = fit(job, itertools.chain([first], stream), steps, tokens_per_batch=tokens, console=console)
+        losses = fit(job, itertools.chain([first], stream), steps, tokens_per_batch=tokens, console=console,
+                     metrics=getattr(args, "metrics", None))
+        if getattr(args, "trace", None):
+            console.print(f"trace of the last steps: {job.trace(args.trace)} (open it in ui.perfetto.dev)")
     console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps")
     return 0
