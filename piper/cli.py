@@ -274,11 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--batch-size", type=int, help="the example batch for --model")
     export.set_defaults(func=lambda args: _interop("export_main", args))
 
-    imp = commands.add_parser("import", help="turn a torch schedule CSV into a .pps script")
-    imp.add_argument("file", metavar="FILE.csv")
+    imp = commands.add_parser("import", help="turn a torch schedule CSV or a prototype JSON program into a .pps script")
+    imp.add_argument("file", metavar="FILE.csv|FILE.json")
     imp.add_argument("-o", "--output", metavar="OUT.pps", help="where to write (default: stdout)")
     imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
-    imp.set_defaults(func=lambda args: _interop("import_main", args))
+    imp.set_defaults(func=lambda args: __import__("piper.prototype", fromlist=["import_main"]).import_main(args))
 
     run = commands.add_parser("run", help="train with a script")
     run.add_argument("script", metavar="SCRIPT")
