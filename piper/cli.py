@@ -189,7 +189,17 @@ def cmd_simulate(args) -> int:
     from .simulate import STEP, background_seconds, simulate, timed_slots
 
     costs = _parse_costs(args.costs)
-    compiled = _compile_for(args)
+    from .analysis import compile_with_program
+    from .dsl import load_strategy
+
+    compiled, program = compile_with_program(
+        load_strategy(args.script, overrides=_parse_sets(args.set)), mesh=_parse_mesh(args.mesh),
+        model_spec=args.model, regions=_parse_regions(args.regions), batch_size=getattr(args, "batch_size", None))
+    memory = None
+    if args.model:                 # a model has parameters and activations to predict
+        from .memory_model import predict_memory
+
+        memory = predict_memory(compiled, program, ranks=compiled.plans.representatives())
     timings = {}
     if args.timings:
         with open(args.timings, encoding="utf-8") as f:
@@ -200,10 +210,19 @@ def cmd_simulate(args) -> int:
                    devices=compiled.ir.mesh.world_size, background=background_seconds(timings),
                    record_comm=bool(args.trace))
     table = Table(title=f"{args.script}: predicted step {sim.step_time:g}, bubble {sim.bubble_fraction:.1%}")
-    for column in ("rank", "busy", "idle", "bubble", "peak microbatches in flight"):
+    columns = ("rank", "busy", "idle", "bubble", "peak microbatches in flight")
+    if memory:
+        columns += ("peak memory", "params", "grads", "optimizer", "activations")
+    for column in columns:
         table.add_column(column, justify="right")
     for rank, busy, idle, frac, peak in summary_rows(compiled, sim):
-        table.add_row(str(rank), f"{busy:g}", f"{idle:g}", f"{frac:.1%}", str(peak))
+        row = [str(rank), f"{busy:g}", f"{idle:g}", f"{frac:.1%}", str(peak)]
+        if memory:
+            from .memory_model import format_bytes
+
+            m = memory[rank]
+            row += [format_bytes(b) for b in (m.peak, m.params, m.grads, m.optimizer, m.activations)]
+        table.add_row(*row)
     console = Console()
     console.print(table)
     if args.timeline:

@@ -297,3 +297,24 @@ def p2p_bytes(compiled, program: Program, rank: int) -> int:
             if v is not None:
                 biggest = max(biggest, values[v.id].spec.nbytes)
     return biggest
+
+
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
+          "T": 1000**4, "TB": 1000**4, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """`8MiB`, `2GiB`, `1.5GB`, `123456` -> bytes; ValueError otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (write bytes, or e.g. 8MiB, 2GiB, 500MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
