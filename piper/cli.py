@@ -299,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
     imp.set_defaults(func=lambda args: __import__("piper.prototype", fromlist=["import_main"]).import_main(args))
 
+    from .tune import add_parser as _tune_parser
+
+    _tune_parser(commands)
+
     run = commands.add_parser("run", help="train with a script")
     run.add_argument("script", metavar="SCRIPT")
     run.add_argument("--model", metavar="PATH.py:FACTORY")

@@ -65,10 +65,21 @@ def run_regions(program: Program, *, backward: bool = False, timer=None):
 
     Returns per region the bytes autograd saved in its forward (parameters not
     counted, as the executor counts them) and, with `timer`, calls
-    `timer(region, pass, seconds)` for the forward and (with `backward`) the backward.
+    `timer(region, pass, seconds)` for the forward and (with `backward`) the backward,
+    in this thread's CPU seconds on one intra-op thread, as a worker runs them
+    (`job.timings(cpu=True)`): wall time would also hold whatever else the cores ran.
     """
     import time
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_regions(program, backward, timer, time.thread_time)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_regions(program, backward, timer, clock):
     values = {v.id: v for v in program.values}
     params = {n: _zeros(s, True) for n, s in program.params.items()}
     buffers = {n: _zeros(s) for n, s in program.buffers.items()}
@@ -91,11 +102,11 @@ def run_regions(program: Program, *, backward: bool = False, timer=None):
                 if values[i.ref].differentiable:
                     t.requires_grad_()
                 args.append(t)
-        start = time.perf_counter()
+        start = clock()
         with torch.enable_grad(), SavedBytes(exclude) as counted:
             outs = region.graph(*args)
         if timer is not None:
-            timer(region.index, "F", time.perf_counter() - start)
+            timer(region.index, "F", clock() - start)
         saved[region.index] = counted.size
         for v, o in zip(region.outputs, outs):
             out_of[v] = o
@@ -106,10 +117,10 @@ def run_regions(program: Program, *, backward: bool = False, timer=None):
             if not tensors:
                 continue
             grads = [torch.ones_like(t) for t in tensors]
-            start = time.perf_counter()
+            start = clock()
             torch.autograd.backward(tensors, grads)
             if timer is not None:
-                timer(region.index, "B", time.perf_counter() - start)
+                timer(region.index, "B", clock() - start)
     return saved
 
 
