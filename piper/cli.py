@@ -172,6 +172,11 @@ def cmd_show(args) -> int:
     from .ir import format_ir
 
     compiled = _compile_for(args)
+    if getattr(args, "timeline", None):
+        from .timeline import write
+
+        write(compiled, args.timeline, costs=_parse_costs(args.costs) or None, title=f"{args.script}")
+        print(f"piper show: wrote {args.timeline}", file=sys.stderr)
     if args.what == "ir":
         sys.stdout.write(format_ir(compiled.ir))
     else:
@@ -273,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="print each device's plan (or the IR) for a script")
     _planning_flags(show)
     show.add_argument("--what", choices=("plans", "ir"), default="plans")
+    show.add_argument("--timeline", metavar="FILE.svg", help="draw each device's schedule as SVG (or .html)")
+    show.add_argument("--costs", metavar="PASS=TIME,...", help="costs for --timeline (default F=1,B=2,BI=1,BW=1)")
     show.set_defaults(func=cmd_show)
 
     sim = commands.add_parser("simulate", help="predict step time, bubbles and microbatches in flight")
