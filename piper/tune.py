@@ -377,19 +377,29 @@ def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) 
     from .dsl import load_strategy
     from .models import example_batch, load_model
 
+    import ray
+
     out = []
-    for r in results:
-        model, module = load_model(model_spec)
-        data = example_batch(module, batch)
-        with piper.compile(model, data, strategy=load_strategy(r.candidate.script(), file="<tune>"),
-                           timeout=300) as job:
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                job.step(*data)
-                times.append(time.perf_counter() - start)
-            peak = max(m["step_peak"] for m in job.memory().values())
-        out.append((statistics.median(times[1:] or times), peak))
+    owned = not ray.is_initialized()
+    if owned:                        # one local cluster for every run, not one each
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        for r in results:
+            model, module = load_model(model_spec)
+            data = example_batch(module, batch)
+            with piper.compile(model, data, strategy=load_strategy(r.candidate.script(), file="<tune>"),
+                               timeout=300) as job:
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    job.step(*data)
+                    times.append(time.perf_counter() - start)
+                peak = max(m["step_peak"] for m in job.memory().values())
+            out.append((statistics.median(times[1:] or times), peak))
+    finally:
+        if owned:
+            ray.shutdown()
     return out
 
 
