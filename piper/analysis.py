@@ -6,6 +6,7 @@ from __future__ import annotations
 from .capture import Program, capture
 from .compiler import Compiled
 from .diagnostics import Diagnostic, PiperError, error
+from .planning import compile_directives
 
 
 def program_for(mesh, directives, *, model_spec: str | None = None, regions=None,
@@ -35,8 +36,6 @@ def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=
 def compile_with_program(script, *, mesh=None, model_spec: str | None = None, regions=None,
                          batch_size: int | None = None) -> tuple[Compiled, Program]:
     """`compile_script`, and the program it planned for (for memory prediction)."""
-    from .job import compile_directives
-
     mesh, directives = script.build(mesh)
     program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
     return compile_directives(program, mesh, directives), program
