@@ -10,16 +10,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 def fit(job, batches, steps: int, *, tokens_per_batch: int, console: Console | None = None,
-        metrics: str | None = None) -> list[float]:
-    """Run `steps` optimizer steps on `job`; show step, loss, step time and throughput; return the losses.
+        unit: str = "tok", metrics: str | None = None) -> list[float]:
+    """Run `steps` optimizer steps on `job`; show step, loss, step time and throughput (`tokens_per_batch`
+    of `unit` per step: "tok", or "samples" for a model that does not take tokens); return the losses.
 
     `metrics`: a file that gets one JSON line per step (`step`, `loss`, `step_s`, `tokens_per_s`,
-    `tokens`, `time`: seconds since the first step began), written as each step ends."""
+    `tokens` so far (`samples_per_s`, `samples` for other models), `time`: seconds since the first
+    step began), written as each step ends."""
     console = console or Console()
     losses = []
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("[magenta]{task.fields[step_s]} s/step"),
-               TextColumn("[green]{task.fields[speed]} tok/s"), TimeElapsedColumn())
+               TextColumn("[green]{task.fields[speed]} " + unit + "/s"), TimeElapsedColumn())
+    what = "tokens" if unit == "tok" else unit          # the metrics' name for what a step processes
     out = open(metrics, "w", encoding="utf-8") if metrics else None
     began = time.perf_counter()
     try:
@@ -36,12 +39,12 @@ def fit(job, batches, steps: int, *, tokens_per_batch: int, console: Console | N
                                 step_s=f"{elapsed:.3f}")
                 if out is not None:
                     out.write(json.dumps({"step": step, "loss": loss, "step_s": elapsed,
-                                          "tokens_per_s": tokens_per_batch / elapsed,
-                                          "tokens": tokens_per_batch * (step + 1), "time": end - began}) + "\n")
+                                          f"{what}_per_s": tokens_per_batch / elapsed,
+                                          what: tokens_per_batch * (step + 1), "time": end - began}) + "\n")
                     out.flush()
                 if step % 10 == 0 or step == steps - 1:
                     progress.console.log(f"step {step:3d}  loss {loss:.4f}  {elapsed:.3f} s  "
-                                         f"{tokens_per_batch / elapsed:,.0f} tok/s")
+                                         f"{tokens_per_batch / elapsed:,.0f} {unit}/s")
     finally:
         if out is not None:
             out.close()
