@@ -47,8 +47,9 @@ SUITES = (
     Suite(6, "compiler", "Compile + verify time and scaling", "suite_compiler"),
     Suite(7, "overhead", "Per-action dispatch cost", "suite_overhead"),
     Suite(8, "cost-model", "Cost-model accuracy", "suite_cost_model"),
-    Suite(9, "memory-model", "Predicted vs measured peak memory", "suite_memory_model"),
-    Suite(10, "tune", "piper tune: search time, tuned vs hand-picked", "suite_tune"),
+    Suite(9, "families", "Model families beyond the example GPT", "suite_families"),
+    Suite(10, "memory-model", "Predicted vs measured peak memory", "suite_memory_model"),
+    Suite(11, "tune", "piper tune: search time, tuned vs hand-picked", "suite_tune"),
 )
 BY_NAME = {s.name: s for s in SUITES}
 GPU_HEADING = "# Measured on GPU (CUDA, NCCL)"
