@@ -1,4 +1,4 @@
-"""Suite 10, `memory-model`: predicted peak bytes per device (piper/memory_model.py, from the
+"""Suite 11, `memory-model`: predicted peak bytes per device (piper/memory_model.py, from the
 compiled plans before anything runs) against the runtime's measured `step_peak`
 (job.memory()), for every composition of a stdlib pipeline schedule with a stdlib
 data-parallel strategy on the example GPT (dp=2 x pp=2, or one of the two axes).
@@ -37,7 +37,7 @@ def script(pipeline, data, microbatches: int) -> str:
 
 def run(ctx) -> SuiteResult:
     quick = ctx.quick
-    result = SuiteResult("memory-model", 10, "Predicted vs measured peak memory per device",
+    result = SuiteResult("memory-model", 11, "Predicted vs measured peak memory per device",
                          ctx.command("memory-model"))
     wl = GPTWorkload(n_layer=4, n_embd=64, n_head=2, block_size=32, batch=16)
     compositions = QUICK if quick else [(p, d) for p in (None, *PIPELINES) for d in DATA if p or d]

@@ -1,4 +1,4 @@
-"""Suite 11, `tune`: how long `piper tune` searches, and what it picks against the best
+"""Suite 12, `tune`: how long `piper tune` searches, and what it picks against the best
 hand-picked stdlib composition, measured side by side.
 
 (a) Search time for 8, 64 and 512 devices on the example GPT (4 PP regions),
@@ -129,7 +129,7 @@ def _tuned_vs_hand(ctx, result, quick) -> Table:
 
 
 def run(ctx) -> SuiteResult:
-    result = SuiteResult("tune", 11, "piper tune: search time, tuned vs hand-picked", ctx.command("tune"))
+    result = SuiteResult("tune", 12, "piper tune: search time, tuned vs hand-picked", ctx.command("tune"))
     result.tables.append(_search_times(ctx, result, (8, 64) if ctx.quick else (8, 64, 512)))
     with ray_cluster():
         result.tables.append(_tuned_vs_hand(ctx, result, ctx.quick))
