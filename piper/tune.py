@@ -342,9 +342,10 @@ class Search:
                 every.append(r)
         # Re-predict the best few that fit, or nearly, with activations measured at their own
         # microbatch size (each size measured once, then cached), until the best few are exact.
-        for _ in range(8):
+        for _ in range(len(every)):     # each round makes at least one result exact
             every.sort(key=lambda r: (r.step_s, r.peak_bytes))
             top = [i for i, r in enumerate(every) if r.peak_bytes <= self.memory * 1.25][:refine]
+            top += [i for i, r in enumerate(every) if r.peak_bytes <= self.memory][:1]   # the best that fits
             todo = [i for i in top if not every[i].exact]
             if not todo:
                 break
