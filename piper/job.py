@@ -321,6 +321,15 @@ class Job:
         self._check_open()
         return self._get([self.actors[0].__ray_call__.remote(_last_grad_norm)], "grad_norm")[0]
 
+    def trace(self, path: str, steps: int | None = None) -> str:
+        """Write the last steps (up to `piper.runtime.executor.TRACE_STEPS`; `steps` to keep fewer) as a
+        Chrome/Perfetto trace: one process per device, a track per lane and one for communication,
+        flow arrows from each send to its receive (`piper/trace.py`). Returns `path`."""
+        self._check_open()
+        from .trace import job_trace
+
+        return job_trace(self, path, steps)
+
     def show(self) -> str:
         return self.compiled.show()
 
