@@ -290,6 +290,8 @@ class Executor:
         lanes = max((len(s.lanes) for s in self._spans.values()), default=1)
         self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="piper-lane") if lanes > 1 else None
         self._lock = threading.Lock()             # activation accounting and gradient sums, shared by lanes
+        self.current: str | None = None           # the action running now (`Worker.status`, health checks)
+        self.fault = None                         # a test's injected fault (`faults.Trigger`), else None
 
     # -- one step -------------------------------------------------------------------------
     def run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
@@ -335,12 +337,16 @@ class Executor:
             work.wait()
         self.sends.clear()
         losses = [float(x) for x in self.losses]
+        self.current = None
         if self._events:
             self._device_timings()
         del self.values, self.grads, self.grad_out, self.saved, self.batch
         return losses
 
     def _run(self, action) -> tuple[float, float]:
+        self.current = action.key
+        if self.fault is not None:
+            self.fault(action.key)
         for key in action.waits:
             self._wait(key)
         compute = action.node.is_compute
