@@ -278,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mesh", metavar="AXIS=SIZE,...")
     run.add_argument("--set", action="append", metavar="NAME=VALUE")
     run.add_argument("--steps", type=int, default=None, metavar="N")
+    run.add_argument("--address", metavar="ADDRESS",
+                     help="an existing Ray cluster: auto, HOST:PORT or ray://HOST:PORT (default: a local one)")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                     help="when a worker or node is lost, restart the workers and go on, up to R times")
     run.set_defaults(func=cmd_run)
     return parser
 

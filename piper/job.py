@@ -210,6 +210,8 @@ class Job:
                         f"{len(placement.bundles)} bundles of {placement.bundles[0]})",
                         hint="shrink the mesh or add nodes/GPUs to the Ray cluster")
         actor = ray.remote(concurrency_groups={"health": 1})(Worker)    # `Worker.status` answers mid-step
+        if os.environ.get("PIPER_FAULT"):      # a test's injected fault (runtime.faults) reaches the workers
+            self.worker_env.setdefault("PIPER_FAULT", os.environ["PIPER_FAULT"])
         self.actors = [
             actor.options(**placement.resources(device),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(

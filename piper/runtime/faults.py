@@ -5,7 +5,7 @@ Set `PIPER_FAULT` in the workers' environment (`piper.compile(..., worker_env=
 
     rank=R      the rank that misbehaves (required)
     do=KIND     kill (SIGKILL itself), stop (SIGSTOP itself), raise (a RuntimeError),
-                exit (os._exit(1))
+                exit (os._exit(1)), pause (only the delay: time to remove its node mid-step)
     action=KEY  the plan action to misbehave at, e.g. 1F0 (default: the first of the step)
     step=N      the worker's N-th step, counting from 0 (default: 0)
     delay=S     run the action's prelude S seconds first (the driver sees the rank at KEY)
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 ENV = "PIPER_FAULT"
-KINDS = ("kill", "stop", "raise", "exit")
+KINDS = ("kill", "stop", "raise", "exit", "pause")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Trigger:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif f.kind == "exit":
             os._exit(1)
-        else:
+        elif f.kind == "raise":
             raise RuntimeError(f"injected fault at {key} ({ENV})")
 
 

@@ -29,6 +29,7 @@ class Watch:
         self.mesh = mesh
         self.where = where or {}
         self.last: dict[int, tuple[int, str | None]] = {}    # rank -> (steps done, action) last reported
+        self._polls: dict = {}                                 # status requests in flight -> rank
 
     def describe(self, rank: int) -> str:
         coords = self.mesh.coords(rank) if self.mesh.axes else {}
@@ -45,14 +46,13 @@ class Watch:
         deadline = time.monotonic() + limit
         results = {}
         remaining = list(refs)
-        polls: dict = {}
         while remaining:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self.diagnose(what, limit=limit)
             ready, remaining = ray.wait(remaining, num_returns=1, timeout=min(POLL_S, left))
             if not ready:
-                polls = self._poll(polls)
+                self._poll()
                 continue
             for ref in ready:
                 try:
@@ -61,23 +61,26 @@ class Watch:
                     raise self.diagnose(what, failed=(rank_of[ref], exc)) from None
         return [results[r] for r in refs]
 
-    def _poll(self, polls: dict) -> dict:
-        """Collect the status answers that came back; ask the others again."""
+    def _collect(self) -> None:
+        """Record the status answers that came back."""
         import ray
 
-        if polls:
-            done, _ = ray.wait(list(polls), num_returns=len(polls), timeout=0)
+        if self._polls:
+            done, _ = ray.wait(list(self._polls), num_returns=len(self._polls), timeout=0)
             for ref in done:
-                rank = polls.pop(ref)
+                rank = self._polls.pop(ref)
                 try:
                     self.last[rank] = ray.get(ref)
                 except Exception:    # noqa: BLE001 - a dead worker shows up in diagnose
                     pass
-        asked = set(polls.values())
+
+    def _poll(self) -> None:
+        """Collect the status answers that came back; ask the others again."""
+        self._collect()
+        asked = set(self._polls.values())
         for rank, actor in enumerate(self.actors):
             if rank not in asked:
-                polls[actor.status.remote()] = rank
-        return polls
+                self._polls[actor.status.remote()] = rank
 
     # -- who is it? ---------------------------------------------------------------------
     def probe(self, wait_s: float) -> tuple[dict, dict, set]:
@@ -104,6 +107,8 @@ class Watch:
         """The error to raise: dead workers first, then silent ones, then the one that failed."""
         import ray.exceptions as rex
 
+        self._collect()          # what the workers said they were running, up to the failure
+        self._polls.clear()
         alive, dead, silent = self.probe(ANSWER_S)
         if failed is not None and isinstance(failed[1], rex.RayActorError):
             dead.setdefault(failed[0], _death_reason(failed[1]))
@@ -122,6 +127,7 @@ class Watch:
             suspects &= silent
             suspects -= set(_lost_nodes_confirmed(self.where, suspects, dead))
         if dead:
+            self._whole_nodes(dead)
             return self._died(what, dead, alive)
         if silent:
             return self._stalled(what, silent, alive, limit)
@@ -131,6 +137,16 @@ class Watch:
                      f"answers: {self._positions(alive)}",
                      hint="a worker is very slow or the plan waits on itself; raise timeout= in piper.compile "
                           "if the model is large, or check the workers' logs")
+
+    def _whole_nodes(self, dead: dict) -> None:
+        """Several workers of one node dying at once is the node going, whatever each process saw."""
+        nodes = {self.where.get(r, {}).get("node") for r in dead} - {None}
+        for node in nodes:
+            on_node = {r for r, w in self.where.items() if w.get("node") == node}
+            if len(on_node) > 1 and on_node <= set(dead):
+                for r in on_node:
+                    if dead[r] != "its node was lost":
+                        dead[r] = f"every worker on node {node[:8]} died at once (the node was lost or restarted)"
 
     # -- messages -----------------------------------------------------------------------
     def _running(self, rank: int) -> str:
