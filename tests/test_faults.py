@@ -94,3 +94,81 @@ def test_stopped_worker_is_named_at_the_timeout():
     assert "does not answer" in message and "last seen while running 1F1" in message
     assert "rank 0 at" in message
     assert not _wait_gone(job.pids), "a stopped worker outlived its job"
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_worker_that_raises_is_blamed_not_the_peer_left_waiting():
+    batch = gpt_batches(1)[0]
+    with piper.compile(gpt(2), batch, strategy=pipeline(2), mesh={"pp": 2}, timeout=20,
+                       worker_env={"PIPER_FAULT": "rank=0 action=0F1 do=raise delay=1"}) as job:
+        with pytest.raises(piper.PiperError) as err:
+            job.step(*batch)
+    assert err.value.code == "worker-failed"
+    message = str(err.value)
+    assert "rank 0 (pp=0) on node" in message and "while running 0F1" in message
+    assert "RuntimeError: injected fault at 0F1" in message
+
+
+class _FakeJob:
+    """Stands in for a Job in the recovery loop: 'trains' by summing its batches (`lost` adds `step`)."""
+
+    def __init__(self, log):
+        self.log, self.weight, self.closed, self.steps = log, 0.0, False, 0
+
+    def save(self, path):
+        os.makedirs(path)
+        with open(os.path.join(path, "w"), "w") as f:
+            f.write(f"{self.weight!r} {self.steps}")
+
+    def load(self, path):
+        with open(os.path.join(path, "w")) as f:
+            weight, steps = f.read().split()
+        self.weight, self.steps = float(weight), int(steps)
+
+    def placement(self):
+        return {0: {"node": "n1"}}
+
+    def close(self):
+        self.closed = True
+
+
+def test_recovery_replays_from_the_last_checkpoint_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    from piper.diagnostics import error
+    from piper.recovery import Checkpoints, StepData, train
+
+    def lost(job):
+        def step(x):
+            if job.steps == 5 and not lost.done:
+                lost.done = True
+                raise error("worker-died", "rank 1 died during `step`")
+            job.weight += x
+            job.steps += 1
+            return job.weight
+        job.step = step
+        return job
+    lost.done = False
+    data = StepData(lambda: ((float(k),) for k in range(100)))
+    assert [data(k) for k in (0, 1, 2, 1, 7)] == [(0.0,), (1.0,), (2.0,), (1.0,), (7.0,)]  # per step, any order
+    jobs = []
+
+    def start():
+        jobs.append(lost(_FakeJob(jobs)))
+        return jobs[-1]
+
+    restarts = []
+    ckpt = Checkpoints(str(tmp_path / "ckpt"), every=2)
+    losses, done = train(start, data, 8, max_restarts=1, checkpoints=ckpt, on_restart=restarts.append)
+    uninterrupted = [sum(range(k + 1)) for k in range(8)]
+    assert losses == uninterrupted
+    assert len(jobs) == 2 and all(j.closed for j in jobs)
+    (r,) = done
+    assert (r.failed_at, r.resumed_from, r.error.code) == (5, 4, "worker-died") and restarts == done
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-000006", "step-000008"]   # the last two kept
+
+    # Without checkpoints the run starts over; past max_restarts the error is raised.
+    lost.done, jobs[:] = False, []
+    assert train(start, data, 8, max_restarts=1)[0] == uninterrupted and len(jobs) == 2
+    lost.done, jobs[:] = False, []
+    with pytest.raises(piper.PiperError, match="rank 1 died"):
+        train(start, data, 8, max_restarts=0)
+    assert jobs[0].closed

@@ -186,7 +186,7 @@ class Watch:
         inner = cause or exc
         text = str(inner).strip().splitlines()
         trace = [line for line in str(exc).splitlines() if line.strip()][-8:]
-        return error("worker-failed", f"worker {rank} ({self.describe(rank)}) failed during `{what}`"
+        return error("worker-failed", f"{self.describe(rank)} failed during `{what}`"
                      f"{self._running(rank)}: {type(inner).__name__}: {text[-1] if text else ''}",
                      notes=("worker traceback (last lines):\n" + "\n".join(trace),),
                      hint="the job was closed; the message above comes from the worker")
