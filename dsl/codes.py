@@ -127,6 +127,8 @@ JOBS = {
     "worker-died": "a worker process died (killed, out of memory)",
     "worker-failed": "a worker raised an exception",
     "job-closed": "`step` on a job that is closed",
+    "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",
+    "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

@@ -42,7 +42,7 @@ def _run_recoverable(args, model, module, batch_size: int, steps: int, console) 
 
     import ray
 
-    from .recovery import StepData, train
+    from .recovery import Checkpoints, StepData, train
 
     if hasattr(module, "training_batches"):
         data = StepData(lambda: module.training_batches(batch_size))
@@ -73,8 +73,12 @@ def _run_recoverable(args, model, module, batch_size: int, steps: int, console) 
         console.print(f"  training again {r.seconds:.1f} s after the failure, from step {r.resumed_from} "
                       f"(failed at step {r.failed_at}), on node(s) {', '.join(n[:8] for n in r.nodes)}")
 
+    # The checkpoint flags (--checkpoint-dir, --checkpoint-every, --resume) are `piper.checkpoint`'s.
+    directory = getattr(args, "checkpoint_dir", None)
+    checkpoints = Checkpoints(directory, getattr(args, "checkpoint_every", None) or 0) if directory else None
     try:
-        losses, restarts = train(start_job, data, steps, max_restarts=args.max_restarts,
+        losses, restarts = train(start_job, data, steps, max_restarts=args.max_restarts or 0,
+                                 checkpoints=checkpoints, resume=bool(getattr(args, "resume", False)),
                                  on_step=on_step, on_restart=on_restart)
     finally:
         if owns_ray:

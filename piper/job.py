@@ -17,7 +17,9 @@ import time
 
 import torch
 
+from . import checkpoint
 from .capture import BATCH, BUFFER, Program, capture
+from .checkpoint import describe_strategy
 from .compiler import Compiled, compile_ir
 from .diagnostics import PiperError, error
 from .directives import Shard, Split
@@ -138,10 +140,12 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
     program = capture(model, mb_inputs)
     compiled = compile_directives(program, mesh, directives)
-    return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
-               batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
-               timeout=timeout, overlap=overlap, worker_env=worker_env, startup_timeout=startup_timeout,
-               progress=progress)
+    job = Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
+              batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
+              timeout=timeout, overlap=overlap, worker_env=worker_env, startup_timeout=startup_timeout,
+              progress=progress)
+    job.strategy = describe_strategy(strategy, overrides)     # checkpoint metadata
+    return job
 
 
 class Job:
@@ -165,6 +169,9 @@ class Job:
         self.where: dict[int, dict] = {}     # rank -> pid, node, ip, device (`placement()`)
         self._owns_ray = False
         self._closed = False
+        self.steps = 0                                    # optimizer steps taken (checkpoints keep it)
+        self.strategy = None                              # its name, for checkpoint metadata
+        self.state_keys = frozenset(model.state_dict())   # what a checkpoint's `model.*` holds
         ir = compiled.ir
         self.layouts: dict[int, UnitLayout] = {
             r.index: layout_unit(r.index, r.owned, program.params, ir.devices_of(r.index))
@@ -317,7 +324,19 @@ class Job:
                 payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
             refs.append(actor.step.remote(payload))
         losses = [loss for result in self._get(refs, "step") for loss in result]
+        self.steps += 1
         return float(sum(losses) / len(losses))
+
+    def save(self, path) -> str:
+        """Write a checkpoint directory (torch.distributed.checkpoint format) at `path`: every
+        worker writes its own shards; parameters and optimizer state per parameter under
+        model.state_dict() names, the step count, strategy and mesh. See `piper.checkpoint`."""
+        return checkpoint.save(self, path)
+
+    def load(self, path) -> dict:
+        """Load a checkpoint saved by any job of the same model, whatever its strategy and mesh:
+        parameters, optimizer state and step count, resharded. Returns its `piper` metadata."""
+        return checkpoint.load(self, path)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded parameters (and buffers), keyed as model.state_dict(), on CPU."""

@@ -42,36 +42,36 @@ class StepData:
 
 
 class Checkpoints:
-    """`DIR/step-000012`, written with `job.save` every `every` steps, the last `keep` kept."""
+    """`DIR/step-N`, written with `job.save` every `every` steps, the last `keep` kept
+    (`piper.checkpoint.save_step`); `restore` loads the newest into a new job."""
 
     def __init__(self, directory: str, every: int, keep: int = 2):
         self.directory, self.every, self.keep = directory, every, keep
         self.written = False          # saved by this run (only then does a restart load one unasked)
 
-    def _saved(self) -> list[tuple[int, str]]:
-        if not os.path.isdir(self.directory):
-            return []
-        out = []
-        for name in os.listdir(self.directory):
-            if name.startswith("step-") and name[5:].isdigit():
-                out.append((int(name[5:]), os.path.join(self.directory, name)))
-        return sorted(out)
-
     def after_step(self, job, steps_done: int) -> None:
-        if self.every <= 0 or steps_done % self.every:
+        """Every `every` steps: `job.save` to `DIR/step-N.partial`, renamed `DIR/step-N` once whole
+        (the names `piper.checkpoint.checkpoints` lists), then all but the last `keep` deleted."""
+        from .checkpoint import checkpoints
+
+        if not self.every or steps_done % self.every:
             return
-        path = os.path.join(self.directory, f"step-{steps_done:06d}")
-        partial = path + ".partial"
+        final = os.path.join(self.directory, f"step-{steps_done}")
+        partial = final + ".partial"
+        os.makedirs(self.directory, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         job.save(partial)
-        os.replace(partial, path)        # a checkpoint exists whole or not at all
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
         self.written = True
-        for _, old in self._saved()[:-self.keep]:
+        for _, old in checkpoints(self.directory)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def restore(self, job) -> int:
         """Load the newest checkpoint into `job`; the step to go on from (0 without one)."""
-        saved = self._saved()
+        from .checkpoint import checkpoints
+
+        saved = checkpoints(self.directory)
         if not saved:
             return 0
         step, path = saved[-1]

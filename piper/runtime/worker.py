@@ -8,7 +8,7 @@ import socket
 import ray
 import torch
 
-from . import comm, faults
+from . import checkpoint, comm, faults
 from .executor import Executor
 
 
@@ -83,6 +83,16 @@ class Worker:
 
     def memory(self):
         return self.executor.memory()
+
+    # -- checkpoints (piper/runtime/checkpoint.py) --
+    def save_checkpoint(self, path: str, extra: dict) -> int:
+        return checkpoint.save(self.executor, path, extra)
+
+    def optimizer_layout(self, with_state: bool):
+        return checkpoint.optimizer_layout(self.executor, with_state)
+
+    def load_checkpoint(self, path: str, with_state: bool, buffers) -> None:
+        checkpoint.load(self.executor, path, with_state, buffers)
 
     def timings(self, cpu: bool = False):
         return dict(self.executor.cpu_timings if cpu else self.executor.timings)

@@ -1,0 +1,219 @@
+"""`job.save(path)` / `job.load(path)`: checkpoints in torch.distributed.checkpoint (DCP)
+format that any strategy on any mesh can load.
+
+    job.save("ckpt/step-100")      # every worker writes its own shards, at once
+    job.load("ckpt/step-100")      # into a job of any strategy and mesh: resharded on read
+
+A checkpoint is a DCP directory (`.metadata` plus one `__RANK_N.distcp` file per
+writing worker) holding
+
+    model.<name>                   every parameter and persistent buffer, model.state_dict() names and shapes
+    optim.state.<name>.<key>       the optimizer's state per parameter (AdamW: exp_avg, exp_avg_sq, step)
+    piper.<key>                    step, strategy, mesh, world_size, zero, microbatches, format
+
+so it does not depend on the strategy that wrote it: regions, pipeline stages
+and flat ZeRO units are the job's business, not the file's (see
+`piper.runtime.checkpoint` for how a flat shard is described). DCP's own
+`format_utils.dcp_to_torch_save(dir, file)` turns it into one `torch.save`
+file: `torch.load(file)["model"]` loads into the plain model.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from .diagnostics import error
+
+FORMAT = 1
+
+
+def describe_strategy(strategy, overrides=None) -> str:
+    """A readable name for the strategy a job was compiled with (kept as metadata only)."""
+    if strategy is None:
+        text = "none (one device)"
+    elif isinstance(strategy, (str, os.PathLike)):
+        text = os.fspath(strategy)                  # a script's path, or its text
+    elif callable(getattr(strategy, "fn", None)):   # @piper.strategy
+        fn = strategy.fn
+        text = f"{fn.__module__}.{fn.__qualname__}"
+        if getattr(strategy, "params", None):
+            text += "(" + ", ".join(f"{k}={v!r}" for k, v in dict(strategy.params).items()) + ")"
+    elif hasattr(strategy, "file"):                 # a loaded .pps script
+        text = f"script {strategy.file}"
+        if getattr(strategy, "overrides", None):
+            text += " with " + ", ".join(f"{k}={v!r}" for k, v in strategy.overrides.items())
+    else:
+        text = repr(strategy)
+    if overrides:
+        text += " with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+    return text
+
+
+def _persistent_buffers(job) -> list[str]:
+    return [k for k in job._buffers if k in job.state_keys]
+
+
+def save(job, path) -> str:
+    """Write `job`'s parameters, persistent buffers, optimizer state and step count to the
+    DCP directory `path` (created; files of an earlier save there are overwritten). Returns
+    the absolute path."""
+    job._check_open()
+    path = os.path.abspath(os.fspath(path))
+    meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
+            "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
+    # The buffers are the job's constants, held by the driver: rank 0 writes them with the metadata.
+    first = {"model": {k: job._buffers[k] for k in _persistent_buffers(job)}, "piper": meta}
+    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}) for rank, a in enumerate(job.actors)]
+    job.saved_bytes = dict(enumerate(job._get(refs, "save")))
+    return path
+
+
+def read_metadata(path):
+    """The DCP metadata of checkpoint `path`, or a `not-a-checkpoint` error saying why not."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = os.path.abspath(os.fspath(path))
+    fix = ("pass the directory job.save(path) wrote (it holds a `.metadata` file); `piper run "
+           "--checkpoint-dir DIR` writes them as DIR/step-N")
+    if not os.path.isdir(path):
+        what = "is a file" if os.path.exists(path) else "does not exist"
+        raise error("not-a-checkpoint", f"{path} {what}, so it is not a checkpoint directory", hint=fix)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise error("not-a-checkpoint", f"{path} has no `.metadata` file: it is not a finished checkpoint "
+                    "(an interrupted save leaves none)", hint=fix)
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as exc:
+        raise error("not-a-checkpoint", f"cannot read the checkpoint metadata in {path}: "
+                    f"{type(exc).__name__}: {exc}", hint=fix) from None
+
+
+def read_info(path) -> dict:
+    """The `piper.*` metadata of checkpoint `path` (step, strategy, mesh...), read on this process."""
+    import torch.distributed.checkpoint as dcp
+
+    md = read_metadata(path)
+    if "piper.step" not in md.state_dict_metadata:
+        raise error("not-a-checkpoint", f"{os.fspath(path)} is a DCP checkpoint, but not one job.save wrote "
+                    "(no `piper.step`)", hint="load it with torch.distributed.checkpoint directly, or save it "
+                    "again from a Piper job")
+    # DCP keeps each flattened key's place in the nested dict (its save planner's mappings).
+    info: dict = {}
+    for fqn, place in (md.planner_data or {}).items():
+        if fqn.startswith("piper."):
+            node = info
+            for part in place[:-1]:
+                node = node.setdefault(part, {})
+            node[place[-1]] = None
+    dcp.load(info, checkpoint_id=os.path.abspath(os.fspath(path)), no_dist=True)
+    return info["piper"]
+
+
+def _check_model(job, md, path: str, info: dict) -> None:
+    """Same names and shapes as this job's model, or a `checkpoint-mismatch` error."""
+    shapes = {k: tuple(v.shape) for k, v in job.program.params.items()}
+    shapes.update({k: tuple(job._buffers[k].shape) for k in _persistent_buffers(job)})
+    saved = {k[len("model."):]: v for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
+    missing = sorted(shapes.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - shapes.keys())
+    wrong = sorted(k for k in shapes.keys() & saved.keys()
+                   if tuple(getattr(saved[k], "size", ())) != shapes[k])
+    if not (missing or unexpected or wrong):
+        return
+
+    def few(names):
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    notes = []
+    if missing:
+        notes.append(f"missing from the checkpoint ({len(missing)}): {few(missing)}")
+    if unexpected:
+        notes.append(f"in the checkpoint but not in this model ({len(unexpected)}): {few(unexpected)}")
+    if wrong:
+        notes.append(f"different shapes ({len(wrong)}): " + ", ".join(
+            f"{k} saved {tuple(saved[k].size)}, here {shapes[k]}" for k in wrong[:5]))
+    raise error("checkpoint-mismatch", f"{path} holds another model's parameters than this job's "
+                f"({len(missing)} missing, {len(unexpected)} unexpected, {len(wrong)} of another shape)",
+                notes=tuple(notes) + (f"it was saved at step {info.get('step')} by strategy "
+                                      f"{info.get('strategy')} on mesh {info.get('mesh')}",),
+                hint="load a checkpoint of this model (same class and configuration); the strategy and mesh "
+                     "may differ. To use some of its weights, convert it with dcp_to_torch_save and load "
+                     "them into the model with load_state_dict(strict=False) before compiling")
+
+
+def _check_optimizer(job, md, path: str, layouts: list[dict]) -> None:
+    """The optimizer state this job's optimizer keeps, per parameter, is what was saved."""
+    saved: dict[str, set] = {}
+    for k in md.state_dict_metadata:
+        if k.startswith("optim.state."):
+            rest = k[len("optim.state."):]
+            name, _, key = rest.rpartition(".")
+            saved.setdefault(name, set()).add(key)
+    want: dict[str, set] = {}
+    for layout in layouts:
+        for name, keys in layout.items():
+            want.setdefault(name, set()).update(keys)
+    bad = sorted(n for n in want if want[n] != saved.get(n, set()))
+    if bad:
+        name = bad[0]
+        raise error("checkpoint-mismatch", f"{path} holds optimizer state {sorted(saved.get(name, ()))} for "
+                    f"`{name}`, and this job's optimizer keeps {sorted(want[name])}",
+                    notes=(f"{len(bad)} parameter(s) differ",),
+                    hint="compile the job with the optimizer the checkpoint was saved with (e.g. AdamW for "
+                         "exp_avg/exp_avg_sq); its learning rate and other settings may differ")
+
+
+def load(job, path) -> dict:
+    """Read checkpoint `path` into the running `job`, whatever strategy and mesh wrote it:
+    parameters, persistent buffers, optimizer state and the step count. Returns its metadata."""
+    job._check_open()
+    path = os.path.abspath(os.fspath(path))
+    md = read_metadata(path)
+    info = read_info(path)
+    _check_model(job, md, path, info)
+    with_state = any(k.startswith("optim.state.") for k in md.state_dict_metadata)
+    layouts = job._get([a.optimizer_layout.remote(with_state) for a in job.actors], "load")
+    _check_optimizer(job, md, path, layouts)
+    buffers = _persistent_buffers(job)
+    job._get([a.load_checkpoint.remote(path, with_state, buffers) for a in job.actors], "load")
+    if buffers:                     # the driver's copy, which new workers would start from
+        import torch.distributed.checkpoint as dcp
+
+        mine = {"model": {k: job._buffers[k] for k in buffers}}
+        dcp.load(mine, checkpoint_id=path, no_dist=True)
+    job.steps = int(info["step"])
+    return info
+
+
+STEP_DIR = re.compile(r"step-(\d+)\Z")
+
+
+def checkpoints(directory) -> list[tuple[int, str]]:
+    """(step, path) of every finished checkpoint `piper run` wrote in `directory`, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = STEP_DIR.match(name)
+        full = os.path.join(directory, name)
+        if m and os.path.exists(os.path.join(full, ".metadata")):
+            out.append((int(m.group(1)), full))
+    return sorted(out)
+
+
+def save_step(job, directory, keep: int = 2) -> str:
+    """Save `job` as `directory/step-N` (N = job.steps), then delete all but the last `keep`.
+
+    The checkpoint is written under a temporary name and renamed once every worker has
+    written, so a save cut short never looks like a checkpoint."""
+    os.makedirs(directory, exist_ok=True)
+    final = os.path.join(directory, f"step-{job.steps}")
+    partial = final + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    save(job, partial)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    for _, old in checkpoints(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
