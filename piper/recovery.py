@@ -87,6 +87,7 @@ class Restart:
     resumed_from: int           # the step training went on from (a checkpoint's, or 0)
     seconds: float              # from the failure to the new job being ready
     nodes: list[str] = field(default_factory=list)   # the new job's nodes
+    detected_at: float = 0.0    # time.time() when the failed step raised
 
 
 def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Checkpoints | None = None,
@@ -111,13 +112,13 @@ def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Ch
             except PiperError as err:
                 if err.code not in RECOVERABLE or len(restarts) >= max_restarts:
                     raise
-                failed = time.perf_counter()
+                failed, detected_at = time.perf_counter(), time.time()
                 job.close()
                 job = start_job()
                 reload = checkpoints is not None and (resume or checkpoints.written)
                 resumed = checkpoints.restore(job) if reload else 0
                 nodes = sorted({w["node"] for w in job.placement().values()})
-                restarts.append(Restart(err, step, resumed, time.perf_counter() - failed, nodes))
+                restarts.append(Restart(err, step, resumed, time.perf_counter() - failed, nodes, detected_at))
                 if on_restart is not None:
                     on_restart(restarts[-1])
                 step = resumed
