@@ -26,7 +26,8 @@ def run(args) -> int:
     else:
         stream = (example_batch(module, batch_size) for _ in itertools.count())
     first = next(stream)
-    with compile(model, first, strategy=args.script, mesh=args.mesh, overrides=args.overrides or None) as job:
+    with compile(model, first, strategy=args.script, mesh=args.mesh, overrides=args.overrides or None,
+                 progress=lambda message: console.print(f"  {message}")) as job:
         console.print(f"[bold]piper run[/] {args.script} on mesh {job.mesh} ({job.mesh.world_size} workers)")
         from .train import fit
 
