@@ -92,6 +92,7 @@ def test_stopped_worker_is_named_at_the_timeout():
     message = str(err.value)
     assert f"rank 1 (pp=1) on node {job.placement()[1]['node'][:8]}" in message and f"pid {pid}" in message
     assert "does not answer" in message and "last seen while running 1F1" in message
+    assert "its process is stopped" in message           # the driver's node: /proc tells
     assert "rank 0 at" in message
     assert not _wait_gone(job.pids), "a stopped worker outlived its job"
 

@@ -11,6 +11,7 @@ they were last seen running.
 """
 from __future__ import annotations
 
+import os
 import time
 
 from ..cluster import describe_rank
@@ -30,6 +31,7 @@ class Watch:
         self.where = where or {}
         self.last: dict[int, tuple[int, str | None]] = {}    # rank -> (steps done, action) last reported
         self._polls: dict = {}                                 # status requests in flight -> rank
+        self.stopped: set[int] = set()                         # ranks seen stopped (state T) on this node
 
     def describe(self, rank: int) -> str:
         coords = self.mesh.coords(rank) if self.mesh.axes else {}
@@ -114,10 +116,15 @@ class Watch:
             dead.setdefault(failed[0], _death_reason(failed[1]))
             silent.discard(failed[0])
             alive.pop(failed[0], None)
-        # Silent workers on a node where another worker answers are stalled; the rest may be on
-        # a lost node that Ray has not declared dead yet: give it the time its health checks take.
-        answering_nodes = {self.where.get(r, {}).get("node") for r in alive}
-        suspects = {r for r in silent if self.where.get(r, {}).get("node") not in answering_nodes}
+        # A silent worker is stalled, or dead in a way Ray has not reported yet (a lost node takes
+        # its health checks). A process on the driver's own node can be looked at directly.
+        stopped = self._look_locally(silent, dead)
+        silent -= set(dead)
+        suspects = silent - stopped
+        if failed is None:
+            # The deadline passed and nothing failed: only a worker whose whole node is silent may be dead.
+            answering_nodes = {self.where.get(r, {}).get("node") for r in alive}
+            suspects = {r for r in suspects if self.where.get(r, {}).get("node") not in answering_nodes}
         lost_by = time.monotonic() + LOST_NODE_S
         while suspects and not dead and time.monotonic() < lost_by:
             more_alive, more_dead, still = self.probe(ANSWER_S)
@@ -137,6 +144,30 @@ class Watch:
                      f"answers: {self._positions(alive)}",
                      hint="a worker is very slow or the plan waits on itself; raise timeout= in piper.compile "
                           "if the model is large, or check the workers' logs")
+
+    def _look_locally(self, silent: set, dead: dict) -> set:
+        """Silent ranks on the driver's node: a missing process goes into `dead`; returns the
+        ranks whose process is stopped (SIGSTOP, state T in /proc)."""
+        import ray
+
+        if not os.path.isdir("/proc/self"):    # no procfs (macOS): rely on Ray alone
+            return set()
+        try:
+            here = ray.get_runtime_context().get_node_id()
+        except Exception:    # noqa: BLE001 - Ray client: the driver is on no node
+            return set()
+        stopped = set()
+        for r in silent:
+            where = self.where.get(r, {})
+            if where.get("node") != here or "pid" not in where:
+                continue
+            state = _process_state(where["pid"])
+            if state is None:
+                dead[r] = "the process is gone (killed by a signal, out of memory, or a crash)"
+            elif state == "T":
+                stopped.add(r)
+                self.stopped.add(r)
+        return stopped
 
     def _whole_nodes(self, dead: dict) -> None:
         """Several workers of one node dying at once is the node going, whatever each process saw."""
@@ -171,7 +202,9 @@ class Watch:
         names = [f"{self.describe(r)} does not answer" + (f"; it was last seen{self._running(r)}"
                                                         if self._running(r) else "") for r in sorted(silent)]
         within = f"within {limit:.0f} s" if limit is not None else "in time"
-        message = f"workers did not finish `{what}` {within}: {names[0]} (stopped, swapping, or stuck outside Python)"
+        why = ("its process is stopped (SIGSTOP or a debugger)" if min(silent) in self.stopped
+               else "stopped, swapping, or stuck outside Python")
+        message = f"workers did not finish `{what}` {within}: {names[0]} ({why})"
         notes = [f"also not answering: {n}" for n in names[1:]]
         if alive:
             notes.append("the other workers answer, at: " + self._positions(alive))
@@ -197,6 +230,16 @@ def _death_reason(exc) -> str:
     if "node" in text and ("died" in text or "dead" in text or "lost" in text) and "worker" not in text:
         return "its node was lost"
     return "the process exited (killed by a signal, out of memory, or a crash)"
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of a process on this machine (R, S, T, Z...), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if state in ("Z", "X") else state
 
 
 def _lost_nodes_confirmed(where: dict, ranks: set, dead: dict) -> list[int]:
