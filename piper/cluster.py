@@ -10,6 +10,7 @@ groups over the nodes.
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 # A CPU worker on a single node claims a sliver of a core, so any mesh fits on a laptop
@@ -89,3 +90,28 @@ def describe_rank(rank: int, coords: dict[str, int], where: dict | None) -> str:
     if where:
         text += f" on node {where['node'][:8]} ({where['ip']}), pid {where['pid']}"
     return text
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface holding the IPv4 address `ip` (Linux), or None.
+
+    Gloo binds to the address the host name resolves to, which on many machines is
+    127.0.0.1 (`/etc/hosts`): peers on other nodes then cannot connect. Workers set
+    GLOO_SOCKET_IFNAME to the interface of their node's Ray address instead.
+    """
+    try:
+        import fcntl
+        import struct
+
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == ip:
+                return name
+    return None

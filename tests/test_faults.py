@@ -6,7 +6,7 @@ import time
 import pytest
 
 import piper
-from piper.cluster import describe_rank, plan_placement
+from piper.cluster import describe_rank, interface_of, plan_placement
 from piper.runtime.faults import Fault
 from tests.test_train import gpt, gpt_batches, pipeline
 
@@ -55,6 +55,12 @@ def test_a_rank_is_described_by_mesh_position_node_and_pid():
     assert text == "rank 2 (dp=1, pp=0) on node 3f2a9c1e (10.0.0.5), pid 4242"
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys/class/net/lo"), reason="needs Linux with a loopback named lo")
+def test_the_interface_of_an_address():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.77") is None          # an address this machine does not hold
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_sigkilled_worker_is_named_not_its_peers():
     import ray
@@ -69,6 +75,8 @@ def test_sigkilled_worker_is_named_not_its_peers():
     # The rendezvous is at rank 0's node address as Ray knows it, not a loopback guess.
     node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}[where[0]["node"]]
     assert job.rendezvous.rsplit(":", 1)[0] == node_ip == where[0]["ip"]
+    # Gloo binds to that address's interface, not to what the host name resolves to (often 127.0.0.1).
+    assert all(w["interface"] == interface_of(w["ip"]) for w in where.values())
     job.step(*batch)
     with pytest.raises(piper.PiperError) as err:
         job.step(*batch)

@@ -78,12 +78,14 @@ def test_zero3_1f1b_spread_over_two_nodes_trains_like_one_device(two_nodes):
     with piper.compile(model, batches[0], strategy=strategy, mesh={"dp": 2, "pp": 2},
                        address=two_nodes.address, timeout=60) as job:
         where = job.placement()
+        rendezvous = job.rendezvous
         losses = [job.step(*b) for b in batches]
         state = job.state_dict()
     nodes = [where[r]["node"] for r in range(4)]
     # Each pipeline (the innermost axis, pp) on one node, the two data-parallel replicas on two.
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
     assert {w["device"] for w in where.values()} == {"cpu"}
+    assert rendezvous.rsplit(":", 1)[0] == where[0]["ip"] != "127.0.0.1"    # rank 0's node address
     ref_losses, ref_state = reference
     assert_same_training((losses, ref_losses, state, ref_state), rtol=1e-9, atol=1e-12)
 

@@ -51,7 +51,9 @@ class Watch:
         while remaining:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self.diagnose(what, limit=limit)
+                err = self.diagnose(what, limit=limit)
+                _drain(remaining)
+                raise err
             ready, remaining = ray.wait(remaining, num_returns=1, timeout=min(POLL_S, left))
             if not ready:
                 self._poll()
@@ -60,7 +62,9 @@ class Watch:
                 try:
                     results[ref] = ray.get(ref)
                 except Exception as exc:    # noqa: BLE001 - every failure is diagnosed below
-                    raise self.diagnose(what, failed=(rank_of[ref], exc)) from None
+                    err = self.diagnose(what, failed=(rank_of[ref], exc))
+                    _drain([r for r in refs if r not in results])
+                    raise err from None
         return [results[r] for r in refs]
 
     def _collect(self) -> None:
@@ -230,6 +234,21 @@ def _death_reason(exc) -> str:
     if "node" in text and ("died" in text or "dead" in text or "lost" in text) and "worker" not in text:
         return "its node was lost"
     return "the process exited (killed by a signal, out of memory, or a crash)"
+
+
+def _drain(refs) -> None:
+    """Read the errors of the calls that already failed, so Ray does not log each peer's traceback
+    as unhandled: the diagnosis above is the one message."""
+    import ray
+
+    if not refs:
+        return
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception:    # noqa: BLE001
+            pass
 
 
 def _process_state(pid: int) -> str | None:

@@ -22,6 +22,14 @@ class Worker:
         if device == "cpu":
             # Ray gives actors one thread; keep torch in line so replicas don't oversubscribe.
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+            if "GLOO_SOCKET_IFNAME" not in os.environ:
+                # Gloo would bind to what the host name resolves to, often 127.0.0.1: peers on other
+                # nodes could not connect. Use the interface of this node's Ray address.
+                from ..cluster import interface_of
+
+                interface = interface_of(ray.util.get_node_ip_address())
+                if interface:
+                    os.environ["GLOO_SOCKET_IFNAME"] = interface
 
     def rendezvous_address(self) -> str:
         """Rank 0 opens the store the others meet at, on a port the OS picks.
@@ -69,7 +77,8 @@ class Worker:
         ctx = ray.get_runtime_context()
         gpus = ray.get_gpu_ids() if self.device == "cuda" else []
         return {"pid": os.getpid(), "node": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "device": f"cuda:{gpus[0]}" if gpus else self.device}
+                "device": f"cuda:{gpus[0]}" if gpus else self.device,
+                "interface": os.environ.get("GLOO_SOCKET_IFNAME") if self.device == "cpu" else None}
 
     @ray.method(concurrency_group="health")
     def status(self) -> tuple[int, str | None]:
