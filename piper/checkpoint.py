@@ -217,3 +217,52 @@ def save_step(job, directory, keep: int = 2) -> str:
     for _, old in checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# -- `piper run --checkpoint-dir DIR --checkpoint-every N --resume` ----------------------------
+
+def check_run_flags(args) -> str | None:
+    """What is wrong with `piper run`'s checkpoint flags together, or None."""
+    every, directory = getattr(args, "checkpoint_every", None), getattr(args, "checkpoint_dir", None)
+    resuming = getattr(args, "resume", False)
+    if every is not None and every < 1:
+        return f"--checkpoint-every {every} is not a positive number of steps (write e.g. --checkpoint-every 100)"
+    if (every or resuming) and not directory:
+        flag = "--checkpoint-every" if every else "--resume"
+        return f"{flag} needs --checkpoint-dir DIR, where checkpoints are written and read"
+    if directory and not every and not resuming:
+        return ("--checkpoint-dir without --checkpoint-every saves nothing (add --checkpoint-every N, "
+                "or --resume to start from DIR's last checkpoint)")
+    return None
+
+
+def resume(job, directory, batches, console=None) -> int:
+    """Load the last checkpoint in `directory` into `job` and skip the batches it has
+    trained on (the data stream is the same whatever stopped the run). Returns its step;
+    0, with nothing loaded, when `directory` has none yet."""
+    found = checkpoints(directory)
+    if not found:
+        if console is not None:
+            console.print(f"no checkpoint in {directory} yet: starting at step 0")
+        return 0
+    step, path = found[-1]
+    info = load(job, path)
+    if console is not None:
+        console.print(f"resumed from {path} (step {step}, saved by {info.get('strategy')} on mesh "
+                      f"{info.get('mesh')})")
+    for _ in range(job.steps):
+        next(batches)
+    return job.steps
+
+
+class Every:
+    """A job whose `step` saves a checkpoint into `directory` every `every` steps (the last two kept)."""
+
+    def __init__(self, job, directory, every: int):
+        self.job, self.directory, self.every = job, directory, every
+
+    def step(self, *batch) -> float:
+        loss = self.job.step(*batch)
+        if self.job.steps % self.every == 0:
+            save_step(self.job, self.directory)
+        return loss

@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mesh", metavar="AXIS=SIZE,...")
     run.add_argument("--set", action="append", metavar="NAME=VALUE")
     run.add_argument("--steps", type=int, default=None, metavar="N")
+    run.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints as DIR/step-N (the last two are kept)")
+    run.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="save every N steps")
+    run.add_argument("--resume", action="store_true", help="start from the last checkpoint in --checkpoint-dir")
     run.set_defaults(func=cmd_run)
     return parser
 

@@ -168,3 +168,39 @@ def test_bad_checkpoints_are_named_with_cause_and_fix(saved, tmp_path):
             job.load(tmp_path / "narrow")
         assert err.value.code == "checkpoint-mismatch"
         assert "a.weight saved (16, 8), here (12, 8)" in str(err.value)
+
+
+TINY = '''
+import torch
+from examples.gpt import _corpus_tokens, batches, make_model
+
+def tiny():
+    return make_model(n_layer=2, n_regions=2, n_embd=16, n_head=2, block_size=8)[0]
+
+def training_batches(batch_size):
+    return batches(_corpus_tokens()[1], batch_size, 8, seed=0)
+'''
+
+
+def test_piper_run_saves_every_n_steps_and_resumes_where_it_stopped(ray_cluster, tmp_path, monkeypatch):
+    import piper.train
+    from piper.cli import main
+
+    (tmp_path / "tiny.py").write_text(TINY)
+    (tmp_path / "job.pps").write_text("mesh dp=2\nuse zero3() on dp\n")
+    runs = []
+    fit = piper.train.fit
+    monkeypatch.setattr(piper.train, "fit", lambda *a, **k: runs.append(fit(*a, **k)) or runs[-1])
+    ckpt = tmp_path / "ckpt"
+    common = ["run", str(tmp_path / "job.pps"), "--model", f"{tmp_path / 'tiny.py'}:tiny", "--checkpoint-dir",
+              str(ckpt)]
+    assert main([*common, "--steps", "6", "--checkpoint-every", "2"]) == 0
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-6"]     # the last two
+    # As if the run had died after step 4: resume from there and train steps 5 and 6 again.
+    import shutil
+    shutil.rmtree(ckpt / "step-6")
+    assert main([*common, "--steps", "6", "--resume"]) == 0
+    assert len(runs) == 2 and len(runs[1]) == 2
+    torch.testing.assert_close(runs[1], runs[0][4:], rtol=1e-6, atol=0)
+    # Flags that do not go together are a usage error before anything starts.
+    assert main(["run", str(tmp_path / "job.pps"), "--model", f"{tmp_path / 'tiny.py'}:tiny", "--resume"]) == 2
