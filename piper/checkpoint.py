@@ -91,8 +91,6 @@ def read_metadata(path):
 
 def read_info(path) -> dict:
     """The `piper.*` metadata of checkpoint `path` (step, strategy, mesh...), read on this process."""
-    import torch.distributed.checkpoint as dcp
-
     md = read_metadata(path)
     if "piper.step" not in md.state_dict_metadata:
         raise error("not-a-checkpoint", f"{os.fspath(path)} is a DCP checkpoint, but not one job.save wrote "
@@ -106,8 +104,19 @@ def read_info(path) -> dict:
             for part in place[:-1]:
                 node = node.setdefault(part, {})
             node[place[-1]] = None
-    dcp.load(info, checkpoint_id=os.path.abspath(os.fspath(path)), no_dist=True)
+    _read_here(info, path)
     return info["piper"]
+
+
+def _read_here(state: dict, path) -> None:
+    """DCP's load in this process alone (the driver), in place into `state`."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=os.path.abspath(os.fspath(path)), no_dist=True)
 
 
 def _check_model(job, md, path: str, info: dict) -> None:
@@ -178,10 +187,7 @@ def load(job, path) -> dict:
     buffers = _persistent_buffers(job)
     job._get([a.load_checkpoint.remote(path, with_state, buffers) for a in job.actors], "load")
     if buffers:                     # the driver's copy, which new workers would start from
-        import torch.distributed.checkpoint as dcp
-
-        mine = {"model": {k: job._buffers[k] for k in buffers}}
-        dcp.load(mine, checkpoint_id=path, no_dist=True)
+        _read_here({"model": {k: job._buffers[k] for k in buffers}}, path)
     job.steps = int(info["step"])
     return info
 
