@@ -129,6 +129,30 @@ def test_dcp_to_torch_save_loads_into_the_plain_model(saved, reference, tmp_path
             torch.testing.assert_close(whole["optim"]["state"][name][key], moments[key], rtol=1e-12, atol=1e-15)
 
 
+def test_replicated_save_and_a_step_zero_checkpoint_load_under_zero2_and_1f1b(ray_cluster, reference, tmp_path):
+    # dp writes each replicated parameter in halves, one per replica; ZeRO-2 reads whole
+    # parameters but only its slice of the optimizer state. A checkpoint of step 0 has no
+    # optimizer state: loading it into a job that has one drops it, as a fresh job has none.
+    ref_losses, ref_params, _ = reference
+    steps = data(SAVE_AT + MORE)
+    with piper.compile(gpt(2), steps[0], strategy=load_strategy("use dp() on dp\n"), mesh={"dp": 2},
+                       optimizer=ADAMW, timeout=120) as job:
+        job.save(tmp_path / "step-0")
+        for b in steps[:SAVE_AT]:
+            job.step(*b)
+        job.save(tmp_path / "step-2")
+    strategy = load_strategy("use one_f_one_b(microbatches=4) on pp\nuse zero2() on dp\n")
+    with piper.compile(gpt(2, seed=7), steps[0], strategy=strategy, mesh={"dp": 2, "pp": 2}, optimizer=ADAMW,
+                       timeout=120) as job:
+        job.load(tmp_path / "step-2")
+        losses = [job.step(*b) for b in steps[SAVE_AT:]]
+        torch.testing.assert_close(losses, ref_losses[SAVE_AT:], rtol=1e-9, atol=0)
+        torch.testing.assert_close(job.state_dict(), ref_params[-1], rtol=1e-9, atol=1e-12)
+        assert job.load(tmp_path / "step-0")["step"] == 0 and job.steps == 0
+        torch.testing.assert_close([job.step(*steps[0])], ref_losses[:1], rtol=1e-9, atol=0)
+        torch.testing.assert_close(job.state_dict(), ref_params[0], rtol=1e-9, atol=1e-12)
+
+
 class Other(torch.nn.Module):
     def __init__(self, width=16):
         super().__init__()
