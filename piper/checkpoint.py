@@ -50,6 +50,19 @@ def describe_strategy(strategy, overrides=None) -> str:
     return text
 
 
+def model_keys(model, program) -> tuple[frozenset, dict[str, str]]:
+    """(the model's state_dict names, {alias: name} for tied parameters).
+
+    Capture keeps one name per tensor (`wte.weight` for a head tied to the embedding);
+    `model.state_dict()` has both, so a checkpoint holds both too (the alias's chunks
+    are written twice), for the converted file to load into the plain model strictly."""
+    state = model.state_dict(keep_vars=True)
+    owner = {id(t): name for name, t in state.items() if name in program.params}
+    aliases = {name: owner[id(t)] for name, t in state.items()
+               if name not in program.params and id(t) in owner}
+    return frozenset(state), aliases
+
+
 def _persistent_buffers(job) -> list[str]:
     return [k for k in job._buffers if k in job.state_keys]
 
@@ -64,7 +77,8 @@ def save(job, path) -> str:
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
     # The buffers are the job's constants, held by the driver: rank 0 writes them with the metadata.
     first = {"model": {k: job._buffers[k] for k in _persistent_buffers(job)}, "piper": meta}
-    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}) for rank, a in enumerate(job.actors)]
+    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}, job.aliases)
+            for rank, a in enumerate(job.actors)]
     job.saved_bytes = dict(enumerate(job._get(refs, "save")))
     return path
 
@@ -123,7 +137,8 @@ def _check_model(job, md, path: str, info: dict) -> None:
     """Same names and shapes as this job's model, or a `checkpoint-mismatch` error."""
     shapes = {k: tuple(v.shape) for k, v in job.program.params.items()}
     shapes.update({k: tuple(job._buffers[k].shape) for k in _persistent_buffers(job)})
-    saved = {k[len("model."):]: v for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
+    saved = {k[len("model."):]: v for k, v in md.state_dict_metadata.items()
+             if k.startswith("model.") and k[len("model."):] not in job.aliases}
     missing = sorted(shapes.keys() - saved.keys())
     unexpected = sorted(saved.keys() - shapes.keys())
     wrong = sorted(k for k in shapes.keys() & saved.keys()

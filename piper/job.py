@@ -158,7 +158,7 @@ class Job:
         self._closed = False
         self.steps = 0                                    # optimizer steps taken (checkpoints keep it)
         self.strategy = None                              # its name, for checkpoint metadata
-        self.state_keys = frozenset(model.state_dict())   # what a checkpoint's `model.*` holds
+        self.state_keys, self.aliases = checkpoint.model_keys(model, program)   # a checkpoint's `model.*`
         ir = compiled.ir
         self.layouts: dict[int, UnitLayout] = {
             r.index: layout_unit(r.index, r.owned, program.params, ir.devices_of(r.index))

@@ -153,6 +153,41 @@ def test_replicated_save_and_a_step_zero_checkpoint_load_under_zero2_and_1f1b(ra
         torch.testing.assert_close(job.state_dict(), ref_params[0], rtol=1e-9, atol=1e-12)
 
 
+class Tied(torch.nn.Module):
+    """An embedding and a head sharing one weight, as GPT-2 ties them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.mix(self.embed(x))))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 11), y.reshape(-1))
+
+
+def test_tied_parameters_are_saved_under_both_names(ray_cluster, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    torch.manual_seed(0)
+    model = Tied().double()
+    batch = (torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5)))
+    with piper.compile(copy.deepcopy(model), batch, strategy=load_strategy("use zero3() on dp\n"), mesh={"dp": 2},
+                       optimizer=ADAMW, timeout=120) as job:
+        job.step(*batch)
+        job.save(tmp_path / "ckpt")
+        trained = job.state_dict()
+        job.load(tmp_path / "ckpt")          # the alias is no unexpected key
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "plain.pt")
+    whole = torch.load(tmp_path / "plain.pt", weights_only=False)["model"]
+    assert set(whole) == {"embed.weight", "head.weight", "mix.weight", "mix.bias"}
+    model.load_state_dict(whole)
+    assert model.head.weight is model.embed.weight
+    torch.testing.assert_close(model.embed.weight, trained["embed.weight"], rtol=0, atol=0)
+
+
 class Other(torch.nn.Module):
     def __init__(self, width=16):
         super().__init__()
