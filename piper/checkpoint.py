@@ -69,10 +69,11 @@ def _persistent_buffers(job) -> list[str]:
 
 def save(job, path) -> str:
     """Write `job`'s parameters, persistent buffers, optimizer state and step count to the
-    DCP directory `path` (created; files of an earlier save there are overwritten). Returns
-    the absolute path."""
+    DCP directory `path` (created; an earlier checkpoint there is replaced). Returns the
+    absolute path."""
     job._check_open()
     path = os.path.abspath(os.fspath(path))
+    _clear_old_save(path)
     meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
     # The buffers are the job's constants, held by the driver: rank 0 writes them with the metadata.
@@ -81,6 +82,16 @@ def save(job, path) -> str:
             for rank, a in enumerate(job.actors)]
     job.saved_bytes = dict(enumerate(job._get(refs, "save")))
     return path
+
+
+def _clear_old_save(path: str) -> None:
+    """Remove the files of an earlier checkpoint at `path`: a save by more workers would
+    leave data files the new `.metadata` does not name. Other files are left alone."""
+    if not os.path.isdir(path):
+        return
+    for name in os.listdir(path):
+        if name == ".metadata" or re.fullmatch(r"__\d+_\d+\.distcp", name):
+            os.remove(os.path.join(path, name))
 
 
 def read_metadata(path):
