@@ -298,3 +298,6 @@ class Every:
         if self.job.steps % self.every == 0:
             save_step(self.job, self.directory)
         return loss
+
+    def __getattr__(self, name):          # everything else is the job's
+        return getattr(self.job, name)
