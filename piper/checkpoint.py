@@ -130,6 +130,10 @@ def read_info(path) -> dict:
                 node = node.setdefault(part, {})
             node[place[-1]] = None
     _read_here(info, path)
+    found = info["piper"].get("format", FORMAT)
+    if found > FORMAT:
+        raise error("not-a-checkpoint", f"{os.fspath(path)} is in checkpoint format {found}, newer than this "
+                    f"Piper's {FORMAT}", hint="load it with the Piper that wrote it, or upgrade Piper")
     return info["piper"]
 
 
