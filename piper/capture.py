@@ -12,11 +12,13 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
-import torch
-import torch.fx as fx
-
 from .annotate import reset_counters
 from .diagnostics import error
+from .lazy import LazyModule
+
+# Imported on first use: planning with `--regions` (Program.chain) never needs torch.
+torch = LazyModule("torch")
+fx = LazyModule("torch.fx")
 
 # The kinds of region input, in the order a region's graph takes them.
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
@@ -36,7 +38,8 @@ class TensorSpec:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        dtype = getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        return n * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class Program:
             name, _, count = tags.partition("=")
             tags = {name.strip(): int(count)}
         (name, count), = tags.items()
-        spec = TensorSpec((1,), torch.float32)
+        spec = TensorSpec((1,), "float32")   # a torch dtype's name: an abstract chain never loads torch
         values = tuple(Value(i, i, 0, (i + 1,), spec, True) for i in range(count - 1))
         regions = []
         for i in range(count):

@@ -50,23 +50,48 @@ def describe_strategy(strategy, overrides=None) -> str:
     return text
 
 
+def model_keys(model, program) -> tuple[frozenset, dict[str, str]]:
+    """(the model's state_dict names, {alias: name} for tied parameters).
+
+    Capture keeps one name per tensor (`wte.weight` for a head tied to the embedding);
+    `model.state_dict()` has both, so a checkpoint holds both too (the alias's chunks
+    are written twice), for the converted file to load into the plain model strictly."""
+    state = model.state_dict(keep_vars=True)
+    owner = {id(t): name for name, t in state.items() if name in program.params}
+    aliases = {name: owner[id(t)] for name, t in state.items()
+               if name not in program.params and id(t) in owner}
+    return frozenset(state), aliases
+
+
 def _persistent_buffers(job) -> list[str]:
     return [k for k in job._buffers if k in job.state_keys]
 
 
 def save(job, path) -> str:
     """Write `job`'s parameters, persistent buffers, optimizer state and step count to the
-    DCP directory `path` (created; files of an earlier save there are overwritten). Returns
-    the absolute path."""
+    DCP directory `path` (created; an earlier checkpoint there is replaced). Returns the
+    absolute path."""
     job._check_open()
     path = os.path.abspath(os.fspath(path))
+    _clear_old_save(path)
     meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
     # The buffers are the job's constants, held by the driver: rank 0 writes them with the metadata.
     first = {"model": {k: job._buffers[k] for k in _persistent_buffers(job)}, "piper": meta}
-    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}) for rank, a in enumerate(job.actors)]
+    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}, job.aliases)
+            for rank, a in enumerate(job.actors)]
     job.saved_bytes = dict(enumerate(job._get(refs, "save")))
     return path
+
+
+def _clear_old_save(path: str) -> None:
+    """Remove the files of an earlier checkpoint at `path`: a save by more workers would
+    leave data files the new `.metadata` does not name. Other files are left alone."""
+    if not os.path.isdir(path):
+        return
+    for name in os.listdir(path):
+        if name == ".metadata" or re.fullmatch(r"__\d+_\d+\.distcp", name):
+            os.remove(os.path.join(path, name))
 
 
 def read_metadata(path):
@@ -91,8 +116,6 @@ def read_metadata(path):
 
 def read_info(path) -> dict:
     """The `piper.*` metadata of checkpoint `path` (step, strategy, mesh...), read on this process."""
-    import torch.distributed.checkpoint as dcp
-
     md = read_metadata(path)
     if "piper.step" not in md.state_dict_metadata:
         raise error("not-a-checkpoint", f"{os.fspath(path)} is a DCP checkpoint, but not one job.save wrote "
@@ -106,15 +129,31 @@ def read_info(path) -> dict:
             for part in place[:-1]:
                 node = node.setdefault(part, {})
             node[place[-1]] = None
-    dcp.load(info, checkpoint_id=os.path.abspath(os.fspath(path)), no_dist=True)
+    _read_here(info, path)
+    found = info["piper"].get("format", FORMAT)
+    if found > FORMAT:
+        raise error("not-a-checkpoint", f"{os.fspath(path)} is in checkpoint format {found}, newer than this "
+                    f"Piper's {FORMAT}", hint="load it with the Piper that wrote it, or upgrade Piper")
     return info["piper"]
+
+
+def _read_here(state: dict, path) -> None:
+    """DCP's load in this process alone (the driver), in place into `state`."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=os.path.abspath(os.fspath(path)), no_dist=True)
 
 
 def _check_model(job, md, path: str, info: dict) -> None:
     """Same names and shapes as this job's model, or a `checkpoint-mismatch` error."""
     shapes = {k: tuple(v.shape) for k, v in job.program.params.items()}
     shapes.update({k: tuple(job._buffers[k].shape) for k in _persistent_buffers(job)})
-    saved = {k[len("model."):]: v for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
+    saved = {k[len("model."):]: v for k, v in md.state_dict_metadata.items()
+             if k.startswith("model.") and k[len("model."):] not in job.aliases}
     missing = sorted(shapes.keys() - saved.keys())
     unexpected = sorted(saved.keys() - shapes.keys())
     wrong = sorted(k for k in shapes.keys() & saved.keys()
@@ -178,10 +217,7 @@ def load(job, path) -> dict:
     buffers = _persistent_buffers(job)
     job._get([a.load_checkpoint.remote(path, with_state, buffers) for a in job.actors], "load")
     if buffers:                     # the driver's copy, which new workers would start from
-        import torch.distributed.checkpoint as dcp
-
-        mine = {"model": {k: job._buffers[k] for k in buffers}}
-        dcp.load(mine, checkpoint_id=path, no_dist=True)
+        _read_here({"model": {k: job._buffers[k] for k in buffers}}, path)
     job.steps = int(info["step"])
     return info
 
@@ -217,3 +253,55 @@ def save_step(job, directory, keep: int = 2) -> str:
     for _, old in checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# -- `piper run --checkpoint-dir DIR --checkpoint-every N --resume` ----------------------------
+
+def check_run_flags(args) -> str | None:
+    """What is wrong with `piper run`'s checkpoint flags together, or None."""
+    every, directory = getattr(args, "checkpoint_every", None), getattr(args, "checkpoint_dir", None)
+    resuming = getattr(args, "resume", False)
+    if every is not None and every < 1:
+        return f"--checkpoint-every {every} is not a positive number of steps (write e.g. --checkpoint-every 100)"
+    if (every or resuming) and not directory:
+        flag = "--checkpoint-every" if every else "--resume"
+        return f"{flag} needs --checkpoint-dir DIR, where checkpoints are written and read"
+    if directory and not every and not resuming:
+        return ("--checkpoint-dir without --checkpoint-every saves nothing (add --checkpoint-every N, "
+                "or --resume to start from DIR's last checkpoint)")
+    return None
+
+
+def resume(job, directory, batches, console=None) -> int:
+    """Load the last checkpoint in `directory` into `job` and skip the batches it has
+    trained on (the data stream is the same whatever stopped the run). Returns its step;
+    0, with nothing loaded, when `directory` has none yet."""
+    found = checkpoints(directory)
+    if not found:
+        if console is not None:
+            console.print(f"no checkpoint in {directory} yet: starting at step 0")
+        return 0
+    step, path = found[-1]
+    info = load(job, path)
+    if console is not None:
+        console.print(f"resumed from {path} (step {step}, saved by {info.get('strategy')} on mesh "
+                      f"{info.get('mesh')})")
+    for _ in range(job.steps):
+        next(batches)
+    return job.steps
+
+
+class Every:
+    """A job whose `step` saves a checkpoint into `directory` every `every` steps (the last two kept)."""
+
+    def __init__(self, job, directory, every: int):
+        self.job, self.directory, self.every = job, directory, every
+
+    def step(self, *batch) -> float:
+        loss = self.job.step(*batch)
+        if self.job.steps % self.every == 0:
+            save_step(self.job, self.directory)
+        return loss
+
+    def __getattr__(self, name):          # everything else is the job's
+        return getattr(self.job, name)

@@ -129,6 +129,65 @@ def test_dcp_to_torch_save_loads_into_the_plain_model(saved, reference, tmp_path
             torch.testing.assert_close(whole["optim"]["state"][name][key], moments[key], rtol=1e-12, atol=1e-15)
 
 
+def test_replicated_save_and_a_step_zero_checkpoint_load_under_zero2_and_1f1b(ray_cluster, reference, tmp_path):
+    # dp writes each replicated parameter in halves, one per replica; ZeRO-2 reads whole
+    # parameters but only its slice of the optimizer state. A checkpoint of step 0 has no
+    # optimizer state: loading it into a job that has one drops it, as a fresh job has none.
+    ref_losses, ref_params, _ = reference
+    steps = data(SAVE_AT + MORE)
+    with piper.compile(gpt(2), steps[0], strategy=load_strategy("use dp() on dp\n"), mesh={"dp": 2},
+                       optimizer=ADAMW, timeout=120) as job:
+        job.save(tmp_path / "step-0")
+        for b in steps[:SAVE_AT]:
+            job.step(*b)
+        job.save(tmp_path / "step-2")
+    strategy = load_strategy("use one_f_one_b(microbatches=4) on pp\nuse zero2() on dp\n")
+    with piper.compile(gpt(2, seed=7), steps[0], strategy=strategy, mesh={"dp": 2, "pp": 2}, optimizer=ADAMW,
+                       timeout=120) as job:
+        job.load(tmp_path / "step-2")
+        losses = [job.step(*b) for b in steps[SAVE_AT:]]
+        torch.testing.assert_close(losses, ref_losses[SAVE_AT:], rtol=1e-9, atol=0)
+        torch.testing.assert_close(job.state_dict(), ref_params[-1], rtol=1e-9, atol=1e-12)
+        assert job.load(tmp_path / "step-0")["step"] == 0 and job.steps == 0
+        torch.testing.assert_close([job.step(*steps[0])], ref_losses[:1], rtol=1e-9, atol=0)
+        torch.testing.assert_close(job.state_dict(), ref_params[0], rtol=1e-9, atol=1e-12)
+
+
+class Tied(torch.nn.Module):
+    """An embedding and a head sharing one weight, as GPT-2 ties them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.mix(self.embed(x))))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 11), y.reshape(-1))
+
+
+def test_tied_parameters_are_saved_under_both_names(ray_cluster, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    torch.manual_seed(0)
+    model = Tied().double()
+    batch = (torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5)))
+    with piper.compile(copy.deepcopy(model), batch, strategy=load_strategy("use zero3() on dp\n"), mesh={"dp": 2},
+                       optimizer=ADAMW, timeout=120) as job:
+        job.step(*batch)
+        job.save(tmp_path / "ckpt")
+        trained = job.state_dict()
+        job.load(tmp_path / "ckpt")          # the alias is no unexpected key
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "plain.pt")
+    whole = torch.load(tmp_path / "plain.pt", weights_only=False)["model"]
+    assert set(whole) == {"embed.weight", "head.weight", "mix.weight", "mix.bias"}
+    model.load_state_dict(whole)
+    assert model.head.weight is model.embed.weight
+    torch.testing.assert_close(model.embed.weight, trained["embed.weight"], rtol=0, atol=0)
+
+
 class Other(torch.nn.Module):
     def __init__(self, width=16):
         super().__init__()
@@ -168,3 +227,44 @@ def test_bad_checkpoints_are_named_with_cause_and_fix(saved, tmp_path):
             job.load(tmp_path / "narrow")
         assert err.value.code == "checkpoint-mismatch"
         assert "a.weight saved (16, 8), here (12, 8)" in str(err.value)
+
+
+TINY = '''
+import torch
+from examples.gpt import _corpus_tokens, batches, make_model
+
+def tiny():
+    return make_model(n_layer=2, n_regions=2, n_embd=16, n_head=2, block_size=8)[0]
+
+def training_batches(batch_size):
+    return batches(_corpus_tokens()[1], batch_size, 8, seed=0)
+'''
+
+
+def test_piper_run_saves_every_n_steps_and_resumes_where_it_stopped(ray_cluster, tmp_path):
+    import shutil
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from piper.cli import main
+
+    (tmp_path / "tiny.py").write_text(TINY)
+    (tmp_path / "job.pps").write_text("mesh dp=2\nuse zero3() on dp\n")
+    ckpt = tmp_path / "ckpt"
+    common = ["run", str(tmp_path / "job.pps"), "--model", f"{tmp_path / 'tiny.py'}:tiny", "--steps", "6",
+              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    assert main(common) == 0
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-6"]     # the last two
+    # As if the run had died after step 4: resume from there, train steps 5 and 6 again.
+    shutil.move(ckpt / "step-6", tmp_path / "uninterrupted")
+    assert main([*common, "--resume"]) == 0
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-6"]
+    states = []
+    for path in (tmp_path / "uninterrupted", ckpt / "step-6"):
+        dcp_to_torch_save(path, path.with_suffix(".pt"))
+        states.append(torch.load(path.with_suffix(".pt"), weights_only=False))
+    assert states[0]["piper"]["step"] == states[1]["piper"]["step"] == 6
+    torch.testing.assert_close(states[1]["model"], states[0]["model"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(states[1]["optim"], states[0]["optim"], rtol=1e-6, atol=1e-7)
+    # Flags that do not go together are a usage error before anything starts.
+    assert main(["run", str(tmp_path / "job.pps"), "--model", f"{tmp_path / 'tiny.py'}:tiny", "--resume"]) == 2

@@ -203,10 +203,11 @@ def optimizer_layout(executor, with_state: bool) -> dict[str, dict[str, str]]:
     return out
 
 
-def save(executor, path: str, extra: dict) -> int:
+def save(executor, path: str, extra: dict, aliases: dict[str, str]) -> int:
     """Write this rank's shards into the checkpoint `path` (all ranks call it at once).
-    `extra` adds entries this rank writes (rank 0: buffers and metadata). Returns the
-    bytes this rank's data takes (tensors only)."""
+    `extra` adds entries this rank writes (rank 0: buffers and metadata); each of
+    `aliases` (tied parameters' other names) is written as the parameter it names.
+    Returns the bytes this rank's data takes (tensors only)."""
     import torch.distributed.checkpoint as dcp
 
     model, optim = {}, {}
@@ -214,6 +215,7 @@ def save(executor, path: str, extra: dict) -> int:
         params, state = unit_state(unit, saving=True)
         model.update(params)
         optim.update(state)
+    model.update({alias: model[name] for alias, name in aliases.items() if name in model})
     state = {MODEL: model, OPTIM: {"state": optim}}
     for key, value in extra.items():
         state.setdefault(key, {}).update(value)
