@@ -91,12 +91,12 @@ class Restart:
 
 
 def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Checkpoints | None = None,
-          resume: bool = False, on_step=None, on_restart=None) -> tuple[list[float], list[Restart]]:
+          resume: bool = False, on_step=None, on_restart=None, finish=None) -> tuple[list[float], list[Restart]]:
     """Run `steps` steps on `start_job()`'s job, restarting up to `max_restarts` times.
 
     `resume` starts from the newest checkpoint in `checkpoints`; without it, a
     restart loads only checkpoints this run wrote. `data(step)` gives the step's batch; `on_step(step, loss, seconds)` and
-    `on_restart(Restart)` report progress. Returns (the loss of every step, the restarts).
+    `on_restart(Restart)` report progress; `finish(job)` runs after the last step, before the job closes. Returns (the loss of every step, the restarts).
     Errors other than a lost or stalled worker, and the failure after the last
     allowed restart, are raised as they are.
     """
@@ -129,6 +129,8 @@ def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Ch
             step += 1
             if checkpoints is not None:
                 checkpoints.after_step(job, step)
+        if finish is not None:
+            finish(job)
     finally:
         job.close()
     return [losses[i] for i in range(steps)], restarts
