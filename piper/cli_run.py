@@ -101,7 +101,8 @@ def run(args) -> int:
             torch.save(job.state_dict(), args.save)
             console.print(f"saved the trained weights to {args.save} (load with "
                           f"model.load_state_dict(torch.load({args.save!r})))", highlight=False)
-    console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{steps}", highlight=False)
+    span = f"steps {start + 1}-{steps}" if start else f"{steps} steps"
+    console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {span}", highlight=False)
     return 0
 
 
