@@ -111,7 +111,7 @@ def test_node_removed_mid_step_is_named(two_nodes, tmp_path, monkeypatch):
     job.close()
 
 
-def test_piper_run_recovers_on_a_new_node_with_the_same_loss(two_nodes, tmp_path, monkeypatch, capsys):
+def test_piper_run_recovers_on_a_new_node_from_its_checkpoint_with_the_same_loss(two_nodes, tmp_path, monkeypatch, capsys):
     from piper.cli import main
 
     steps = 3
@@ -121,12 +121,13 @@ def test_piper_run_recovers_on_a_new_node_with_the_same_loss(two_nodes, tmp_path
     monkeypatch.setenv("PIPER_FAULT", f"rank=2 action=0F0 do=pause delay=120 step=1 once={marker}")
     model_file = os.path.join(os.path.dirname(__file__), "cluster_model.py")
     args = ["run", str(script), "--model", f"{model_file}:model", "--steps", str(steps),
-            "--address", two_nodes.address, "--max-restarts", "1"]
+            "--address", two_nodes.address, "--max-restarts", "1",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
     out, removed = _pause_and_remove_node(two_nodes, marker, lambda: main(args))
     assert out.get("value") == 0, out
     text = " ".join(capsys.readouterr().err.split())     # rich wraps long lines
     assert "restart worker-died" in text and "rank 2 (dp=1, pp=0)" in text
-    assert "from step 0 (failed at step 1)" in text
+    assert "from step 1 (failed at step 1)" in text      # the checkpoint saved after step 0, reloaded
     # The restarted job runs on the surviving node and the new one, not the removed one.
     restarted_on = text.split("on node(s) ")[1].split()[0:2]
     assert removed[:8] not in " ".join(restarted_on)
