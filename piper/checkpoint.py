@@ -115,26 +115,54 @@ def read_metadata(path):
 
 
 def read_info(path) -> dict:
-    """The `piper.*` metadata of checkpoint `path` (step, strategy, mesh...), read on this process."""
+    """The `piper.*` metadata of checkpoint `path` (step, strategy, mesh...), read on this process.
+
+    A DCP checkpoint another program wrote with torch's own layout (`get_state_dict`:
+    `model.<name>`, `optim.state.<name>.<key>`, as FSDP2 training saves) loads too: its
+    step is the optimizer's step count, and its strategy is unknown."""
     md = read_metadata(path)
-    if "piper.step" not in md.state_dict_metadata:
-        raise error("not-a-checkpoint", f"{os.fspath(path)} is a DCP checkpoint, but not one job.save wrote "
-                    "(no `piper.step`)", hint="load it with torch.distributed.checkpoint directly, or save it "
-                    "again from a Piper job")
-    # DCP keeps each flattened key's place in the nested dict (its save planner's mappings).
-    info: dict = {}
-    for fqn, place in (md.planner_data or {}).items():
-        if fqn.startswith("piper."):
-            node = info
-            for part in place[:-1]:
-                node = node.setdefault(part, {})
-            node[place[-1]] = None
-    _read_here(info, path)
-    found = info["piper"].get("format", FORMAT)
-    if found > FORMAT:
-        raise error("not-a-checkpoint", f"{os.fspath(path)} is in checkpoint format {found}, newer than this "
-                    f"Piper's {FORMAT}", hint="load it with the Piper that wrote it, or upgrade Piper")
-    return info["piper"]
+    keys = md.state_dict_metadata
+    if "piper.step" in keys:
+        info = _read_nested(path, md, [k for k in keys if k.startswith("piper.")], lambda fqn: None)["piper"]
+        found = info.get("format", FORMAT)
+        if found > FORMAT:
+            raise error("not-a-checkpoint", f"{os.fspath(path)} is in checkpoint format {found}, newer than "
+                        f"this Piper's {FORMAT}", hint="load it with the Piper that wrote it, or upgrade Piper")
+        return info
+    if not any(k.startswith("model.") for k in keys):
+        raise error("not-a-checkpoint", f"{os.fspath(path)} is a DCP checkpoint, but holds no model "
+                    "(no `model.*` keys)", hint="pass a directory job.save(path) wrote, or one saved from "
+                    "torch's get_state_dict as {'model': ..., 'optim': ...}")
+    step = 0
+    counts = sorted(k for k in keys if k.startswith("optim.state.") and k.endswith(".step"))
+    if counts:
+        import torch
+
+        state = _read_nested(path, md, counts[:1], lambda fqn: torch.zeros(keys[fqn].size))
+        for part in _place(md, counts[0]):
+            state = state[part]
+        step = int(state)
+    return {"format": None, "step": step, "strategy": "unknown (not written by Piper)", "mesh": None}
+
+
+def _place(md, fqn: str) -> tuple:
+    """Where flattened key `fqn` sits in the nested dict that was saved (DCP's save planner
+    keeps these mappings in the metadata)."""
+    return (md.planner_data or {}).get(fqn, tuple(fqn.split(".")))
+
+
+def _read_nested(path, md, fqns, make) -> dict:
+    """The checkpoint's entries `fqns`, read on this process into a nested dict of their own
+    shape, each first made by `make(fqn)`."""
+    state: dict = {}
+    for fqn in fqns:
+        node = state
+        place = _place(md, fqn)
+        for part in place[:-1]:
+            node = node.setdefault(part, {})
+        node[place[-1]] = make(fqn)
+    _read_here(state, path)
+    return state
 
 
 def _read_here(state: dict, path) -> None:

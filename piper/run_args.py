@@ -17,8 +17,9 @@ def add_run_arguments(run) -> None:
     run.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a strategy parameter")
     add_training_arguments(run)
     add_cluster_arguments(run)
-    add_checkpoint_arguments(run)
     add_output_arguments(run)
+    add_checkpoint_arguments(run)
+    add_recovery_arguments(run)
 
 
 def add_training_arguments(run) -> None:
@@ -40,11 +41,8 @@ def add_cluster_arguments(run) -> None:
                           "auto: cuda when the cluster has a GPU for every device")
 
 
-def add_checkpoint_arguments(run) -> None:
-    """Checkpoints (`piper.checkpoint`) and recovery from lost workers (`piper.recovery`)."""
-    run.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints as DIR/step-N (the last two are kept)")
-    run.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="save every N steps")
-    run.add_argument("--resume", action="store_true", help="start from the last checkpoint in --checkpoint-dir")
+def add_recovery_arguments(run) -> None:
+    """Going on after a lost worker or node (piper/recovery.py)."""
     run.add_argument("--max-restarts", type=int, default=0, metavar="R",
                      help="when a worker or node is lost, restart the workers (on whatever nodes the cluster has), "
                           "load the last checkpoint and go on, up to R times")
@@ -54,3 +52,12 @@ def add_output_arguments(run) -> None:
     """What is written when training ends."""
     run.add_argument("--save", metavar="FILE.pt", default=None,
                      help="write the trained weights (model.state_dict() keys) with torch.save")
+
+
+def add_checkpoint_arguments(run) -> None:
+    """Checkpoints during training, and going on from one (piper/checkpoint.py)."""
+    run.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                     help="save checkpoints as DIR/step-N (the last two are kept)")
+    run.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="save every N steps")
+    run.add_argument("--resume", action="store_true",
+                     help="start from the last checkpoint in --checkpoint-dir (any strategy or mesh may have saved it)")

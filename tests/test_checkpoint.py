@@ -229,6 +229,37 @@ def test_bad_checkpoints_are_named_with_cause_and_fix(saved, tmp_path):
         assert "a.weight saved (16, 8), here (12, 8)" in str(err.value)
 
 
+def test_a_checkpoint_torch_wrote_from_get_state_dict_loads_and_continues(ray_cluster, tmp_path):
+    # What FSDP2 or plain PyTorch training saves with torch's own helpers (here from one process).
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = Other().double()
+    batches = [(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, dtype=torch.float64)) for _ in range(3)]
+    opt = ADAMW(model.parameters())
+    losses = []
+    for i, b in enumerate(batches):
+        if i == 2:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "torch", no_dist=True)
+        opt.zero_grad()
+        loss = model(*b)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with piper.compile(Other().double(), batches[0], strategy=load_strategy("use zero3() on dp\n"),
+                       mesh={"dp": 2}, optimizer=ADAMW, timeout=120) as job:
+        info = job.load(tmp_path / "torch")
+        assert info["step"] == 2 and job.steps == 2
+        torch.testing.assert_close(job.step(*batches[2]), losses[2], rtol=1e-10, atol=0)
+        torch.testing.assert_close(job.state_dict(), model.state_dict(), rtol=1e-10, atol=1e-12)
+
+
 TINY = '''
 import torch
 from examples.gpt import _corpus_tokens, batches, make_model
