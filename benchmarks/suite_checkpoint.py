@@ -1,4 +1,4 @@
-"""Suite 10, `checkpoint`: Piper's `job.save` / `job.load` vs FSDP2 + torch.distributed.checkpoint.
+"""Suite 11, `checkpoint`: Piper's `job.save` / `job.load` vs FSDP2 + torch.distributed.checkpoint.
 
 Same GPT, ZeRO-3 over dp (Piper's `zero3`, one flat unit per region) against
 FSDP2 (`fully_shard` per region, then the root), AdamW with its state after
