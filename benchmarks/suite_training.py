@@ -1,4 +1,4 @@
-"""Suite 13, `training-features`: mixed precision and activation recomputation.
+"""Suite 14, `training-features`: mixed precision and activation recomputation.
 
 (a) The example GPT under ZeRO-3 x 1F1B on dp=2 x pp=2 (Piper only: torch has
     no FSDP2 x pipelining composition that runs here): fp32 against
@@ -53,7 +53,7 @@ def run(ctx) -> SuiteResult:
     wl = workload(quick)
     warmup, steps = (1, 3) if quick else (2, 8)
     batches = gpt_batches(wl, warmup + steps)
-    result = SuiteResult("training-features", 13, "Mixed precision and recomputation", ctx.command("training-features"))
+    result = SuiteResult("training-features", 14, "Mixed precision and recomputation", ctx.command("training-features"))
     with ray_cluster():
         result.tables.append(_pipeline_table(ctx, result, wl, batches, warmup, steps))
         result.tables.append(_fsdp_table(ctx, result, wl, batches, warmup, steps))

@@ -69,12 +69,15 @@ class TrainingOptions:
 
         return _meta_copy(model).to(self.dtype)
 
-    def master_specs(self, program, model: torch.nn.Module) -> None:
+    def master_specs(self, program, model: torch.nn.Module, inputs=()) -> None:
         """Keep the parameters' own dtypes (float32 masters) in `program.params`: the flat units,
-        their shards and the optimizer are laid out from these."""
+        their shards and the optimizer are laid out from these. The batch keeps the dtypes the
+        user passes too (`job.step` casts floating-point inputs on the way to the workers)."""
         if self.dtype is None:
             return
         from .capture import TensorSpec
 
         own = dict(model.named_parameters())
         program.params = {k: TensorSpec(v.shape, own[k].dtype) if k in own else v for k, v in program.params.items()}
+        if len(inputs) == len(program.batch):
+            program.batch = tuple(TensorSpec(spec.shape, x.dtype) for spec, x in zip(program.batch, inputs))

@@ -107,3 +107,18 @@ def test_bf16_with_recompute_under_zero_bubble():
     model, losses, _, _ = _train(strategy, {"pp": 2}, batches, precision="bf16")
     ref_losses, _ = mixed_precision_reference(model, batches, torch.bfloat16)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_float_inputs_are_passed_in_their_own_dtype_and_cast():
+    from tests.test_train import SkipModel
+
+    torch.manual_seed(0)
+    model = SkipModel()
+    batches = [(torch.randn(8, 8), torch.randn(8)) for _ in range(3)]
+    with piper.compile(copy.deepcopy(model), batches[0], strategy=data_parallel(), mesh={"dp": 2}, optimizer=ADAMW,
+                       timeout=120, precision="bf16") as job:
+        losses = [job.step(*b) for b in batches]          # float32 inputs, as the example batch
+    ref_losses, _ = mixed_precision_reference(model, [tuple(t.bfloat16() for t in b) for b in batches],
+                                              torch.bfloat16)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
