@@ -14,6 +14,7 @@ import functools
 import gc
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -28,6 +29,7 @@ from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
 from .simulate import verify
 from .statements import apply_all, initial_ir
 from .strategy import as_strategy
+from .tied import state_keys, tie_ids, units_used
 
 
 @contextlib.contextmanager
@@ -127,8 +129,11 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
                          "'auto' picks CUDA when the cluster has a GPU for every device")
     mesh, directives = build_strategy(strategy, mesh, overrides)
-    mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
-    program = capture(model, mb_inputs)
+    # A dict of example inputs calls forward with keywords (`input_ids=..., labels=...`).
+    names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else ()
+    example_inputs = tuple(example_inputs.values()) if names else tuple(example_inputs)
+    mb_inputs, microbatches, shards, batch = _microbatch_inputs(example_inputs, mesh, directives)
+    program = capture(model, mb_inputs, names)
     compiled = compile_directives(program, mesh, directives)
     return Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
                batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
@@ -153,10 +158,12 @@ class Job:
         self._owns_ray = False
         self._closed = False
         ir = compiled.ir
+        ties = tie_ids(ir)
         self.layouts: dict[int, UnitLayout] = {
-            r.index: layout_unit(r.index, r.owned, program.params, ir.devices_of(r.index))
+            r.index: layout_unit(r.index, r.owned, program.params, ir.devices_of(r.index), ties)
             for r in ir.regions if r.owned}
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
+        self._state_keys = state_keys(model)
         try:
             self._start(model, optimizer, address, device)
         except BaseException:
@@ -216,7 +223,7 @@ class Job:
     def _spec(self, rank: int, params, optimizer, slots=()):
         ir, program = self.compiled.ir, self.program
         mine = [r.index for r in ir.regions if rank in ir.devices_of(r.index)]
-        units_of = {r.index: tuple(sorted({program.owner(p) for p in r.params})) for r in ir.regions}
+        units_of = units_used(ir)
         regions = {r: RegionSpec(r, pack(program.regions[r].graph), program.regions[r].inputs, program.regions[r].outputs,
                                  program.regions[r].loss, units_of[r]) for r in mine}
         units = {u: self.layouts[u] for u in mine if u in self.layouts}
@@ -267,9 +274,13 @@ class Job:
         if self._closed:
             raise error("job-closed", "this job is closed", hint="compile a new job")
 
-    def step(self, *batch) -> float:
-        """One optimizer step on the global batch; returns its mean loss."""
+    def step(self, *batch, **named) -> float:
+        """One optimizer step on the global batch; returns its mean loss.
+
+        A job compiled with a dict of example inputs takes the batch by the same keywords."""
         self._check_open()
+        if named:
+            batch = _by_name(batch, named, self.program.input_names)
         if len(batch) != len(self.program.batch):
             raise error("bad-inputs", f"step takes {len(self.program.batch)} batch tensor(s), got {len(batch)}",
                         hint="pass the same inputs as example_inputs")
@@ -307,7 +318,8 @@ class Job:
                 pieces = [shards[rank][u][b] for rank in layout.group]
                 out.update(unflatten(bucket, torch.cat(pieces)))
         out.update({k: v.clone() for k, v in self._buffers.items()})
-        return out
+        # model.state_dict()'s keys: a tied weight under each name, no non-persistent buffers.
+        return {k: out[src] for k, src in self._state_keys.items() if src in out}
 
     def memory(self) -> dict[int, dict[str, int]]:
         """Per rank: bytes of parameters, gradients and optimizer state held between
@@ -363,6 +375,15 @@ class Job:
             self.close()
         except Exception:
             pass
+
+
+def _by_name(batch: tuple, named: dict, names: tuple[str, ...]) -> tuple:
+    """The batch in capture's order from keyword inputs."""
+    if batch or set(named) != set(names):
+        expected = ", ".join(names) if names else "positional inputs"
+        raise error("bad-inputs", f"step got {', '.join(named)} by keyword; this job takes {expected}",
+                    hint="pass the batch the way example_inputs was passed (a dict for keywords)")
+    return tuple(named[n] for n in names)
 
 
 def _worker_error(exc, rank: int, what: str) -> PiperError:
