@@ -32,7 +32,9 @@ def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=
 
     mesh, directives = script.build(mesh)
     program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
-    return compile_directives(program, mesh, directives)
+    compiled = compile_directives(program, mesh, directives)
+    compiled.program = program       # for `piper show --what ir`: where each op went
+    return compiled
 
 
 def analyze(script, *, mesh, model_spec: str | None = None, regions: dict | None = None,

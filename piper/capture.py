@@ -226,7 +226,7 @@ def _cut(exported, model) -> Program:
         elif kind == "USER_INPUT":
             kind_of[name] = RegionInput(BATCH, len(batch))
             batch.append(TensorSpec.of(node.meta["val"]))
-        elif kind == "CONSTANT_TENSOR" and ".lifted_tensor" in (spec.target or ""):
+        elif kind == "CONSTANT_TENSOR" and (spec.target or "").rpartition(".")[2].startswith("lifted_tensor"):
             constant_inputs[name] = spec.target
         else:
             raise error("unsupported-model", f"forward uses a {kind.lower().replace('_', ' ')} (`{spec.target}`), "
@@ -303,6 +303,8 @@ def _cut(exported, model) -> Program:
             inputs.append(ref_of(a))
         for n in member[r]:
             env[n] = sub.node_copy(n, lambda a: env[a])
+            if n in joined:
+                env[n].meta["piper_joined"] = joined[n]     # for `piper show --what ir`
         outs = [env[n] for n in region_outputs[r]]
         is_loss = region_of[loss_node] == r
         if is_loss:
@@ -320,8 +322,9 @@ def assign_regions(compute: list[fx.Node]):
 
     An op outside every `piper.annotate` block (rotary tables, masks, the loss
     after the head) joins the region that first uses its result; with no user
-    in a region, the last region that fed it (an op fed by nothing and used
-    by nothing joins the first region). A model without annotations is one
+    in a region, the last region that fed it. An op computed from the batch
+    alone joins its first user once that is known (an op fed by nothing and
+    used by nothing joins the first region). A model without annotations is one
     region, PP=0. Returns (the regions' tags in trace order, op -> region,
     op -> why it joined, for ops outside every block).
     """
@@ -348,8 +351,9 @@ def assign_regions(compute: list[fx.Node]):
     for n in compute:                      # producers come earlier: walk forward
         fed = [region_of[a] for a in n.all_input_nodes if a in region_of]
         if n not in region_of:
-            region_of[n] = max(fed, default=0)
-            joined[n] = "last producer" if fed else "no producer or user"
+            if fed:
+                region_of[n] = max(fed)
+                joined[n] = "last producer"
         elif n in joined and fed and max(fed) > region_of[n]:
             label = " ".join(f"{k}={v}" for k, v in order[region_of[n]])
             later = " ".join(f"{k}={v}" for k, v in order[max(fed)])
@@ -360,6 +364,11 @@ def assign_regions(compute: list[fx.Node]):
                         + f" and is first used by region {label} but fed by the later region {later}, "
                           "so it can join neither",
                         hint="wrap that code in the `piper.annotate` block of the region that should run it")
+    for n in reversed(compute):            # fed by inputs alone (targets.flatten()): the first user, now known
+        if n not in region_of:
+            used = [region_of[u] for u in n.users if u in region_of]
+            region_of[n] = min(used, default=0)
+            joined[n] = "first user" if used else "no producer or user"
     return order, region_of, joined
 
 
@@ -421,3 +430,25 @@ def _check_group_order(model, compute: list[fx.Node]) -> None:
                                 hint="list the groups in the order forward calls their modules: region "
                                      f"{tag}=i feeds {tag}=i+1")
                 seen.append(index)
+
+
+def describe(program: Program) -> str:
+    """Where each op went, as comment lines for `piper show --what ir`:
+
+        # region 0 PP=0: 41 ops (6 joined by the outside-region rule)
+        #   arange      aten.arange.default     joined: first user     modeling_llama.py:379
+        #   embedding   aten.embedding.default  annotated              modeling_llama.py:372
+    """
+    lines = []
+    for r in program.regions:
+        if r.graph is None:
+            continue
+        ops = [n for n in r.graph.graph.nodes if n.op == "call_function"]
+        joined = sum(1 for n in ops if n.meta.get("piper_joined"))
+        lines.append(f"# region {r.index} {r.label}: {len(ops)} ops ({joined} joined by the outside-region rule)")
+        for n in ops:
+            why = n.meta.get("piper_joined")
+            where = _stack_line(n) or "-"
+            lines.append(f"#   {n.name:<28} {str(n.target):<40} {'joined: ' + why if why else 'annotated':<28} "
+                         f"{where}".rstrip())
+    return "\n".join(lines) + "\n" if lines else ""

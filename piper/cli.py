@@ -173,7 +173,11 @@ def cmd_show(args) -> int:
 
     compiled = _compile_for(args)
     if args.what == "ir":
+        from .capture import describe
+
         sys.stdout.write(format_ir(compiled.ir))
+        program = getattr(compiled, "program", None)
+        sys.stdout.write(describe(program) if program is not None else "")
     else:
         print(compiled.show())
     return EXIT_OK
