@@ -129,3 +129,42 @@ def test_buffer_updated_in_forward_names_the_module():
         capture(WithNorm(), (torch.randn(4, 4), torch.randn(4)))
     assert "BatchNorm1d `body.1`" in str(err.value) and "`.eval()` on `body.1`" in err.value.diagnostics[0].hint
     capture(WithNorm().eval(), (torch.randn(4, 4), torch.randn(4)))       # the workaround captures
+
+
+class TiedToy(torch.nn.Module):
+    """The head reuses the embedding's weight: on the first and the last stage once cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x, y):
+        h = torch.tanh(self.mid(self.emb(x)))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_tied_weight_across_stages_with_a_split_backward():
+    """ZB-H1 on 2 stages: the weight's gradient comes from the first stage's BW and the
+    last stage's; each stage's copy steps on their sum (tests/test_hf.py: GPT-2, ZeRO-3)."""
+    from piper.dsl import load_strategy
+    from piper.testing import train_both
+
+    torch.manual_seed(0)
+    model = piper.annotate_modules(TiedToy().double(), "PP", [["emb"], ["mid", "head"]])
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 16, (8, 4), generator=g), torch.randint(0, 16, (8, 4), generator=g))
+    plans = {}
+    losses, ref_losses, state, ref_state = train_both(
+        model, load_strategy("use zero_bubble(microbatches=4) on pp\n"), mesh={"pp": 2}, batches=[batch] * 3,
+        job_hook=lambda job: plans.update({r: [a.key for a in job.compiled.plans[r]] for r in range(2)}))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-10, atol=1e-12)
+    assert state.keys() == ref_state.keys() == {"emb.weight", "mid.weight", "mid.bias", "head.weight"}
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, rtol=1e-10, atol=1e-12)
+    assert losses[-1] < losses[0]
+    assert plans[0][-3:] == ["0SEND_T0>1.0", "0RECV_T0<1.0", "0UPD"]
+    assert plans[1][-3:] == ["1SEND_T0>0.0", "1RECV_T0<0.0", "1UPD"]
