@@ -63,9 +63,12 @@ def strategy_for(p: int, m: int, dp: int):
 def phase_timer():
     """Time the steps of `piper.job.plan` by wrapping the functions it calls (restored afterwards)."""
     import piper.job as job_module
+    import piper.planning as planning_module
 
     spent: Counter = Counter()
-    originals = {name: getattr(job_module, name) for name in PHASES if callable(getattr(job_module, name, None))}
+    # plan() builds the strategy in piper.job and compiles in piper.planning.
+    originals = {(module, name): getattr(module, name) for module in (job_module, planning_module)
+                 for name in PHASES if callable(getattr(module, name, None))}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -76,13 +79,13 @@ def phase_timer():
                 spent[name] += time.perf_counter() - t0
         return wrapper
 
-    for name, fn in originals.items():
-        setattr(job_module, name, timed(name, fn))
+    for (module, name), fn in originals.items():
+        setattr(module, name, timed(name, fn))
     try:
         yield spent
     finally:
-        for name, fn in originals.items():
-            setattr(job_module, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
 
 
 class _Timeout(Exception):

@@ -34,12 +34,13 @@ class Script:
     """
 
     def __init__(self, module: n.Module, program: Program, *, mesh: Mesh | None, overrides: dict,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), built: dict | None = None):
         self.module = module
         self.program = program
         self.mesh = mesh
         self.overrides = dict(overrides)
         self.limits = limits
+        self._built = dict(built or {})   # run mesh -> directives a run with these overrides made
 
     @property
     def file(self) -> str:
@@ -70,6 +71,8 @@ class Script:
         if _errors(problems):
             raise PiperError(*_errors(problems))
         run_mesh = run_mesh if run_mesh is not None else Mesh(())
+        if run_mesh in self._built:
+            return run_mesh, self._built[run_mesh]
         runner = Interpreter(self.program, mesh=run_mesh, overrides=self.overrides, limits=self.limits)
         sole = sole_strategy(self.module)
         if sole is not None:

@@ -10,6 +10,8 @@ out, so one run reports every syntax error (up to `MAX_SYNTAX_ERRORS`).
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from importlib import resources
 
 from lark import Lark, Token, Tree
@@ -72,12 +74,31 @@ class _Indenter(Indenter):
             yield token
 
 
+def _table_cache() -> str | bool:
+    """Where lark keeps the built LALR tables between runs: building them is
+    most of a small `piper check` (about 0.2 s of 0.3 s), loading them 5 ms.
+    Lark names the grammar's hash, its options and its own version inside the
+    file and rebuilds on any mismatch or unreadable file, so a stale or
+    half-written cache costs a rebuild, never a wrong parse. The file lives
+    in the user's cache directory (not a shared temporary one, as it is a
+    pickle); PIPER_PARSER_CACHE=0 turns it off."""
+    if os.environ.get("PIPER_PARSER_CACHE", "1") == "0":
+        return False
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(root, "piper")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.path.join(folder, f"grammar-lalr-py{sys.version_info[0]}{sys.version_info[1]}.lark")
+
+
 @functools.cache
 def parser() -> Lark:
-    """The LALR parser for the language (built once, about 60 ms)."""
+    """The LALR parser for the language (built once, about 0.2 s; its tables cached on disk)."""
     grammar = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
     return Lark(grammar, parser="lalr", postlex=_Indenter(), propagate_positions=True,
-                maybe_placeholders=False)
+                maybe_placeholders=False, cache=_table_cache())
 
 
 def raw_parse(text: str) -> Tree:

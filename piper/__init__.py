@@ -9,7 +9,6 @@
 from .annotate import annotate
 from .diagnostics import Diagnostic, PiperError, Span
 from .mesh import Mesh
-from .modules import annotate_modules
 from .strategy import strategy
 
 __all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span"]
@@ -20,3 +19,10 @@ def compile(*args, **kwargs):
     from .job import compile as _compile
 
     return _compile(*args, **kwargs)
+
+
+def annotate_modules(model, tag, groups):
+    """Run the calls of the modules in `groups[i]` inside region `tag=i` (see `piper.modules`)."""
+    from .modules import annotate_modules as _annotate_modules
+
+    return _annotate_modules(model, tag, groups)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .capture import Program, capture
 from .compiler import Compiled
 from .diagnostics import Diagnostic, PiperError, error
+from .planning import compile_directives
 
 
 def program_for(mesh, directives, *, model_spec: str | None = None, regions=None,
@@ -28,8 +29,6 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
 def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=None,
                    batch_size: int | None = None) -> Compiled:
     """Build, lower, schedule and verify `script` (a loaded script or strategy)."""
-    from .job import compile_directives
-
     mesh, directives = script.build(mesh)
     program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
     compiled = compile_directives(program, mesh, directives)

@@ -7,8 +7,6 @@ The numbers ride on `torch.fx.traceback.annotate`, which TorchDynamo keeps on
 """
 from __future__ import annotations
 
-import torch.fx.traceback as fx_traceback
-
 # Reset by capture before each trace; Dynamo replays the increments as side effects.
 _counters: dict[str, int] = {}
 
@@ -23,6 +21,8 @@ def annotate(tag: str):
         with piper.annotate("PP"):
             x = self.blocks[0](x)
     """
+    import torch.fx.traceback as fx_traceback  # here, so `import piper` does not load torch
+
     index = _counters.get(tag, 0)
     _counters[tag] = index + 1
     return fx_traceback.annotate({tag: index})

@@ -12,12 +12,13 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
-import torch
-import torch.fx as fx
-
 from .annotate import reset_counters
 from .diagnostics import error
-from .exported import inline_grad_islands, keep_only_loss, materialise_constants
+from .lazy import LazyModule
+
+# Imported on first use: planning with `--regions` (Program.chain) never needs torch.
+torch = LazyModule("torch")
+fx = LazyModule("torch.fx")
 
 # The kinds of region input, in the order a region's graph takes them.
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
@@ -37,7 +38,8 @@ class TensorSpec:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        dtype = getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        return n * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class Program:
             name, _, count = tags.partition("=")
             tags = {name.strip(): int(count)}
         (name, count), = tags.items()
-        spec = TensorSpec((1,), torch.float32)
+        spec = TensorSpec((1,), "float32")   # a torch dtype's name: an abstract chain never loads torch
         values = tuple(Value(i, i, 0, (i + 1,), spec, True) for i in range(count - 1))
         regions = []
         for i in range(count):
@@ -232,6 +234,8 @@ def _cut(exported, model) -> Program:
             raise error("unsupported-model", f"forward uses a {kind.lower().replace('_', ' ')} (`{spec.target}`), "
                         "which Piper cannot place yet",
                         hint="make constant tensors buffers of the module (register_buffer)")
+    from .exported import inline_grad_islands, keep_only_loss, materialise_constants
+
     inline_grad_islands(gm)
     materialise_constants(graph, constant_inputs, exported.constants)
     for n in graph.nodes:
@@ -376,18 +380,17 @@ def _needs_grad(graph: fx.Graph, kind_of: dict[str, RegionInput]) -> set[fx.Node
     """The nodes a gradient flows through: those computed from parameters, except
     detached results (a no-grad block's) and integer or boolean tensors."""
     out: set[fx.Node] = set()
+    no_grad_ops = (torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
     for n in graph.nodes:
         if n.op == "placeholder":
             if kind_of.get(n.name, RegionInput(BATCH, 0)).kind == PARAM:
                 out.add(n)
-        elif n.op == "call_function" and n.target not in _NO_GRAD_OPS and any(a in out for a in n.all_input_nodes):
+        elif n.op == "call_function" and n.target not in no_grad_ops and any(a in out for a in n.all_input_nodes):
             val = n.meta.get("val")
             if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex:
                 out.add(n)
     return out
 
-
-_NO_GRAD_OPS = (torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
 
 
 def _mutation_error(model, name: str, node: fx.Node | None = None):

@@ -9,9 +9,7 @@
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import os
 import time
 from collections.abc import Mapping
@@ -19,40 +17,16 @@ from collections.abc import Mapping
 import torch
 
 from .capture import BATCH, BUFFER, Program, capture
-from .compiler import Compiled, compile_ir
+from .compiler import Compiled
 from .diagnostics import PiperError, error
 from .directives import Shard, Split
 from .mesh import Mesh
+from .planning import _no_cycle_collection, compile_directives
 from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
 from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
-from .simulate import verify
-from .statements import apply_all, initial_ir
 from .strategy import as_strategy
 from .tied import state_keys, tie_ids, units_used
-
-
-@contextlib.contextmanager
-def _no_cycle_collection():
-    """The IR is hundreds of thousands of small acyclic objects: the cyclic
-    collector would re-scan them again and again while they are built.
-
-    What survives (the compiled IR and plans) lives as long as the job, so it
-    joins the oldest generation directly: otherwise the first young collection
-    after this scans every object compiled (0.2 s at 200k nodes), only to
-    promote them all. Skipped if anything is frozen already (gc.freeze is the
-    caller's, then), as unfreezing would release it.
-    """
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            if not gc.get_freeze_count():
-                gc.freeze()       # every tracked object, young ones included...
-                gc.unfreeze()     # ...back, into the oldest generation
-            gc.enable()
 
 
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
@@ -60,14 +34,6 @@ def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None
     with _no_cycle_collection():
         mesh, directives = build_strategy(strategy, mesh, overrides)
         return compile_directives(program, mesh, directives)
-
-
-def compile_directives(program: Program, mesh: Mesh, directives) -> Compiled:
-    """Apply the directives to the program's DAG, lower, schedule and verify."""
-    with _no_cycle_collection():
-        compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
-        verify(compiled)       # raises on deadlock before anything runs
-    return compiled
 
 
 def split_counts(mesh: Mesh, directives) -> tuple[int, int]:

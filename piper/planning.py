@@ -1,0 +1,19 @@
+"""Directives -> IR -> lowered, scheduled, verified plans, without torch or Ray.
+
+`piper.compile` and `piper check --regions` both come through here, so the
+linter plans exactly what a job would run.
+"""
+from __future__ import annotations
+
+from .compiler import Compiled, compile_ir
+from .gc_guard import no_cycle_collection as _no_cycle_collection
+from .simulate import verify
+from .statements import apply_all, initial_ir
+
+
+def compile_directives(program, mesh, directives) -> Compiled:
+    """Apply the directives to the program's DAG, lower, schedule and verify."""
+    with _no_cycle_collection():
+        compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
+        verify(compiled)       # raises on deadlock before anything runs
+    return compiled
