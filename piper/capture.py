@@ -90,6 +90,7 @@ class Program:
     buffers: dict[str, TensorSpec]
     batch: tuple[TensorSpec, ...]        # microbatch-sized example inputs
     input_names: tuple[str, ...] = ()    # keyword names of the batch inputs, when forward took keywords
+    constants: dict = field(default_factory=dict)   # tensors forward makes from data, sent as buffers
 
     def owner(self, param: str) -> int:
         """The region that owns a parameter: the first one that uses it."""
@@ -215,6 +216,7 @@ def _cut(exported, model) -> Program:
     buffers: dict[str, TensorSpec] = {}
     batch: list[TensorSpec] = []
     constant_inputs: dict[str, str] = {}
+    constants: dict = {}
     for spec in sig.input_specs:
         name = spec.arg.name
         kind = spec.kind.name
@@ -229,7 +231,15 @@ def _cut(exported, model) -> Program:
             kind_of[name] = RegionInput(BATCH, len(batch))
             batch.append(TensorSpec.of(node.meta["val"]))
         elif kind == "CONSTANT_TENSOR" and (spec.target or "").rpartition(".")[2].startswith("lifted_tensor"):
-            constant_inputs[name] = spec.target
+            value = exported.constants.get(spec.target)
+            if isinstance(value, torch.Tensor) and value.device.type != "meta" and value.numel():
+                # Made in forward from Python data on the CPU (`torch.tensor(d ** 0.5)`): its value is
+                # known, so it travels to the workers as a buffer would.
+                kind_of[name] = RegionInput(BUFFER, spec.target)
+                buffers[spec.target] = TensorSpec.of(value)
+                constants[spec.target] = value.detach().clone()
+            else:
+                constant_inputs[name] = spec.target
         else:
             raise error("unsupported-model", f"forward uses a {kind.lower().replace('_', ' ')} (`{spec.target}`), "
                         "which Piper cannot place yet",
@@ -318,7 +328,7 @@ def _cut(exported, model) -> Program:
         regions.append(Region(r, tags, tuple(inputs), tuple(value_ids[n] for n in region_outputs[r]), is_loss, gm,
                               _stack_line(member[r][0]) if member[r] else None,
                               tuple((str(n.target), joined[n], _stack_line(n)) for n in member[r] if n in joined)))
-    return Program(tuple(regions), tuple(values), params, buffers, tuple(batch))
+    return Program(tuple(regions), tuple(values), params, buffers, tuple(batch), constants=constants)
 
 
 def assign_regions(compute: list[fx.Node]):

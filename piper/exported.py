@@ -100,8 +100,9 @@ def materialise_constants(graph: fx.Graph, constant_inputs: dict[str, str], cons
 
     `constant_inputs` maps placeholder names to the constant's name in
     `constants` (ExportedProgram.constants). An empty tensor (a KV cache's
-    `torch.tensor([])`) becomes `aten.empty`; any other constant was made in
-    forward from Python data, which capture on the meta device cannot see.
+    `torch.tensor([])`) becomes `aten.empty`; any other constant left here was
+    made in forward from Python data on the meta device, which keeps no data
+    (capture sends those made on the CPU to the workers as buffers).
     """
     first = next((n for n in graph.nodes if n.op != "placeholder"), None)
     for node in list(graph.nodes):
@@ -115,7 +116,8 @@ def materialise_constants(graph: fx.Graph, constant_inputs: dict[str, str], cons
             raise error("unsupported-model", f"forward of `{module}` makes a constant tensor from Python data "
                         f"(`{target}`{_at(user) if user is not None else ''}), which Piper cannot place yet",
                         hint="register it in __init__ with register_buffer(name, tensor, persistent=False), "
-                             "or build it with tensor ops (torch.arange, torch.full) from the inputs")
+                             "make it without device= (on the CPU, where capture sees its data), or build it "
+                             "with tensor ops (torch.arange, torch.full) from the inputs")
         with graph.inserting_before(first):
             made = graph.call_function(torch.ops.aten.empty.memory_format, (list(value.shape),),
                                        {"dtype": value.dtype, "device": torch.device("meta")})

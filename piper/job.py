@@ -129,6 +129,7 @@ class Job:
             r.index: layout_unit(r.index, r.owned, program.params, ir.devices_of(r.index), ties)
             for r in ir.regions if r.owned}
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
+        self._buffers.update(program.constants)     # tensors forward makes from data (not in state_dict)
         self._state_keys = state_keys(model)
         try:
             self._start(model, optimizer, address, device)

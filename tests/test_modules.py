@@ -168,3 +168,27 @@ def test_tied_weight_across_stages_with_a_split_backward():
     assert losses[-1] < losses[0]
     assert plans[0][-3:] == ["0SEND_T0>1.0", "0RECV_T0<1.0", "0UPD"]
     assert plans[1][-3:] == ["1SEND_T0>0.0", "1RECV_T0<0.0", "1UPD"]
+
+
+class MadeFromData(torch.nn.Module):
+    """Gemma's way: a constant made in forward from Python data on the CPU (0-dimensional:
+    a CPU tensor of more dimensions does not mix with the meta device capture runs on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        normalizer = torch.tensor(4 ** 0.5, dtype=x.dtype)
+        return ((self.lin(x * normalizer).squeeze(-1) - y) ** 2).mean()
+
+
+def test_constant_made_from_data_travels_as_a_buffer():
+    model = MadeFromData()
+    program = capture(model, XY)
+    (name, value), = program.constants.items()
+    assert torch.equal(value, torch.tensor(2.0)) and name in program.buffers
+    (region,) = program.regions
+    tensors = {**dict(model.named_parameters()), **program.constants}
+    args = [tensors[i.ref] if i.kind in ("param", "buffer") else XY[i.ref] for i in region.inputs]
+    torch.testing.assert_close(region.graph(*args)[-1], model(*XY))
