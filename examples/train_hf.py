@@ -44,7 +44,8 @@ class CausalLM(torch.nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def build(family: str = "llama", layers: int = 4, stages: int = 2, seed: int = 0) -> CausalLM:
+def build(family: str = "llama", layers: int = 4, stages: int = 2, seed: int = 0, *, hidden: int = 64,
+          heads: int = 4) -> CausalLM:
     """A tiny `family` model cut into `stages` PP regions of whole blocks, a region per block inside."""
     import transformers
 
@@ -52,14 +53,14 @@ def build(family: str = "llama", layers: int = 4, stages: int = 2, seed: int = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if family == "llama":
-            cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                           max_position_embeddings=SEQ)
+            cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                           num_hidden_layers=layers, num_attention_heads=heads,
+                                           num_key_value_heads=max(1, heads // 2), max_position_embeddings=SEQ)
             model = CausalLM(transformers.LlamaForCausalLM(cfg))
             embed, block, tail = ["m.model.embed_tokens"], "m.model.layers.{}", ["m.model.norm", "m.lm_head"]
         elif family == "gpt2":
-            cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4, n_positions=SEQ,
-                                          bos_token_id=0, eos_token_id=0)
+            cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
+                                          n_positions=SEQ, bos_token_id=0, eos_token_id=0)
             model = CausalLM(transformers.GPT2LMHeadModel(cfg))
             embed, block, tail = ["m.transformer.wte", "m.transformer.wpe"], "m.transformer.h.{}", [
                 "m.transformer.ln_f", "m.lm_head"]

@@ -281,3 +281,15 @@ def test_nested_tags_by_calling_again():
     program = capture(model, batches(1, MICRO)[0])
     labels = [r.label for r in program.regions]
     assert labels == ["PP=0", "PP=0 L=0", "PP=1 L=1", "PP=1"]      # embedding, blocks, norm and head
+
+
+def test_benchmark_workload_is_the_example_model_cut_into_stages():
+    from benchmarks.workloads import HFWorkload, make_hf
+    from piper.modules import module_groups
+
+    model, stream = make_hf(HFWorkload(family="gpt2", layers=4, hidden=16, heads=2, batch=2), 2)
+    groups = module_groups(model)
+    assert groups["PP"][0][:3] == ["m.transformer.wte", "m.transformer.wpe", "m.transformer.h.0"]
+    assert groups["PP"][1][-1] == "m.lm_head" and len(groups["L"]) == 4
+    x, y = next(stream)
+    assert x.shape == y.shape == (2, 64) and torch.isfinite(model(x, y))
