@@ -14,6 +14,7 @@ from . import nodes as n
 from .interpreter import Interpreter
 from .lint import lint
 from .program import Found, Program
+from .source import bidi_warnings, cap_repeated, too_large
 from .syntax import parse_recovering
 from .values import Limits
 
@@ -207,9 +208,13 @@ def check_and_build(text: str, file: str = "<script>", *, mesh=None, overrides: 
 
 
 def _check(text: str, file: str, *, mesh, overrides, limits: Limits, kept: dict | None = None) -> list[Diagnostic]:
+    large = too_large(text, file)
+    if large is not None:
+        return [large]
+    bidi = bidi_warnings(text, file)
     module, syntax = parse_recovering(text, file)
     if module is None:
-        return syntax
+        return bidi + syntax
     program = Program(module)
     declared, out = declared_mesh(module)
     run_mesh, problems = resolve_mesh(module, declared, mesh)
@@ -219,4 +224,4 @@ def _check(text: str, file: str, *, mesh, overrides, limits: Limits, kept: dict 
                           built=built)
     if kept is not None and built:
         kept["script"], kept["built"] = (module, program, declared), built[0]
-    return ordered(dedupe(out), file)
+    return cap_repeated(ordered(dedupe(bidi + out), file))

@@ -56,10 +56,12 @@ FILES = {
     "import-cycle": "files import each other in a circle",
     "mesh-mismatch": "the script's `mesh` line differs from the mesh it is run on",
     "file-not-found": "the script file cannot be read",
+    "script-too-large": "a script over the size limit (256 KiB), reported without reading the rest",
 }
 WARNINGS = {
     "unused-let": "a `let` that nothing reads (warning)",
     "shadowed-name": "a name that hides a parameter, variable or mesh axis (warning)",
+    "bidi-character": "an invisible text-direction control in the source, as in trojan-source (warning)",
 }
 TOOLS = {
     "analysis-unavailable": "model checks were asked for but cannot run here (note)",
@@ -125,6 +127,7 @@ MODEL = {
 # A running job (job.py).
 JOBS = {
     "bad-device": "`device=` other than 'auto', 'cpu' or 'cuda'",
+    "bad-optimizer": "an optimizer given by name, built already, needing a closure, or not elementwise",
     "no-resources": "the Ray cluster cannot host one worker per device",
     "worker-timeout": "workers did not finish within the job's timeout",
     "worker-died": "a worker process died (killed, out of memory)",
@@ -133,7 +136,7 @@ JOBS = {
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {
-    "bad-flag": "a `piper export` flag that cannot be used",
+    "bad-flag": "a flag that cannot be used (`piper export`'s, or `--regions` with several tags)",
     "export-unsupported": "a schedule torch's CSV cannot express (regions other than PP=k, no pipeline axis)",
     "bad-schedule-csv": "a torch schedule CSV that `piper import` cannot read",
     "bad-ir": "IR text that `parse_ir` cannot read",

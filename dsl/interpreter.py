@@ -204,7 +204,7 @@ class Interpreter:
                             f"{size} device{'s' if size != 1 else ''}", stmt.index.span,
                             hint=f"use an index from 0 to {size - 1}, or grow the mesh")
         if selector is not None:
-            self.emit(Place(selector, self.mesh[axis][index], stmt.span))
+            self.emit(Place(selector, self.mesh[axis][index], stmt.span, self.trace))
 
     def exec_shard(self, stmt: n.Shard, env: Env) -> None:
         seen: dict[str, Span] = {}

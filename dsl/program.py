@@ -15,6 +15,7 @@ from pathlib import Path
 from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
 
 from . import nodes as n
+from .source import SourceError, read_source
 from .syntax import parse_recovering
 
 MAX_IMPORT_DEPTH = 64
@@ -115,6 +116,12 @@ class Program:
 
     def _import(self, module: n.Module, item: n.Import, *, stack, trace) -> n.Module | None:
         path_text = item.path
+        if any(ord(c) < 32 or c == "\x7f" for c in path_text):
+            self.diagnostics.append(Diagnostic(
+                "bad-import", f"cannot import {path_text!r}: the path holds a control character",
+                span=item.span, labels=_imported_here(trace),
+                hint="write the file's name plainly, e.g. `import \"common.pps\"`"))
+            return None
         if not path_text.endswith(".pps") or Path(path_text).is_absolute() or path_text.startswith("~"):
             self.diagnostics.append(Diagnostic(
                 "bad-import", f"cannot import {path_text!r}: an import names a .pps file relative to this script",
@@ -139,13 +146,13 @@ class Program:
                 hint="import fewer files in a chain"))
             return None
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            reason = "no such file" if isinstance(err, FileNotFoundError) else type(err).__name__
+            text = read_source(path)
+        except SourceError as err:
             self.diagnostics.append(Diagnostic(
-                "import-not-found", f"cannot import {path_text!r}: {reason} ({path})", span=item.span,
+                "import-not-found", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
                 labels=_imported_here(trace),
-                hint="the path is relative to the importing script's folder"))
+                hint="the path is relative to the importing script's folder" if err.reason == "no such file"
+                else err.hint))
             return None
         imported, errors = parse_cached(text, str(path))
         if imported is None:

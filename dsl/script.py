@@ -16,6 +16,7 @@ from . import nodes as n
 from .check import analyze_module, check_overrides, declared_mesh, resolve_mesh, settable_names, sole_strategy
 from .interpreter import Interpreter
 from .program import Found, Program
+from .source import SourceError, read_source
 from .syntax import parse
 from .values import Limits
 
@@ -104,11 +105,11 @@ def read_script(path) -> tuple[str, str]:
     """(text, file) of a .pps file; PiperError file-not-found when it cannot be read."""
     path = Path(path)
     try:
-        return path.read_text(encoding="utf-8"), str(path)
-    except (OSError, UnicodeDecodeError) as err:
-        reason = "no such file" if isinstance(err, FileNotFoundError) else str(err)
-        raise PiperError(Diagnostic("file-not-found", f"cannot read the script {str(path)!r}: {reason}",
-                                    hint="check the path; it is relative to the current folder")) from None
+        return read_source(path), str(path)
+    except SourceError as err:
+        hint = "check the path; it is relative to the current folder" if err.reason == "no such file" else err.hint
+        raise PiperError(Diagnostic(err.code, f"cannot read the script {str(path)!r}: {err.reason}",
+                                    hint=hint)) from None
 
 
 def load_strategy(path_or_text, *, overrides: dict | None = None, file: str | None = None,

@@ -13,6 +13,12 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
                 batch_size: int | None = None) -> Program:
     """The regions to plan for: an abstract chain (`PP=8`) or a model captured on meta."""
     if regions:
+        if len(regions) > 1:
+            shown = ",".join(f"{k}={v}" for k, v in regions.items())
+            raise error("bad-flag", f"--regions {shown} names {len(regions)} kinds of region; an abstract model "
+                        "is one chain of a single kind", hint=f"pass one, e.g. --regions "
+                        f"{next(iter(regions))}={next(iter(regions.values()))}, or --model PATH.py:FACTORY "
+                        "for a model whose regions nest")
         return Program.chain(regions)
     if not model_spec:
         raise error("no-regions", "planning needs the model's regions",

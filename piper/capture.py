@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from .annotate import reset_counters
 from .diagnostics import error
 from .lazy import LazyModule
+from .model_checks import check_layers
 
 # Imported on first use: planning with `--regions` (Program.chain) never needs torch.
 torch = LazyModule("torch")
@@ -181,6 +182,7 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = ())
     """
     if not isinstance(model, torch.nn.Module):
         raise error("bad-model", f"piper.compile needs a torch.nn.Module, not {type(model).__name__}")
+    check_layers(model)
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
             what = f"`{names[i]}`" if names else str(i)

@@ -41,7 +41,7 @@ def _parse_regions(text: str | None) -> dict[str, int] | None:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, count = part.partition("=")
         if not eq or not name.strip().isidentifier() or not count.strip().isdigit():
-            raise _Usage(f"--regions takes TAG=COUNT pairs such as PP=8,EP=4, not {text!r}")
+            raise _Usage(f"--regions takes TAG=COUNT such as PP=8 (one chain of regions), not {text!r}")
         out[name.strip()] = int(count)
     return out
 
@@ -79,6 +79,12 @@ def _model_checks(text: str, file: str, *, mesh, overrides, model, regions, buil
     except PiperError:
         return []  # the script's own errors are already reported
     run_mesh = mesh if mesh is not None else script.mesh
+    if not model and not regions:   # plan against the regions the script names itself
+        from .script_regions import regions_to_check
+
+        regions, problems = regions_to_check(script, run_mesh, file)
+        if regions is None:
+            return problems
     if run_mesh is None:
         return [_note("analysis-unavailable", f"{file}: model checks need a mesh",
                       hint="declare one in the script (`mesh dp=2, pp=4`) or pass --mesh dp=2,pp=4")]
@@ -90,8 +96,9 @@ def _model_checks(text: str, file: str, *, mesh, overrides, model, regions, buil
 
 def cmd_check(args) -> int:
     from .dsl.check import check_and_build
+    from .dsl.source import SourceError, read_source
     from .gc_guard import no_cycle_collection
-    from .render import render, summary
+    from .render import render, summary, visible
 
     overrides = _parse_sets(args.set)
     regions = _parse_regions(args.regions)
@@ -100,16 +107,20 @@ def cmd_check(args) -> int:
     unreadable, checked = False, 0
     for file in args.files:
         try:
-            with open(file, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as err:
-            print(f"piper check: error: cannot read {file}: {getattr(err, 'strerror', None) or err}", file=sys.stderr)
+            text = read_source(file)
+        except SourceError as err:
+            if err.code == "script-too-large":   # a problem of the script, reported as one
+                diagnostics.append(Diagnostic(err.code, f"{file}: the script is too large to check: {err.reason}",
+                                              hint=err.hint))
+                checked += 1
+                continue
+            print(f"piper check: error: cannot read {visible(file)}: {err.reason}", file=sys.stderr)
             unreadable = True
             continue
         checked += 1
         with no_cycle_collection():   # a big script's run makes 100k+ acyclic objects (0.1 s of GC at 64 x 512)
             found, built = check_and_build(text, file, mesh=mesh, overrides=overrides)
-            if (args.model or regions) and not any(d.severity == "error" for d in found):
+            if not any(d.severity == "error" for d in found):   # without --model/--regions: the script's regions
                 found += _model_checks(text, file, mesh=mesh, overrides=overrides, model=args.model,
                                        regions=regions, built=built)
             del built
@@ -119,8 +130,11 @@ def cmd_check(args) -> int:
     problems = [d for d in diagnostics if d.severity in ("error", "warning")]
     if fmt != "json" and checked:
         files = f"{checked} file{'s' if checked != 1 else ''}"
-        print(f"piper check: {summary(diagnostics)} in {files}" if diagnostics
-              else f"piper check: all checks passed ({files})", file=sys.stderr)
+        notes = len(diagnostics) - len(problems)
+        print(f"piper check: {summary(diagnostics)} in {files}" if problems
+              else f"piper check: all checks passed ({files})"
+              + (f"; {notes} note{'s' if notes != 1 else ''} on what was not checked" if notes else ""),
+              file=sys.stderr)
     if unreadable:
         return EXIT_USAGE
     return EXIT_PROBLEMS if problems else EXIT_OK
@@ -129,6 +143,14 @@ def cmd_check(args) -> int:
 def cmd_explain(args) -> int:
     from .dsl.codes import known_codes, page
 
+    if getattr(args, "list", False) or args.code is None:
+        if args.code is None and not getattr(args, "list", False):
+            raise _Usage("name a CODE (e.g. piper explain unknown-axis), or pass --list to see every code")
+        from .dsl.codes import CODES
+
+        width = max(map(len, CODES))
+        sys.stdout.write("".join(f"{code:<{width}}  {CODES[code]}\n" for code in sorted(CODES)))
+        return EXIT_OK
     text = page(args.code)
     if text is None:
         hint = did_you_mean(args.code, known_codes())
@@ -185,7 +207,10 @@ def cmd_show(args) -> int:
         program = getattr(compiled, "program", None)
         sys.stdout.write(describe(program) if program is not None else "")
     else:
-        print(compiled.show())
+        from .show_plans import plan_grid, plan_lines
+
+        layout = plan_grid if getattr(args, "layout", "lines") == "grid" else plan_lines
+        sys.stdout.write(layout(compiled, legend=not getattr(args, "no_legend", False)))
     return EXIT_OK
 
 
@@ -251,12 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     explain = commands.add_parser("explain", help="explain a diagnostic code, with an example and the fix")
-    explain.add_argument("code", metavar="CODE")
+    explain.add_argument("code", metavar="CODE", nargs="?")
+    explain.add_argument("--list", action="store_true", help="list every code with its one-line summary")
     explain.set_defaults(func=cmd_explain)
 
     show = commands.add_parser("show", help="print each device's plan (or the IR) for a script")
     _planning_flags(show)
     show.add_argument("--what", choices=("plans", "ir"), default="plans")
+    show.add_argument("--layout", choices=("lines", "grid"), default="lines",
+                      help="one action per line, device after device (default), or devices side by side")
+    show.add_argument("--no-legend", action="store_true", help="leave out the legend of the action notation")
     show.set_defaults(func=cmd_show)
 
     sim = commands.add_parser("simulate", help="predict step time, bubbles and microbatches in flight")
@@ -282,12 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
     imp.set_defaults(func=lambda args: _interop("import_main", args))
 
-    run = commands.add_parser("run", help="train with a script")
-    run.add_argument("script", metavar="SCRIPT")
-    run.add_argument("--model", metavar="PATH.py:FACTORY")
-    run.add_argument("--mesh", metavar="AXIS=SIZE,...")
-    run.add_argument("--set", action="append", metavar="NAME=VALUE")
-    run.add_argument("--steps", type=int, default=None, metavar="N")
+    run = commands.add_parser("run", help="train a model file's model with a script")
+    from .run_args import add_run_arguments
+
+    add_run_arguments(run)
     run.set_defaults(func=cmd_run)
     return parser
 

@@ -6,7 +6,7 @@ script) and the `@piper.strategy` recorder (spans at the Python call site).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .diagnostics import Span
 from .mesh import DeviceGroup
@@ -31,6 +31,8 @@ class Place:
     selector: Selector
     group: DeviceGroup
     span: Span | None = None
+    # The `use` sites the statement ran under, outermost first (for errors that name the `use` line).
+    trace: tuple[Span, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .batch_check import check_step_inputs, input_names
 from .capture import BATCH, BUFFER, Program, capture
 from .compiler import Compiled
 from .diagnostics import PiperError, error
@@ -94,6 +95,9 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
                          "'auto' picks CUDA when the cluster has a GPU for every device")
+    from .optim_check import check_optimizer
+
+    check_optimizer(optimizer)    # before capture: a wrong optimizer is a one-line fix
     mesh, directives = build_strategy(strategy, mesh, overrides)
     # A dict of example inputs calls forward with keywords (`input_ids=..., labels=...`).
     names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else ()
@@ -112,6 +116,7 @@ class Job:
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
                  shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None):
         self.program = program
+        self.input_names = program.input_names or input_names(model, len(program.batch))
         self.worker_env = dict(worker_env or {})
         self.concurrent = overlap
         self.compiled = compiled
@@ -248,13 +253,7 @@ class Job:
         self._check_open()
         if named:
             batch = _by_name(batch, named, self.program.input_names)
-        if len(batch) != len(self.program.batch):
-            raise error("bad-inputs", f"step takes {len(self.program.batch)} batch tensor(s), got {len(batch)}",
-                        hint="pass the same inputs as example_inputs")
-        for x in batch:
-            if x.shape[0] != self.batch_size:
-                raise error("bad-inputs", f"step got a batch of {x.shape[0]}; this job was compiled for "
-                            f"{self.batch_size}", hint="keep the global batch size fixed, or compile again")
+        check_step_inputs(batch, self.program.batch, self.batch_size, self.input_names)
         ir = self.compiled.ir
         per = self.batch_size // (self.microbatches * self.shards)
         axes = ir.batch_axes()

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from dataclasses import dataclass
 
 from .diagnostics import did_you_mean, error
@@ -30,7 +31,12 @@ class Mesh:
                                 hint="write the mesh as NAME=SIZE pairs, e.g. dp=2,pp=4")
                 pairs.append((name.strip(), int(size)))
             spec = dict(pairs)
-        axes = tuple((str(k), int(v)) for k, v in dict(spec).items())
+        try:
+            items = dict(spec).items()
+        except (TypeError, ValueError):
+            raise error("bad-mesh", f"cannot read {spec!r} as a mesh",
+                        hint='give the mesh as {"dp": 2, "pp": 4} or "dp=2,pp=4"') from None
+        axes = tuple((str(k), _axis_size(k, v)) for k, v in items)
         for name, size in axes:
             if size < 1:
                 raise error("bad-mesh", f"mesh axis `{name}` has size {size}",
@@ -83,6 +89,22 @@ class Mesh:
 
     def __str__(self) -> str:
         return ", ".join(f"{n}={s}" for n, s in self.axes) or "(one device)"
+
+
+def _axis_size(name, value) -> int:
+    """A mesh axis size: a whole number (an int, or a string of decimal digits), never a bool."""
+    if isinstance(value, bool) or value is None:
+        raise error("bad-mesh", f"mesh axis `{name}` has the size {value!r}, not a number of devices",
+                    hint=f'write a whole number, e.g. {{"{name}": 2}}')
+    if isinstance(value, str) and value.strip().isdecimal() and value.strip().isascii():
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and float(value).is_integer():
+        raise error("bad-mesh", f"mesh axis `{name}` has the size {value!r}, a {type(value).__name__}",
+                    hint=f'write the whole number {int(value)} (an int), e.g. {{"{name}": {int(value)}}}')
+    raise error("bad-mesh", f"mesh axis `{name}` has the size {value!r}, which is not a whole number of devices",
+                hint=f'write a whole number in decimal, e.g. {{"{name}": 2}}')
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,34 @@ def load_model(spec: str):
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
         raise error("bad-model-spec", f"{path} has no `{factory}`", hint=did_you_mean(factory, names)
                     or "name a function or class that builds the model with no arguments")
-    return getattr(module, factory)(), module
+    build = getattr(module, factory)
+    needs = _required_arguments(build)
+    if needs:
+        names = [n for n in dir(module) if not n.startswith("_") and n != factory
+                 and callable(getattr(module, n)) and not _required_arguments(getattr(module, n))
+                 and getattr(getattr(module, n), "__module__", None) == module.__name__
+                 and not any(word in n for word in ("batch", "load", "data", "corpus"))]   # data, not models
+        raise error("bad-model-spec", f"`{factory}` in {path} needs argument{'s' if len(needs) > 1 else ''} "
+                    f"{', '.join(f'`{a}`' for a in needs)}; --model names something that builds the model "
+                    "with no arguments", hint=(f"name one of {', '.join(names[:6])}, or " if names else "")
+                    + f"add a function such as `def make(): return {factory}(...)` to the file")
+    try:
+        return build(), module
+    except Exception as exc:  # noqa: BLE001 - the user's code: say where it failed, in its words
+        raise error("bad-model", f"`{factory}()` from {path} raised {type(exc).__name__}: {exc}",
+                    hint="fix the model's file; run it with python to see the traceback") from None
+
+
+def _required_arguments(factory) -> list[str]:
+    """The parameters `factory()` would be missing ([] when it can be called with none)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in sig.parameters.values() if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def example_batch(module, batch_size: int):

@@ -13,7 +13,9 @@ from .statements import apply_all, initial_ir
 
 def compile_directives(program, mesh, directives) -> Compiled:
     """Apply the directives to the program's DAG, lower, schedule and verify."""
-    with _no_cycle_collection():
+    from .stage_count import explain_unplaced   # a schedule placing fewer stages than the model has
+
+    with _no_cycle_collection(), explain_unplaced(program, directives):
         compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
         verify(compiled)       # raises on deadlock before anything runs
     return compiled

@@ -11,9 +11,11 @@ layout (`_lines`), so the two never drift apart.
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import linecache
+import re
 import sys
 
 from .diagnostics import Diagnostic, Span
@@ -24,9 +26,32 @@ _SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "note": "bold 
 _TAB = "    "
 
 
+# Characters never sent to a terminal as they are: C0/C1 controls (escape sequences start with
+# them), and the invisible format characters (direction overrides, zero-width marks).
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e"
+                     "\u2060-\u206f\ufeff\ufff9-\ufffb]")
+
+
+def _escape_one(match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{{{code:04x}}}"
+
+
+def visible(text: str) -> str:
+    """`text` with every control or invisible format character written as an escape
+    (`\\x1b`, `\\u{202e}`); tabs and newlines stay."""
+    return _UNSAFE.sub(_escape_one, text) if not text.isascii() or not text.isprintable() else text
+
+
+@functools.lru_cache(maxsize=8)
+def _split_source(source: str) -> list[str]:
+    """A source's lines, split once however many diagnostics point into it."""
+    return source.split("\n")
+
+
 def _source_line(span: Span, number: int) -> str | None:
     if span.source is not None:
-        lines = span.source.split("\n")
+        lines = _split_source(span.source)
         return lines[number - 1].rstrip("\r") if 0 < number <= len(lines) else None
     text = linecache.getline(span.file, number)
     return text.rstrip("\r\n") if text else None
@@ -40,17 +65,21 @@ def _snippet(span: Span, mark: str, message: str, style: str, width: int) -> lis
     start = max(span.column, 1)
     end = span.end_column if span.end_line == span.line else len(line) + 1
     end = max(end, start + 1)
-    pad = len(line[: start - 1].replace("\t", _TAB))
-    count = max(len(line[start - 1: end - 1].replace("\t", _TAB)), 1)
+    pad = len(visible(line[: start - 1]).replace("\t", _TAB))
+    count = max(len(visible(line[start - 1: end - 1]).replace("\t", _TAB)), 1)
     gutter = " " * width
     under = [(f"{gutter} | ", "blue"), (" " * pad, ""), (mark * count, style)]
     if message:
         under.append((" " + message, style))
-    return [[(f"{span.line:>{width}} | ", "blue"), (line.replace("\t", _TAB), "")], under]
+    return [[(f"{span.line:>{width}} | ", "blue"), (visible(line).replace("\t", _TAB), "")], under]
 
 
 def _lines(d: Diagnostic) -> list[list[tuple[str, str]]]:
-    """The layout: a list of lines, each a list of (text, style) pieces."""
+    """The layout: a list of lines, each a list of (text, style) pieces, every piece safe to print."""
+    return [[(visible(text), style) for text, style in line] for line in _layout(d)]
+
+
+def _layout(d: Diagnostic) -> list[list[tuple[str, str]]]:
     severity_style = _SEVERITY_STYLE.get(d.severity, "bold")
     head = [(f"{d.span}: ", "bold")] if d.span else []
     head += [(d.severity, severity_style), (f"[{d.code}]", "dim" if d.span else "bold"), (f": {d.message}", "bold")]

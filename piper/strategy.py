@@ -93,8 +93,21 @@ class Builder:
         self.directives.append(Order(parse_selector(selector, span=span), tuple(slots), span,
                                      tuple(tuple(span for _ in slot) for slot in slots)))
 
-    def use(self, strategy, **params) -> None:
-        """Apply another strategy here, e.g. `s.use(zero3, axis="dp")`."""
+    def use(self, strategy, *, on: str | None = None, **params) -> None:
+        """Apply another strategy here, as `use` does in a script.
+
+        `s.use("one_f_one_b", microbatches=8, on="pp")` is the script's
+        `use one_f_one_b(microbatches=8) on pp` (a standard-library strategy by
+        name); `s.use(zero3, axis="dp")` takes a `@piper.strategy` function or
+        a path to a .pps file, with its parameters by name.
+        """
+        if isinstance(strategy, str) and not strategy.strip().endswith(".pps"):
+            from .strategy_use import build_named
+
+            self.directives.extend(build_named(strategy, params, on, self.mesh, _caller_span()))
+            return
+        if on is not None:
+            params = {"axis": on, **params}   # `on` binds the axis parameter, as in a script
         strategy = as_strategy(strategy)
         self.directives.extend(strategy.bind(**params).build(self.mesh)[1])
 

@@ -1,6 +1,12 @@
-"""Smoke test of the benchmark harness: a --quick run of the cheap suites completes
-and writes a report with numbers. No timing assertions: this machine's speed is
-not under test, only that the harness runs end to end."""
+"""Smoke test of the benchmark harness: a --quick run of the compiler suite completes
+and writes a report with numbers. No timing assertions and no time limits: this
+machine's speed is not under test, only that the harness runs end to end.
+
+The suites that start Ray workers (overhead, cost-model, batch-composition,
+overlap) run with PIPER_FULL=1; by default only the compiler suite runs, in seconds:
+
+    PIPER_FULL=1 .venv/bin/python -m pytest -q tests/test_benchmarks.py
+"""
 import json
 import math
 import os
@@ -15,10 +21,14 @@ from benchmarks.harness import Table, fit_exponent, fmt
 from benchmarks.runner import SUITES, markdown
 
 REPO = Path(__file__).resolve().parent.parent
+FULL = bool(os.environ.get("PIPER_FULL"))
+full_only = pytest.mark.skipif(not FULL, reason="suites that start Ray workers run with PIPER_FULL=1 (minutes)")
 
 
-def run_harness(*args, timeout=480):
-    """`python -m benchmarks ARGS` in its own session, so a hang can be stopped with everything it started."""
+def run_harness(*args, timeout=None):
+    """`python -m benchmarks ARGS` in its own session, so a hang can be stopped with everything it started.
+
+    No time limit by default: a loaded machine is slow, not wrong (pytest-timeout guards against hangs)."""
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})
@@ -31,22 +41,34 @@ def run_harness(*args, timeout=480):
     return proc.returncode, out
 
 
-def test_quick_run_of_cheap_suites_writes_numbers(tmp_path):
+def test_quick_run_of_the_compiler_suite_writes_numbers(tmp_path):
     report, metrics = tmp_path / "RESULTS.md", tmp_path / "metrics.json"
-    code, out = run_harness("--suite", "compiler", "overhead", "cost-model", "--quick",
+    code, out = run_harness("--suite", "compiler", "--quick", "--out", str(report), "--json", str(metrics))
+    assert code == 0, out[-3000:]
+    text = report.read_text()
+    assert "## 6. `compiler`" in text and "Not implemented yet." not in text
+    assert "--suite compiler --quick" in text          # each suite says how to reproduce it
+    assert "torch:" in text and "cores:" in text         # the machine header
+    compiler = json.loads(metrics.read_text())["compiler"]
+    assert any(k.endswith(".seconds") for k in compiler) and any(k.endswith(".nodes_per_s") for k in compiler)
+    for value in compiler.values():
+        assert isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@full_only
+@pytest.mark.timeout(3600)      # a hang guard only
+def test_quick_run_of_the_overhead_and_cost_model_suites_writes_numbers(tmp_path):
+    report, metrics = tmp_path / "RESULTS.md", tmp_path / "metrics.json"
+    code, out = run_harness("--suite", "overhead", "cost-model", "--quick",
                             "--out", str(report), "--json", str(metrics))
     assert code == 0, out[-3000:]
     text = report.read_text()
-    assert "## 6. `compiler`" in text and "## 7. `overhead`" in text
-    assert "## 8. `cost-model`" in text and "Not implemented yet." not in text
-    assert "--suite compiler --quick" in text          # each suite says how to reproduce it
-    assert "torch:" in text and "cores:" in text         # the machine header
+    assert "## 7. `overhead`" in text and "## 8. `cost-model`" in text and "Not implemented yet." not in text
     numbers = json.loads(metrics.read_text())
-    compiler, overhead = numbers["compiler"], numbers["overhead"]
-    assert any(k.endswith(".seconds") for k in compiler) and any(k.endswith(".nodes_per_s") for k in compiler)
+    overhead = numbers["overhead"]
     assert "dev1.rank0.us_per_action_end_to_end" in overhead
     assert "dev2.rank1.us_per_action_executor" in overhead
-    for value in [*compiler.values(), *overhead.values()]:
+    for value in overhead.values():
         assert isinstance(value, (int, float)) and math.isfinite(value)
     cost = numbers["cost-model"]
     for key in ("1f1b.pp2.measured_ms", "1f1b.pp2.predicted_ms", "1f1b.pp2.error", "dualpipev.pp2.bubble_fraction",
@@ -65,6 +87,8 @@ def test_every_suite_is_implemented():
 
 
 @pytest.mark.ray
+@full_only
+@pytest.mark.timeout(3600)      # a hang guard only: it took 287 s alone on 2 cores, 480+ under load
 def test_quick_batch_composition_and_overlap(tmp_path):
     report, metrics = tmp_path / "RESULTS.md", tmp_path / "metrics.json"
     code, out = run_harness("--suite", "batch-composition", "overlap", "--quick",
@@ -115,10 +139,10 @@ def test_a_report_keeps_the_other_devices_part():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_refused_with_the_fix():
-    code, out = run_harness("--device", "cuda", "--quick", timeout=120)
+    code, out = run_harness("--device", "cuda", "--quick")
     assert code == 2 and "torch sees no CUDA GPU here" in out and "without --device cuda" in out, out
     assert "Traceback" not in out
-    code, out = run_harness("--device", "cuda", "--suite", "compiler", "overlap", timeout=120)
+    code, out = run_harness("--device", "cuda", "--suite", "compiler", "overlap")
     assert code == 2 and "compiler runs on CPU only" in out and "GPU suites: pipelines, data-parallel, overlap" in out
 
 

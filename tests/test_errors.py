@@ -177,7 +177,7 @@ def test_dead_worker_is_reported_and_the_job_cleaned_up():
     import ray
 
     batch = gpt_batches(1)[0]
-    job = piper.compile(gpt(2), batch, strategy=pipeline(2), mesh={"pp": 2}, timeout=60)
+    job = piper.compile(gpt(2), batch, strategy=pipeline(2), mesh={"pp": 2})
     job.step(*batch)
     ray.kill(job.actors[1])
     with pytest.raises(piper.PiperError) as err:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 def _run(strategy, mesh, regions, **options):
     model = gpt(regions, dtype=torch.float64)
     batches = gpt_batches(batch=4)
-    with piper.compile(model, batches[0], strategy=strategy, mesh=mesh, timeout=120, **options) as job:
+    with piper.compile(model, batches[0], strategy=strategy, mesh=mesh, **options) as job:
         losses = [job.step(*b) for b in batches]
         return losses, job.state_dict(), job.timings()
 
@@ -38,6 +38,6 @@ def _env(worker, name):
 def test_worker_env_reaches_the_worker_processes():
     model = gpt(2)
     batch = gpt_batches(steps=1, batch=4)[0]
-    with piper.compile(model, batch, strategy=load_strategy("use dp() on dp\n"), mesh={"dp": 2}, timeout=120,
+    with piper.compile(model, batch, strategy=load_strategy("use dp() on dp\n"), mesh={"dp": 2},
                        worker_env={"PIPER_TEST_WORKER_ENV": 1}) as job:
         assert ray.get([a.__ray_call__.remote(_env, "PIPER_TEST_WORKER_ENV") for a in job.actors]) == ["1", "1"]

@@ -127,7 +127,7 @@ def test_buffer_updated_in_forward_names_the_module():
 
     with pytest.raises(piper.PiperError) as err:
         capture(WithNorm(), (torch.randn(4, 4), torch.randn(4)))
-    assert "BatchNorm1d `body.1`" in str(err.value) and "`.eval()` on `body.1`" in err.value.diagnostics[0].hint
+    assert "`body.1` is a BatchNorm1d" in str(err.value) and "model.body.1.eval()" in err.value.diagnostics[0].hint
     capture(WithNorm().eval(), (torch.randn(4, 4), torch.randn(4)))       # the workaround captures
 
 

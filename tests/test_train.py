@@ -220,7 +220,7 @@ def test_zero2_never_holds_a_stage_of_full_gradients_across_microbatches():
     for level in ("dp", "zero2"):
         strategy = load_strategy(f"use one_f_one_b(microbatches=4) on pp\nuse {level}() on dp\n")
         batch = gpt_batches(1)[0]
-        with piper.compile(model, batch, strategy=strategy, mesh={"dp": 2, "pp": 2}, timeout=120) as job:
+        with piper.compile(model, batch, strategy=strategy, mesh={"dp": 2, "pp": 2}) as job:
             job.step(*batch)       # the optimizer's state exists from the second step on
             ray.get([a.__ray_call__.remote(_watch_gradient_buffers) for a in job.actors])
             job.step(*batch)

@@ -1,5 +1,4 @@
 """The interpreter: .pps scripts build exactly the directives the Python API builds."""
-import time
 from pathlib import Path
 
 import pytest
@@ -189,12 +188,11 @@ def test_negative_microbatch_in_a_schedule():
      Limits(steps=20_000)),
 ])
 def test_hostile_scripts_end_with_an_error(text, code, limits):
-    """The default limit is 1,000,000 steps (a few seconds); smaller ones keep the test quick."""
-    start = time.perf_counter()
+    """The default limit is 1,000,000 steps (a few seconds); smaller ones keep the test quick.
+    The limits count steps, not seconds, so the code says the run was cut short by them."""
     with pytest.raises(PiperError) as err:
         load_strategy(text, limits=limits).build()
     assert err.value.code == code
-    assert time.perf_counter() - start < 2
 
 
 def test_imports_are_relative_to_the_script(tmp_path):

@@ -1,0 +1,45 @@
+"""The flags of `piper run`, in a module of their own (no torch, no Ray): `piper --help`
+and `piper check` build the parser without loading what training needs.
+
+Each group of flags is one function, so features add theirs beside the others.
+"""
+from __future__ import annotations
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
+
+
+def add_run_arguments(run) -> None:
+    """Every flag of `piper run`."""
+    run.add_argument("script", metavar="SCRIPT")
+    run.add_argument("--model", metavar="PATH.py:FACTORY",
+                     help="a function (or class) in PATH.py that builds the model with no arguments")
+    run.add_argument("--mesh", metavar="AXIS=SIZE,...", help="the mesh (default: the script's own)")
+    run.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a strategy parameter")
+    add_training_arguments(run)
+    add_cluster_arguments(run)
+    add_output_arguments(run)
+
+
+def add_training_arguments(run) -> None:
+    """What is trained and how: steps, batch, optimizer."""
+    run.add_argument("--steps", type=int, default=None, metavar="N", help="optimizer steps (default 20)")
+    run.add_argument("--batch-size", type=int, default=None, metavar="N",
+                     help="the global batch, split over microbatches and data-parallel shards (default 16)")
+    run.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="torch.optim's (default adamw)")
+    run.add_argument("--lr", type=float, default=1e-3, metavar="RATE", help="learning rate (default 1e-3)")
+    run.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the model is built (default 0)")
+
+
+def add_cluster_arguments(run) -> None:
+    """Where the workers run."""
+    run.add_argument("--address", metavar="ADDR", default=None,
+                     help="join this Ray cluster (e.g. auto, or ray://host:10001); default: start a local one")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="cuda: one GPU per device (NCCL); cpu: one process per device (Gloo); "
+                          "auto: cuda when the cluster has a GPU for every device")
+
+
+def add_output_arguments(run) -> None:
+    """What is written when training ends."""
+    run.add_argument("--save", metavar="FILE.pt", default=None,
+                     help="write the trained weights (model.state_dict() keys) with torch.save")

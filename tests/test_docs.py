@@ -1,0 +1,100 @@
+"""The README's and docs' code runs as written: every ```python block is executed, every
+```pps block passes `piper check`, and the own-model page's file trains with `piper run`.
+
+Blocks that start workers (`piper.compile(`) use the shared Ray cluster.
+"""
+import os
+import re
+import runpy
+import shlex
+from pathlib import Path
+
+import pytest
+
+from piper.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+
+
+def blocks(lang: str):
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for i, (kind, body) in enumerate(BLOCK.findall(text)):
+            if kind == lang:
+                yield pytest.param(body, id=f"{page.relative_to(REPO)}#{i}",
+                                   marks=[pytest.mark.ray] if "piper.compile(" in body else [])
+
+
+def test_the_pages_exist_and_the_readme_links_them():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for name in ("guide.md", "language.md", "plans.md", "own-model.md"):
+        assert (REPO / "docs" / name).is_file() and f"(docs/{name})" in readme
+
+
+@pytest.mark.parametrize("code", list(blocks("python")))
+def test_python_blocks_run(code, request, monkeypatch, tmp_path):
+    if "piper.compile(" in code:
+        request.getfixturevalue("ray_cluster")
+    monkeypatch.chdir(REPO)
+    path = tmp_path / "doc_block.py"
+    path.write_text(code, encoding="utf-8")
+    runpy.run_path(str(path), run_name="doc_block")     # a real module: TorchDynamo looks classes up in it
+
+
+@pytest.mark.parametrize("script", list(blocks("pps")))
+def test_pps_blocks_check_clean(script, tmp_path, capsys):
+    first = script.splitlines()[0]
+    flags = shlex.split(first[len("# piper check "):])[1:] if first.startswith("# piper check ") else []
+    path = tmp_path / "block.pps"
+    path.write_text(script, encoding="utf-8")
+    status = main(["check", "--format", "concise", str(path), *flags])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "error[" not in out and "warning[" not in out, out
+
+
+def commands():
+    """`piper check/show/simulate/explain` lines of the pages' bash blocks whose files are in the repository."""
+    for page in PAGES:
+        for kind, body in BLOCK.findall(page.read_text(encoding="utf-8")):
+            for line in body.splitlines() if kind == "bash" else ():
+                argv = shlex.split(line.split("  #")[0])
+                if argv[:1] != ["piper"] or argv[1] not in ("check", "show", "simulate", "explain"):
+                    continue
+                files = [a.split(":")[0] for a in argv if a.endswith(".pps") or ".py:" in a]
+                if all((REPO / f).is_file() for f in files):
+                    yield pytest.param(argv[1:], id=f"{page.relative_to(REPO)}:{' '.join(argv[1:3])}")
+
+
+@pytest.mark.parametrize("argv", list(commands()))
+def test_commands_in_the_pages_work(argv, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(argv) == 0, capsys.readouterr()
+
+
+def _own_model_files(tmp_path) -> tuple[Path, Path]:
+    text = (REPO / "docs" / "own-model.md").read_text(encoding="utf-8")
+    found = dict((body.splitlines()[0][2:].strip(), body) for kind, body in BLOCK.findall(text)
+                 if kind in ("python", "pps") and body.startswith("# "))
+    model, script = tmp_path / "my_model.py", tmp_path / "two_stages.pps"
+    model.write_text(found["my_model.py"])
+    script.write_text(found["two_stages.pps"])
+    return model, script
+
+
+def test_own_model_page_checks_against_its_model(tmp_path, capsys):
+    model, script = _own_model_files(tmp_path)
+    assert main(["check", str(script), "--model", f"{model}:make"]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.environ.get("PIPER_FULL"), reason="a second piper run training (tests/test_run_trainer.py "
+                    "trains one by default); runs with PIPER_FULL=1")
+def test_own_model_page_trains_with_piper_run(ray_cluster, tmp_path, capsys):
+    model, script = _own_model_files(tmp_path)
+    saved = tmp_path / "trained.pt"
+    assert main(["run", str(script), "--model", f"{model}:make", "--steps", "2", "--batch-size", "8",
+                 "--device", "cpu", "--save", str(saved)]) == 0
+    err = capsys.readouterr().err
+    assert "samples/s" in err and "again and again" not in err and saved.is_file()
