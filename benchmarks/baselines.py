@@ -83,8 +83,9 @@ class TorchWorker:
 
         kind: 'pipeline' (a torch.distributed.pipelining schedule), 'ddp',
         'fsdp2', or 'eager' (one process, a plain loop over microbatches).
-        model: 'gpt' (examples.gpt, `model_kw` for make_model) or 'chain'
-        (LinearChain, `model_kw` for make_chain).
+        model: 'gpt' (examples.gpt, `model_kw` for make_model), 'chain'
+        (LinearChain, `model_kw` for make_chain) or 'family:NAME'
+        (benchmarks/families.py, `model_kw` = {"cfg": ..., "regions": R}).
         """
         import torch.distributed as dist
 
@@ -96,6 +97,13 @@ class TorchWorker:
             net = make_chain(**model_kw)
             n_stages = self.world * (2 if schedule in MULTI_STAGE else 1)
             make_stage, loss_fn = (lambda s: ChainStage(net, s, n_stages)), chain_loss
+        elif model.startswith("family:"):       # benchmarks/families.py; model_kw: {"cfg": ..., "regions": R}
+            from .families import FAMILIES
+
+            family = FAMILIES[model.removeprefix("family:")]
+            net = family.make(model_kw["cfg"], regions=model_kw["regions"])
+            n_stages = model_kw["regions"]
+            make_stage, loss_fn = (lambda s: family.stage(net, s)), family.loss
         else:
             net, cfg = make_gpt(model_kw)
             n_stages = cfg.n_regions

@@ -47,6 +47,8 @@ SUITES = (
     Suite(6, "compiler", "Compile + verify time and scaling", "suite_compiler"),
     Suite(7, "overhead", "Per-action dispatch cost", "suite_overhead"),
     Suite(8, "cost-model", "Cost-model accuracy", "suite_cost_model"),
+    Suite(9, "families", "Model families beyond the example GPT", "suite_families"),
+    Suite(10, "experts", "Expert parallelism: divided vs replicated experts; DualPipeV x EP lanes", "suite_experts"),
 )
 BY_NAME = {s.name: s for s in SUITES}
 GPU_HEADING = "# Measured on GPU (CUDA, NCCL)"

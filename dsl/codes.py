@@ -47,7 +47,7 @@ VALUES = {
     "value-out-of-range": "a number outside what it may be (microbatches < 1, an index outside its axis)",
     "division-by-zero": "`//` or `%` by zero",
     "bad-split": "`split` of something other than MB (into a count) or B (into BI, BW)",
-    "bad-shard": "`shard` of something other than batch, optimizer, grads, params",
+    "bad-shard": "`shard` of something other than batch, optimizer, grads, params, experts",
     "loop-limit": "the script takes more than 1,000,000 steps",
     "recursion-limit": "`use` or `import` nested more than 64 levels deep",
 }
@@ -97,6 +97,8 @@ PLACEMENT = {
     "shard-without-batch": "optimizer, grads or params sharded over an axis the batch is not sharded over",
     "incomplete-zero": "grads sharded without optimizer, or params without grads and optimizer",
     "unsupported-sharding": "ZeRO while the batch is sharded over several axes",
+    "indivisible-experts": "`shard experts over AXIS` with a MoE layer whose experts do not divide by size(AXIS)",
+    "no-experts": "`shard experts` on a model without MoE layers",
 }
 # The global schedule and the plans (compiler.py, lower.py's check_orders, simulate.py).
 SCHEDULE = {
@@ -123,6 +125,7 @@ MODEL = {
     "unknown-module": "`annotate_modules` names a module the model does not have",
     "overlapping-groups": "`annotate_modules` puts one module (or a module and its parent) in two groups",
     "group-order": "`annotate_modules` groups listed in another order than forward runs them",
+    "bad-moe": "a piper.nn.MoE with a non-positive size or top_k above num_experts",
 }
 # A running job (job.py).
 JOBS = {

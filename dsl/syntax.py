@@ -10,6 +10,7 @@ out, so one run reports every syntax error (up to `MAX_SYNTAX_ERRORS`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from importlib import resources
@@ -74,7 +75,7 @@ class _Indenter(Indenter):
             yield token
 
 
-def _table_cache() -> str | bool:
+def _table_cache(grammar: str) -> str | bool:
     """Where lark keeps the built LALR tables between runs: building them is
     most of a small `piper check` (about 0.2 s of 0.3 s), loading them 5 ms.
     Lark names the grammar's hash, its options and its own version inside the
@@ -90,7 +91,9 @@ def _table_cache() -> str | bool:
         os.makedirs(folder, exist_ok=True)
     except OSError:
         return False
-    return os.path.join(folder, f"grammar-lalr-py{sys.version_info[0]}{sys.version_info[1]}.lark")
+    # Named by the grammar's hash too, so checkouts with different grammars do not evict each other.
+    digest = hashlib.sha256(grammar.encode()).hexdigest()[:12]
+    return os.path.join(folder, f"grammar-{digest}-py{sys.version_info[0]}{sys.version_info[1]}.lark")
 
 
 @functools.cache
@@ -98,7 +101,7 @@ def parser() -> Lark:
     """The LALR parser for the language (built once, about 0.2 s; its tables cached on disk)."""
     grammar = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
     return Lark(grammar, parser="lalr", postlex=_Indenter(), propagate_positions=True,
-                maybe_placeholders=False, cache=_table_cache())
+                maybe_placeholders=False, cache=_table_cache(grammar))
 
 
 def raw_parse(text: str) -> Tree:

@@ -1,0 +1,274 @@
+"""Suite 9, `families`: model families that are not the example GPT (benchmarks/families.py).
+
+For each family (the nn.MultiheadAttention GPT, an MLP-Mixer, and whatever
+`families.register` adds, such as a Hugging Face Llama or a MoE model):
+
+  (a) region compute against eager PyTorch on one device: the whole model as
+      one region, captured by `piper.capture`, shipped and rebuilt as the
+      runtime does (`runtime.graphs.pack/unpack`), run with the runtime's
+      saved-tensor hook and its parameters as views of one flat buffer whose
+      gradients are views of a flat gradient buffer; eager runs the module
+      with gradients accumulating likewise. One thread, CPU time of each
+      forward and backward, eager and Piper alternated; target within 3%;
+  (b) pipeline schedules against torch.distributed.pipelining on 2 and 4
+      devices (one region per stage, two per device for interleaved and V
+      schedules), alternated step by step, with the paired ratios' middle half;
+  (c) the cost model: `simulate` of the 1F1B job's plans with the per-action
+      CPU costs its workers recorded, against the slowest worker's measured
+      `run_step` (target within 10%);
+  (d) `piper check` start-up from the command line: a script alone, and 64
+      stages x 512 microbatches x dp 8 with ZeRO-3 (`--regions PP=64`).
+
+    python -m benchmarks --suite families [--quick]
+"""
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+import piper
+
+from .baselines import set_up_group
+from .families import FAMILIES
+from .harness import SuiteResult, Table, head_to_head, ray_cluster, short_error
+from .workloads import PIPELINE_SCHEDULES, REPO, schedule_strategy
+
+MICROBATCHES = 8
+TARGET_REGION = 0.03
+TARGET_COST = 0.10
+
+
+# -- (a) region compute vs eager ---------------------------------------------------------------------
+
+class _RegionRun:
+    """One region graph run the runtime's way (see the module docstring, (a))."""
+
+    def __init__(self, model, batch):
+        from piper.capture import BATCH, BUFFER, PARAM, capture
+        from piper.runtime.graphs import pack, unpack
+
+        program = capture(model, batch)
+        if len(program.regions) != 1:
+            raise ValueError(f"expected one region, captured {len(program.regions)}")
+        region = program.regions[0]
+        self.graph = unpack(pack(region.graph), torch.device("cpu"))
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        names = [i.ref for i in region.inputs if i.kind == PARAM]
+        flat = torch.cat([params[n].detach().reshape(-1) for n in names])
+        self.flat_grad = torch.zeros_like(flat)
+        views, offset = {}, 0
+        for n in names:
+            shape, numel = params[n].shape, params[n].numel()
+            view = flat[offset:offset + numel].view(shape).requires_grad_()
+            view.grad = self.flat_grad[offset:offset + numel].view(shape)
+            views[n], offset = view, offset + numel
+        self.args = [views[i.ref] if i.kind == PARAM else buffers[i.ref] if i.kind == BUFFER else batch[i.ref]
+                     for i in region.inputs]
+        assert all(i.kind in (PARAM, BUFFER, BATCH) for i in region.inputs)
+
+    def forward(self):
+        from piper.runtime.saved import SavedBytes
+
+        with torch.enable_grad(), SavedBytes():
+            return self.graph(*self.args)[-1]
+
+
+def region_vs_eager(family, cfg: dict, reps: int) -> dict:
+    """Median CPU ms of forward and backward, eager and Piper, alternated (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = family.make(cfg, regions=1)
+        batch = family.batches(cfg, 1)[0]
+        run = _RegionRun(model, batch)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)        # accumulate, as the runtime's flat gradient buffer does
+        systems = {"eager": lambda: model(*batch), "piper": run.forward}
+        cpu = {name: {"F": [], "B": []} for name in systems}
+        losses = {}
+        for i in range(reps + 2):                # 2 warm-up rounds
+            for name, forward in systems.items():
+                t0 = time.process_time()
+                loss = forward()
+                t1 = time.process_time()
+                loss.backward()
+                t2 = time.process_time()
+                losses[name] = float(loss.detach())
+                if i >= 2:
+                    cpu[name]["F"].append(t1 - t0)
+                    cpu[name]["B"].append(t2 - t1)
+        out = {f"{name}_{p}_ms": statistics.median(v) * 1e3 for name, d in cpu.items() for p, v in d.items()}
+        out["loss_gap"] = abs(losses["eager"] - losses["piper"])
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- (c) the cost model --------------------------------------------------------------------------------
+
+def cost_model_point(job, batches, *, warmup: int, steps: int) -> dict:
+    """Predicted vs measured step of `job` (CPU costs on the machine's shared cores, as suite 8)."""
+    from .suite_cost_model import CORES, Recorder, predict, run_steps
+
+    rec = Recorder(job)
+    errors = run_steps({"piper": rec}, batches, warmup=warmup, steps=steps)
+    if errors:
+        raise errors["piper"]
+    data = rec.data
+    sim = predict(job, data.costs(cpu=True), cores=CORES, background=data.background())
+    return {"measured_ms": data.step * 1e3, "run_step_ms": data.worker * 1e3, "predicted_ms": sim.step_time * 1e3,
+            "error": sim.step_time / data.worker - 1}
+
+
+# -- (d) piper check start-up ----------------------------------------------------------------------
+
+BIG_SCRIPT = "mesh dp=8, pp=64\nuse one_f_one_b(microbatches=512) on pp\nuse zero3() on dp\n"
+
+
+def check_startup(args: list[str], reps: int) -> dict:
+    """Median wall and CPU (user + sys) seconds of `python -m piper.cli check ARGS`, each run in a
+    fresh process (its own rusage from wait4; not its ru_maxrss, which Linux carries over from the
+    forked copy of this process across exec)."""
+    walls, cpus = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "piper.cli", "check", *args], cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        err = proc.stderr.read().decode(errors="replace")
+        proc.stderr.close()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(usage.ru_utime + usage.ru_stime)
+        if proc.returncode != 0:
+            raise RuntimeError(f"piper check exited {proc.returncode}: {err.strip()[-300:]}")
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+
+
+# -- the suite -----------------------------------------------------------------------------------------
+
+def run(ctx) -> SuiteResult:
+    quick = ctx.quick
+    result = SuiteResult("families", 9, "Model families beyond the example GPT: region compute, pipelines, "
+                         "cost model, piper check start-up", ctx.command("families"))
+    families = list(FAMILIES.values())
+
+    # (a)
+    reps = 5 if quick else 15
+    region = Table(f"Region forward/backward vs eager, one device, one thread (median CPU ms of {reps}, "
+                   "alternated); ratio eager/Piper (> 1: Piper faster), target within 3%",
+                   ["family", "model", "eager F", "Piper F", "F ratio", "eager B", "Piper B", "B ratio",
+                    "|Δloss|"])
+    for family in families:
+        cfg = family.quick if quick else family.full
+        ctx.log(f"families: {family.name} region vs eager")
+        try:
+            r = region_vs_eager(family, cfg, reps)
+        except Exception as exc:
+            region.add(family.name, family.describe(cfg), f"failed: {short_error(exc)}", *[None] * 6)
+            ctx.log(traceback.format_exc())
+            continue
+        f_ratio, b_ratio = r["eager_F_ms"] / r["piper_F_ms"], r["eager_B_ms"] / r["piper_B_ms"]
+        region.add(family.name, family.describe(cfg), r["eager_F_ms"], r["piper_F_ms"], f"{f_ratio:.3f}x",
+                   r["eager_B_ms"], r["piper_B_ms"], f"{b_ratio:.3f}x", f"{r['loss_gap']:.1e}")
+        result.metrics[f"{family.name}.region.F_ratio"] = f_ratio
+        result.metrics[f"{family.name}.region.B_ratio"] = b_ratio
+    region.notes.append("Piper: the model captured as one region (piper.capture), packed and rebuilt as "
+                        "workers do, run under the runtime's saved-tensor hook with flat-buffer parameter "
+                        "views and gradients accumulating into a flat buffer; eager: the module itself, "
+                        "gradients accumulating into preallocated .grad.")
+    result.tables.append(region)
+
+    # (b) and (c)
+    devices = (2,) if quick else (2, 4)
+    kinds = ("gpipe", "1f1b") if quick else tuple(PIPELINE_SCHEDULES)
+    warmup, steps = (1, 2) if quick else (2, 8)
+    timeout = 120.0
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    pipes = Table(f"Pipeline schedules vs torch (median of {steps} steps after {warmup} warm-up, A/B alternated), "
+                  f"{MICROBATCHES} microbatches; ratio torch/Piper (> 1: Piper faster)",
+                  ["family", "devices", "torch schedule", "Piper strategy", "torch ms", "Piper ms",
+                   "ratio torch/Piper", "paired ratios, middle half", "spread torch", "spread Piper",
+                   "max |Δloss|"])
+    costs = Table(f"Cost model: predicted vs measured step of the 1F1B job on {devices[0]} devices "
+                  "(per-action CPU costs from job.timings(cpu=True), the machine's cores shared); target within 10%",
+                  ["family", "measured ms (driver)", "worker run_step ms", "predicted ms", "error vs run_step"])
+    with ray_cluster():
+        for family in families:
+            cfg = family.quick if quick else family.full
+            batches = family.batches(cfg, warmup + steps + 4)
+            for p in devices:
+                group = None
+                for kind in kinds:
+                    torch_name, per_rank = PIPELINE_SCHEDULES[kind]
+                    regions = p * per_rank
+                    ctx.log(f"families: {family.name} {torch_name} vs Piper on {p} devices")
+                    group, torch_error = set_up_group(ctx, group, p, timeout, "pipeline", schedule=torch_name,
+                                                      model=f"family:{family.name}",
+                                                      model_kw={"cfg": cfg, "regions": regions},
+                                                      microbatches=MICROBATCHES)
+                    strategy, source, _ = schedule_strategy(kind, pp=p, microbatches=MICROBATCHES)
+                    job, piper_error = None, None
+                    try:
+                        job = piper.compile(family.make(cfg, regions=regions), batches[0], strategy=strategy,
+                                            mesh={"pp": p}, optimizer=optimizer, timeout=timeout, device=ctx.device)
+                    except Exception as exc:
+                        piper_error = f"failed: {short_error(exc)}"
+                        ctx.log(traceback.format_exc())
+                    race = head_to_head(group, job, batches, warmup=warmup, steps=steps, torch_error=torch_error,
+                                        piper_error=piper_error)
+                    group = race.group
+                    pipes.add(family.name, p, torch_name.removeprefix("Schedule"), source, *race.cells)
+                    for name, value in race.metrics():
+                        result.metrics[f"{family.name}.{kind}.pp{p}.{name}"] = value
+                if group is not None:
+                    group.close()
+            ctx.log(f"families: {family.name} cost model (1F1B, {devices[0]} devices)")
+            try:
+                strategy, _, _ = schedule_strategy("1f1b", pp=devices[0], microbatches=MICROBATCHES)
+                with piper.compile(family.make(cfg, regions=devices[0]), batches[0], strategy=strategy,
+                                   mesh={"pp": devices[0]}, optimizer=optimizer, timeout=timeout,
+                                   device=ctx.device) as job:
+                    c = cost_model_point(job, batches, warmup=warmup, steps=steps)
+                costs.add(family.name, c["measured_ms"], c["run_step_ms"], c["predicted_ms"], f"{c['error']:+.1%}")
+                result.metrics[f"{family.name}.cost_model.error"] = c["error"]
+            except Exception as exc:
+                costs.add(family.name, f"failed: {short_error(exc)}", None, None, None)
+                ctx.log(traceback.format_exc())
+    pipes.notes.append("torch: PipelineStage per stage module (families.Stage: the model's own region code and "
+                       "submodules), loss_fn the family's loss; Piper: the same model captured with its "
+                       "piper.annotate regions, the stdlib schedule named in the row.")
+    result.tables += [pipes, costs]
+
+    # (d)
+    reps_check = 3
+    check = Table(f"`piper check` from the command line, a fresh process each (median of {reps_check})",
+                  ["case", "wall s", "CPU s (user + sys)"])
+    with tempfile.TemporaryDirectory() as tmp:
+        big = os.path.join(tmp, "pp64_mb512_dp8.pps")
+        with open(big, "w", encoding="utf-8") as f:
+            f.write(BIG_SCRIPT)
+        for key, name, args in (
+                ("script", "examples/gpt_zero3_1f1b.pps alone", ["examples/gpt_zero3_1f1b.pps"]),
+                ("regions", "... --regions PP=2", ["examples/gpt_zero3_1f1b.pps", "--regions", "PP=2"]),
+                ("pp64_mb512_dp8", "dp=8 pp=64, 1F1B 512 mb, zero3, --regions PP=64", [big, "--regions", "PP=64"])):
+            ctx.log(f"families: piper check {name}")
+            try:
+                r = check_startup(args, reps_check)
+            except Exception as exc:
+                check.add(name, f"failed: {short_error(exc)}", None)
+                continue
+            check.add(name, r["wall_s"], r["cpu_s"])
+            result.metrics[f"check.{key}.cpu_s"] = r["cpu_s"]
+    check.notes.append("targets: under 0.3 s for a script alone, under 1 s for the 64 x 512 x dp 8 case; "
+                       "CPU time is the steadier measure on a shared machine.")
+    result.tables.append(check)
+    return result
