@@ -78,7 +78,9 @@ def run(args) -> int:
         from .train import fit
 
         losses = fit(job, itertools.chain([first], stream), steps, tokens_per_batch=count, unit=unit,
-                     console=console)
+                     console=console, metrics=getattr(args, "metrics", None))
+        if getattr(args, "trace", None):
+            console.print(f"trace of the last steps: {job.trace(args.trace)} (open it in ui.perfetto.dev)")
         if getattr(args, "save", None):
             torch.save(job.state_dict(), args.save)
             console.print(f"saved the trained weights to {args.save} (load with "

@@ -18,6 +18,7 @@ def add_run_arguments(run) -> None:
     add_training_arguments(run)
     add_cluster_arguments(run)
     add_output_arguments(run)
+    add_observation_arguments(run)
 
 
 def add_training_arguments(run) -> None:
@@ -43,3 +44,10 @@ def add_output_arguments(run) -> None:
     """What is written when training ends."""
     run.add_argument("--save", metavar="FILE.pt", default=None,
                      help="write the trained weights (model.state_dict() keys) with torch.save")
+
+
+def add_observation_arguments(run) -> None:
+    """What is recorded while training."""
+    run.add_argument("--trace", metavar="FILE.json", default=None,
+                     help="write the last steps as a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    run.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write one JSON line per step")
