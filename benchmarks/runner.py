@@ -51,6 +51,7 @@ SUITES = (
     Suite(10, "experts", "Expert parallelism: divided vs replicated experts; DualPipeV x EP lanes", "suite_experts"),
     Suite(11, "memory-model", "Predicted vs measured peak memory", "suite_memory_model"),
     Suite(12, "tune", "piper tune: search time, tuned vs hand-picked", "suite_tune"),
+    Suite(13, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "suite_checkpoint"),
 )
 BY_NAME = {s.name: s for s in SUITES}
 GPU_HEADING = "# Measured on GPU (CUDA, NCCL)"

@@ -137,6 +137,8 @@ JOBS = {
     "worker-failed": "a worker raised an exception",
     "job-closed": "`step` on a job that is closed",
     "no-trace": "`job.trace` before the job has run a step",
+    "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",
+    "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

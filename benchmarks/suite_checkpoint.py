@@ -1,0 +1,191 @@
+"""Suite 13, `checkpoint`: Piper's `job.save` / `job.load` vs FSDP2 + torch.distributed.checkpoint.
+
+Same GPT, ZeRO-3 over dp (Piper's `zero3`, one flat unit per region) against
+FSDP2 (`fully_shard` per region, then the root), AdamW with its state after
+one step, on 2 (and 4) devices. Both write the same kind of checkpoint: DCP's
+FileSystemWriter, model.state_dict() names, AdamW moments per parameter. The
+torch side is what its documentation prescribes: `get_state_dict` then
+`dcp.save`; `get_state_dict`, `dcp.load`, `set_state_dict`. Times are wall
+clock from the driver's call to every worker having finished (what a
+training loop waits), medians of alternated repeats; bytes per device are
+the sizes of each rank's `__RANK_*.distcp` files.
+
+    python -m benchmarks --suite checkpoint [--quick]
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+
+import piper
+
+from .baselines import set_up_group
+from .harness import SuiteResult, Table, mib, ms, ray_cluster, short_error
+from .workloads import GPTWorkload, gpt_batches, make_gpt, n_params, zero_strategy
+
+
+def workload(quick: bool) -> tuple[GPTWorkload, int]:
+    if quick:
+        return GPTWorkload(n_layer=2, n_embd=32, n_head=2, block_size=16, batch=8), 2
+    return GPTWorkload(n_layer=4, n_embd=256, n_head=4, block_size=64, batch=16), 4
+
+
+def _fsdp_save(worker, path: str) -> None:
+    """On a torch worker: FSDP2's documented checkpoint save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(worker.model, worker.optimizer)
+    dcp.save({"model": model, "optim": optim}, checkpoint_id=path)
+
+
+def _fsdp_load(worker, path: str) -> None:
+    """On a torch worker: FSDP2's documented checkpoint load (in place, resharded by DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim = get_state_dict(worker.model, worker.optimizer)
+    state = {"model": model, "optim": optim}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(worker.model, worker.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _barrier(worker) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def bytes_per_rank(path: str) -> dict[int, int]:
+    """Bytes of the data files each rank wrote (DCP names them __RANK_N.distcp)."""
+    out: dict[int, int] = {}
+    for name in os.listdir(path):
+        m = re.match(r"__(\d+)_\d+\.distcp\Z", name)
+        if m:
+            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + os.path.getsize(os.path.join(path, name))
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(ctx) -> SuiteResult:
+    import ray
+
+    quick = ctx.quick
+    wl, regions = workload(quick)
+    devices = (2,) if quick else (2, 4)
+    repeats = 2 if quick else 5
+    timeout = 180.0
+    kw = wl.model_kw(regions)
+    batch = gpt_batches(wl, 1)[0]
+    model, _ = make_gpt(kw)
+    state_bytes = n_params(model) * model.wte.weight.element_size() * 3     # parameters + two AdamW moments
+    result = SuiteResult("checkpoint", 10, "Checkpoint save and load vs FSDP2 + DCP", ctx.command("checkpoint"))
+    table = Table(f"Save and load of parameters + AdamW state ({mib(state_bytes):.2f} MiB in all), median of "
+                  f"{repeats} alternated repeats; {wl.describe(regions)}; ZeRO-3 / FSDP2 over dp",
+                  ["devices", "system", "save ms", "load ms", "MiB per device (min-max)", "MiB written in all",
+                   "files"])
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    root = tempfile.mkdtemp(prefix="piper-bench-ckpt-")
+    try:
+        with ray_cluster():
+            for n in devices:
+                unhosted = ctx.cannot_host(n)
+                if unhosted:
+                    table.add(n, "both", unhosted, None, None, None, None)
+                    continue
+                ctx.log(f"checkpoint: Piper zero3 vs FSDP2 + DCP on {n} devices")
+                group, torch_error = set_up_group(ctx, None, n, timeout, "fsdp2", model_kw=kw)
+                job, piper_error = None, None
+                try:
+                    strategy, _, _ = zero_strategy("zero3", dp=n)
+                    job = piper.compile(make_gpt(kw)[0], batch, strategy=strategy, mesh={"dp": n},
+                                        optimizer=optimizer, timeout=timeout, device=ctx.device)
+                    job.step(*batch)                # AdamW's state exists from the first step
+                except Exception as exc:
+                    piper_error = f"failed: {short_error(exc)}"
+                    ctx.log(traceback.format_exc())
+                if group is not None:
+                    try:
+                        group.step(*batch)
+                    except Exception as exc:
+                        torch_error = f"failed: {short_error(exc)}"
+                        ctx.log(traceback.format_exc())
+                times = {"piper": {"save": [], "load": []}, "torch": {"save": [], "load": []}}
+                paths = {"piper": os.path.join(root, f"piper-{n}"), "torch": os.path.join(root, f"torch-{n}")}
+
+                def piper_save():
+                    job.save(paths["piper"])
+
+                def piper_load():
+                    job.load(paths["piper"])
+
+                def on_all(fn):
+                    ray.get([a.__ray_call__.remote(fn, paths["torch"]) for a in group.actors], timeout=timeout)
+
+                for _ in range(repeats):
+                    for system in ("piper", "torch"):
+                        if (piper_error if system == "piper" else torch_error):
+                            continue
+                        try:
+                            shutil.rmtree(paths[system], ignore_errors=True)
+                            if system == "piper":
+                                times[system]["save"].append(_timed(piper_save))
+                                times[system]["load"].append(_timed(piper_load))
+                            else:
+                                ray.get([a.__ray_call__.remote(_barrier) for a in group.actors], timeout=timeout)
+                                times[system]["save"].append(_timed(lambda: on_all(_fsdp_save)))
+                                times[system]["load"].append(_timed(lambda: on_all(_fsdp_load)))
+                        except Exception as exc:
+                            message = f"failed: {short_error(exc)}"
+                            ctx.log(traceback.format_exc())
+                            if system == "piper":
+                                piper_error = message
+                            else:
+                                torch_error = message
+                for system, label, failed in (("piper", f"Piper zero3 (dp={n})", piper_error),
+                                              ("torch", f"FSDP2 + DCP (dp={n})", torch_error)):
+                    if failed:
+                        table.add(n, label, failed, None, None, None, None)
+                        continue
+                    per_rank = bytes_per_rank(paths[system])
+                    save, load = (statistics.median(times[system][k]) for k in ("save", "load"))
+                    spread = f"{mib(min(per_rank.values())):.3f}-{mib(max(per_rank.values())):.3f}"
+                    table.add(n, label, ms(save), ms(load), spread, mib(sum(per_rank.values())), len(per_rank))
+                    key = f"{system}.dp{n}"
+                    result.metrics[f"{key}.save_ms"] = ms(save)
+                    result.metrics[f"{key}.load_ms"] = ms(load)
+                    result.metrics[f"{key}.max_bytes_per_device"] = float(max(per_rank.values()))
+                    result.metrics[f"{key}.total_bytes"] = float(sum(per_rank.values()))
+                if job is not None:
+                    job.close()
+                if group is not None:
+                    group.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    table.notes += [
+        "Measured on a loaded, shared machine (other work ran at the same time): compare the two rows of one "
+        "run, not times across runs.",
+        "Piper: job.save / job.load (piper/checkpoint.py); each worker describes the part of every parameter "
+        "its flat ZeRO shard covers as a few contiguous boxes and DCP writes them as they lie, so nothing is "
+        "gathered or copied first. Its load also checks names, shapes and optimizer state on the driver first "
+        "(one more round trip to the workers).",
+        "FSDP2: get_state_dict + dcp.save; get_state_dict + dcp.load + set_state_dict "
+        "(torch.distributed.checkpoint.state_dict), on the same Gloo process group.",
+        "Bytes above the parameters + moments come from each file's per-tensor torch.save headers and the "
+        "AdamW step counts (one per parameter on both sides).",
+    ]
+    result.tables.append(table)
+    return result
