@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm, recompute
+from . import comm, recompute, tied
 from .clip import GlobalNormClip
 from .experts import Experts, lane_group
 from .flat import UnitLayout
@@ -629,6 +629,8 @@ class Executor:
 
     def _send(self, action) -> None:
         node = action.node
+        if node.phase == "T":                  # a tied weight's gradient (runtime/tied.py)
+            return tied.send(self, action)
         v = self._value_of(node)
         if node.phase == "F":
             tensor = self.values[(v, node.mb)].detach()
@@ -638,6 +640,8 @@ class Executor:
 
     def _recv(self, action) -> None:
         node = action.node
+        if node.phase == "T":
+            return tied.recv(self, action)
         v = self._value_of(node)
         _, _, shape, dtype, _ = self.spec.values[v]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
