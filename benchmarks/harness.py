@@ -234,7 +234,7 @@ def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     owned = False
     if not ray.is_initialized():
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR",
+        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR",
                  log_to_driver=False)
         owned = True
     try:

@@ -48,7 +48,8 @@ SUITES = (
     Suite(7, "overhead", "Per-action dispatch cost", "suite_overhead"),
     Suite(8, "cost-model", "Cost-model accuracy", "suite_cost_model"),
     Suite(9, "families", "Model families beyond the example GPT", "suite_families"),
-    Suite(10, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "suite_checkpoint"),
+    Suite(10, "experts", "Expert parallelism: divided vs replicated experts; DualPipeV x EP lanes", "suite_experts"),
+    Suite(11, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "suite_checkpoint"),
 )
 BY_NAME = {s.name: s for s in SUITES}
 GPU_HEADING = "# Measured on GPU (CUDA, NCCL)"

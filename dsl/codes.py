@@ -47,7 +47,7 @@ VALUES = {
     "value-out-of-range": "a number outside what it may be (microbatches < 1, an index outside its axis)",
     "division-by-zero": "`//` or `%` by zero",
     "bad-split": "`split` of something other than MB (into a count) or B (into BI, BW)",
-    "bad-shard": "`shard` of something other than batch, optimizer, grads, params",
+    "bad-shard": "`shard` of something other than batch, optimizer, grads, params, experts",
     "loop-limit": "the script takes more than 1,000,000 steps",
     "recursion-limit": "`use` or `import` nested more than 64 levels deep",
 }
@@ -97,6 +97,8 @@ PLACEMENT = {
     "shard-without-batch": "optimizer, grads or params sharded over an axis the batch is not sharded over",
     "incomplete-zero": "grads sharded without optimizer, or params without grads and optimizer",
     "unsupported-sharding": "ZeRO while the batch is sharded over several axes",
+    "indivisible-experts": "`shard experts over AXIS` with a MoE layer whose experts do not divide by size(AXIS)",
+    "no-experts": "`shard experts` on a model without MoE layers",
 }
 # The global schedule and the plans (compiler.py, lower.py's check_orders, simulate.py).
 SCHEDULE = {
@@ -120,6 +122,7 @@ MODEL = {
     "unannotated-compute": "compute outside every `piper.annotate` block when others are annotated",
     "bad-annotation": "a region annotation whose value is not an integer index",
     "unsupported-model": "a constant tensor, a buffer update or a non-tensor between regions",
+    "bad-moe": "a piper.nn.MoE with a non-positive size or top_k above num_experts",
 }
 # A running job (job.py).
 JOBS = {
@@ -132,6 +135,7 @@ JOBS = {
     "job-closed": "`step` on a job that is closed",
     "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",
     "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
+    "checkpoint-unsupported": "`job.save`/`job.load` of a job whose strategy checkpoints cannot hold yet",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

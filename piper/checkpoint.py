@@ -63,6 +63,16 @@ def model_keys(model, program) -> tuple[frozenset, dict[str, str]]:
     return frozenset(state), aliases
 
 
+def _check_supported(job, what: str) -> None:
+    """Expert weights under `shard experts` live outside the flat units this module writes."""
+    held = getattr(job, "_expert_weights", None)
+    if held:
+        raise error("checkpoint-unsupported", f"`job.{what}` cannot yet {what} a job with `shard experts`: its "
+                    f"{len(held)} expert weight(s) ({', '.join(sorted(held)[:3])}...) are held outside the flat "
+                    "parameter units checkpoints are written from", hint="checkpoint the job without "
+                    "`shard experts` (experts replicated), or keep its weights with job.state_dict()")
+
+
 def _persistent_buffers(job) -> list[str]:
     return [k for k in job._buffers if k in job.state_keys]
 
@@ -72,6 +82,7 @@ def save(job, path) -> str:
     DCP directory `path` (created; an earlier checkpoint there is replaced). Returns the
     absolute path."""
     job._check_open()
+    _check_supported(job, "save")
     path = os.path.abspath(os.fspath(path))
     _clear_old_save(path)
     meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
@@ -235,6 +246,7 @@ def load(job, path) -> dict:
     """Read checkpoint `path` into the running `job`, whatever strategy and mesh wrote it:
     parameters, persistent buffers, optimizer state and the step count. Returns its metadata."""
     job._check_open()
+    _check_supported(job, "load")
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
     info = read_info(path)

@@ -12,7 +12,7 @@ from .diagnostics import Span
 from .mesh import DeviceGroup
 from .selectors import Selector
 
-SHARDABLE = ("batch", "optimizer", "grads", "params")
+SHARDABLE = ("batch", "optimizer", "grads", "params", "experts")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, experts
 from .batch_check import check_step_inputs, input_names
 from .capture import BATCH, BUFFER, Program, capture
 from .checkpoint import describe_strategy
@@ -23,6 +23,7 @@ from .compiler import Compiled
 from .diagnostics import PiperError, error
 from .directives import Shard, Split
 from .mesh import Mesh
+from .experts import expert_spec, expert_state, slots_lanes
 from .planning import _no_cycle_collection, compile_directives
 from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
@@ -131,8 +132,11 @@ class Job:
         self.strategy = None                              # its name, for checkpoint metadata
         self.state_keys, self.aliases = checkpoint.model_keys(model, program)   # a checkpoint's `model.*`
         ir = compiled.ir
+        # Under `shard experts`, expert weights live outside the flat units: each device holds its rows.
+        self._expert_weights = experts.expert_params(program) if ir.sharded("experts") else {}
         self.layouts: dict[int, UnitLayout] = {
-            r.index: layout_unit(r.index, r.owned, program.params, ir.devices_of(r.index))
+            r.index: layout_unit(r.index, [p for p in r.owned if p not in self._expert_weights], program.params,
+                                 ir.devices_of(r.index))
             for r in ir.regions if r.owned}
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
         try:
@@ -215,6 +219,8 @@ class Job:
         spec = WorkerSpec(rank, self.mesh.world_size, self.compiled.plans[rank], regions, values, units,
                           self.compiled.zero, optimizer, 1.0 / (self.microbatches * self.shards),
                           {k: self._buffers[k] for k in needed}, groups, slots, self.concurrent)
+        if self._expert_weights:
+            spec.experts, init["experts"] = expert_spec(program, ir, rank, params, slots_lanes(self))
         return spec, init
 
     # -- running -----------------------------------------------------------------------------
@@ -290,6 +296,8 @@ class Job:
             for b, bucket in enumerate(layout.buckets):
                 pieces = [shards[rank][u][b] for rank in layout.group]
                 out.update(unflatten(bucket, torch.cat(pieces)))
+        if self._expert_weights:
+            out.update(expert_state(self.compiled.ir, self.program, self._expert_weights, shards))
         out.update({k: v.clone() for k, v in self._buffers.items()})
         return out
 

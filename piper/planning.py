@@ -17,5 +17,10 @@ def compile_directives(program, mesh, directives) -> Compiled:
 
     with _no_cycle_collection(), explain_unplaced(program, directives):
         compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
+        if compiled.ir.sharded("experts") is not None:      # expert parallelism: check it, add ALL_TO_ALLs
+            from . import experts
+
+            experts.check(program, compiled.ir)
+            compiled = experts.add_all_to_alls(compiled, program)
         verify(compiled)       # raises on deadlock before anything runs
     return compiled

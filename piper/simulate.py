@@ -191,6 +191,11 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                     spent += cost
                 else:  # collective
                     group = a.group
+                    if op == "ALL_TO_ALL" and (rank, node.key) in done:
+                        # Expert all-to-alls run inside their compute: the device waits for them.
+                        now = max(now, done[(rank, node.key)])
+                        i += 1
+                        continue
                     members = issued[(node.key, group)]
                     members[rank] = now
                     need = members_of.get(group)
@@ -199,11 +204,16 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                         # data-parallel shard stands for its (identical) peers.
                         need = members_of[group] = sum(1 for m in group if m in plans)
                     if len(members) == need:
-                        start_at = max(max(members.values()), group_last[group])
+                        stream = (group, "ep") if op == "ALL_TO_ALL" else group   # own process groups
+                        start_at = max(max(members.values()), group_last[stream])
                         finish = start_at + comm_cost(node)
-                        group_last[group] = finish
+                        group_last[stream] = finish
                         for member in group:
                             done[(member, node.key)] = finish
+                    if op == "ALL_TO_ALL":
+                        if (rank, node.key) not in done:
+                            break         # until every member of the expert group is there
+                        continue          # taken up again at the top of the loop
                 i += 1
             if i != start:
                 pos[rank], clock[rank], busy[rank] = i, now, spent

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import comm
+from .experts import Experts, lane_group
 from .flat import UnitLayout
 from .graphs import unpack
 from .saved import SavedBytes
@@ -51,6 +52,7 @@ class WorkerSpec:
     groups: list = field(default_factory=list)    # every collective group, same order on all ranks
     slots: tuple = ()                             # `order` slots of several computes, as tuples of keys
     concurrent: bool = True                       # run an overlapped slot's items at once (CPU only, see below)
+    experts: object = None                        # runtime.experts.ExpertSpec under `shard experts`
 
 
 class Unit:
@@ -258,6 +260,8 @@ class Executor:
         self.groups = comm.new_groups(spec.groups)
         self.units = {u: Unit(layout, spec.rank, spec.zero, init[u], spec.optimizer, self.device)
                       for u, layout in spec.units.items()}
+        self.experts = (Experts(spec.experts, spec.rank, init.get("experts", {}), spec.optimizer, self.device)
+                        if spec.experts is not None else None)
         self.buffers = {k: v.to(self.device) for k, v in spec.buffers.items()}
         self.by_value = {(p, i): v for v, (p, i, *_rest) in spec.values.items()}
         self.pending: dict[str, tuple[list, object]] = {}
@@ -349,10 +353,14 @@ class Executor:
         if compute and self._events is not None:
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
+        if compute and self.experts is not None:
+            self.experts.exchanged()          # count only this compute's all-to-alls
         getattr(self, "_" + action.node.op.lower())(action)
         end = time.perf_counter()
         if compute:
             self.timings[action.key] = end - start
+            if self.experts is not None:      # its all-to-alls go to their ALL_TO_ALL node
+                self.experts.account(action.node, self.timings)
             if self._events is not None:
                 done = torch.cuda.Event(enable_timing=True)
                 done.record()
@@ -369,9 +377,10 @@ class Executor:
             self.timings[key] = begin.elapsed_time(done) / 1e3
         self._events.clear()
 
-    def _run_lane(self, lane) -> tuple[float, float]:
+    def _run_lane(self, lane, number: int = 0) -> tuple[float, float]:
         """Run a lane's actions; (start of its first compute, end of its last)."""
-        busy = [self._run(a) for a in lane]
+        with lane_group(self.experts and self.experts.lanes, number):   # its own expert all-to-all group
+            busy = [self._run(a) for a in lane]
         computes = [t for a, t in zip(lane, busy) if a.node.is_compute]
         return computes[0][0], computes[-1][1]
 
@@ -380,7 +389,7 @@ class Executor:
         for action in span.before:
             self._run(action)
         first, *rest = span.lanes
-        futures = [self._pool.submit(self._run_lane, lane) for lane in rest]
+        futures = [self._pool.submit(self._run_lane, lane, k) for k, lane in enumerate(rest, 1)]
         try:
             times = [self._run_lane(first)]
         finally:
@@ -413,6 +422,8 @@ class Executor:
         views = {}
         for u in region.units:
             views.update(self.units[u].views())
+            if self.experts is not None:
+                views.update(self.experts.views(u))
         args, leaves = [], {}
         for inp in region.inputs:
             if inp.kind == PARAM:
@@ -501,7 +512,7 @@ class Executor:
         outs, leaves = self.saved[(node.region, node.mb)]
         tensors, grads = self._backward_targets(region, node.mb, outs)
         keys = list(leaves)
-        weights = [w for u in region.units for w in self.units[u].weights()]
+        weights = self._weights(region)
         if tensors:
             inputs = [leaves[k] for k in keys]
             split = self._can_split.get(node.region)
@@ -520,13 +531,21 @@ class Executor:
             region = self.spec.regions[node.region]
             state = self.saved.pop((node.region, node.mb))
             self._grads_for(region)
-            backward_weights([w for u in region.units for w in self.units[u].weights()], state)
+            backward_weights(self._weights(region), state)
             with self._lock:
                 self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
         self._release(action)
 
+    def _weights(self, region: RegionSpec) -> list[torch.Tensor]:
+        weights = [w for u in region.units for w in self.units[u].weights()]
+        if self.experts is not None:
+            weights += [w for u in region.units for w in self.experts.weights(u)]
+        return weights
+
     def _upd(self, action) -> None:
         self.units[action.node.region].step()
+        if self.experts is not None:
+            self.experts.step(action.node.region)
         self._sample()
 
     def _release(self, action) -> None:
@@ -542,6 +561,8 @@ class Executor:
         held = self.activations
         for unit in self._unit_list:
             held += unit.held
+        if self.experts is not None:
+            held += self.experts.held
         if held > self.step_peak:           # lanes sample too: raise it under the lock
             with self._lock:
                 self.step_peak = max(self.step_peak, held)
@@ -605,6 +626,9 @@ class Executor:
             if self.units[u].zero >= 2:
                 self.units[u].attach_grads()
 
+    def _all_to_all(self, action) -> None:
+        """The compute before it issued these all-to-alls from its graph (`piper.experts.add_all_to_alls`)."""
+
     def _all_gather(self, action) -> None:
         unit = self.units[action.node.region]
         group = self.groups[action.group]
@@ -612,8 +636,11 @@ class Executor:
         self.pending[action.key] = (works, None)
 
     # -- inspection ------------------------------------------------------------------------
-    def shards(self) -> dict[int, list[torch.Tensor]]:
-        return {u: unit.shards() for u, unit in self.units.items()}
+    def shards(self) -> dict:
+        out = {u: unit.shards() for u, unit in self.units.items()}
+        if self.experts is not None:
+            out["experts"] = self.experts.shards()     # this device's expert rows, by weight name
+        return out
 
     def memory(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state held between steps,
@@ -621,6 +648,9 @@ class Executor:
         total = {"params": 0, "grads": 0, "optimizer": 0}
         for unit in self.units.values():
             for k, v in unit.memory().items():
+                total[k] += v
+        if self.experts is not None:
+            for k, v in self.experts.memory().items():
                 total[k] += v
         total["activations_peak"] = self.activation_peak
         total["step_peak"] = self.step_peak

@@ -24,6 +24,8 @@ class _Op:
 
     def resolve(self):
         namespace, name, overload = self.qualname.split(".")
+        if namespace == "piper":
+            from .. import nn  # noqa: F401  registers Piper's own ops (MoE dispatch/combine) on this process
         return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 

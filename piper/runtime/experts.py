@@ -1,0 +1,154 @@
+"""Expert parallelism on a worker: the expert groups the MoE ops move tokens
+over, and the expert parameters each device holds.
+
+Under `shard experts over AXIS` the devices that differ only along AXIS form
+one expert group; member `i` holds experts `[i * E/n, (i + 1) * E/n)` of every
+expert weight. `piper.nn`'s dispatch/combine ops ask `current()` for the group
+of the calling thread and run their all-to-alls on it:
+
+- counts first (`exchange_counts`: an even all-to-all of per-expert counts), so
+  every member knows the split sizes before the uneven all-to-all of rows
+  (Gloo does not check that split sizes agree across ranks);
+- one process group per lane: the items of an overlapped slot run in two
+  threads, and two threads on one Gloo group give silently wrong results. Every
+  replica runs the same plan with the same lanes, so each group sees the same
+  sequence of all-to-alls on every member.
+
+Expert gradients need no reduction: with the batch sharded over AXIS alone,
+the tokens of every replica reach an expert's one holder, whose gradient is
+then already the sum over the global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_thread = threading.local()
+_default: "ExpertGroup | None" = None      # lane 0 (and CUDA's autograd threads, where backward runs)
+
+
+class ExpertGroup:
+    """One lane's process group over the devices that split the experts."""
+
+    def __init__(self, group, ranks: tuple[int, ...], rank: int):
+        self.group = group
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.index = ranks.index(rank)
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """`counts[e]` rows for global expert `e` -> `[size * local]` rows each member sends here."""
+        start = time.perf_counter()
+        out = torch.empty_like(counts)
+        dist.all_to_all_single(out, counts.contiguous(), group=self.group)
+        _thread.seconds = getattr(_thread, "seconds", 0.0) + time.perf_counter() - start
+        return out
+
+    def all_to_all(self, rows: torch.Tensor, out_splits: torch.Tensor, in_splits: torch.Tensor) -> torch.Tensor:
+        """Send `in_splits[j]` rows to member j, receive `out_splits[j]` from it."""
+        start = time.perf_counter()
+        outs, ins = out_splits.tolist(), in_splits.tolist()
+        out = rows.new_empty(sum(outs), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), outs, ins, group=self.group)
+        _thread.seconds = getattr(_thread, "seconds", 0.0) + time.perf_counter() - start
+        return out
+
+
+def current() -> ExpertGroup | None:
+    """The calling thread's expert group; None on one device (the ops' local meaning)."""
+    return getattr(_thread, "group", None) or _default
+
+
+@contextlib.contextmanager
+def lane_group(groups: "list[ExpertGroup] | None", lane: int):
+    """Run the body with lane `lane`'s expert group (overlapped slots: one group per lane)."""
+    if not groups:
+        yield
+        return
+    previous = getattr(_thread, "group", None)
+    _thread.group = groups[lane]
+    try:
+        yield
+    finally:
+        _thread.group = previous
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """What a worker needs for expert parallelism: the groups (every rank creates
+    all of them, in this order), how many lanes, and its expert slices by unit."""
+
+    groups: tuple[tuple[int, ...], ...]          # every expert group of the mesh
+    lanes: int
+    params: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)   # unit -> name -> (lo, hi)
+
+
+class Experts:
+    """This device's expert parameters (leaves with their own `.grad`) and its groups."""
+
+    def __init__(self, spec: ExpertSpec, rank: int, init: dict[str, torch.Tensor], optimizer, device):
+        global _default
+        self.spec = spec
+        self.lanes: list[ExpertGroup] = []
+        for ranks in spec.groups:
+            made = [dist.new_group(list(ranks)) for _ in range(spec.lanes)]
+            if rank in ranks:
+                self.lanes = [ExpertGroup(g, ranks, rank) for g in made]
+        _default = self.lanes[0] if self.lanes else None
+        self.leaves: dict[int, dict[str, torch.Tensor]] = {}
+        self.optimizers = {}
+        for unit, names in spec.params.items():
+            leaves = {name: init[name].to(device).clone().requires_grad_() for name in names}
+            self.leaves[unit] = leaves
+            self.optimizers[unit] = optimizer(list(leaves.values()))
+
+    @staticmethod
+    def exchanged() -> float:
+        """Seconds the calling thread spent in expert all-to-alls since it last asked."""
+        seconds, _thread.seconds = getattr(_thread, "seconds", 0.0), 0.0
+        return seconds
+
+    def account(self, node, timings: dict[str, float]) -> None:
+        """Move the all-to-all seconds of the compute `node` just ran from its own time to its
+        ALL_TO_ALL node's (`0ALL_TO_ALL_F3`), so a simulation priced from `job.timings()`
+        (computes as `costs`, the node as `comm_cost`) counts them once."""
+        seconds = self.exchanged()
+        if seconds and node.op in ("F", "B", "BI"):
+            timings[f"{node.region}ALL_TO_ALL_{node.op}{node.mb}"] = seconds
+            timings[node.key] = max(0.0, timings[node.key] - seconds)
+
+    def views(self, unit: int) -> dict[str, torch.Tensor]:
+        return self.leaves.get(unit, {})
+
+    def weights(self, unit: int) -> list[torch.Tensor]:
+        return list(self.leaves.get(unit, {}).values())
+
+    def step(self, unit: int) -> None:
+        if unit not in self.optimizers:
+            return
+        # An expert no token reached still has a (zero) gradient from expert_mm's backward, as on
+        # one device; a weight no compute used has none, and the optimizer skips it, as torch's do.
+        self.optimizers[unit].step()
+        for leaf in self.leaves[unit].values():
+            leaf.grad = None
+
+    def shards(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().cpu().clone() for leaves in self.leaves.values() for name, t in leaves.items()}
+
+    @property
+    def held(self) -> int:
+        """Bytes of expert parameters, gradients and optimizer state alive now (for `step_peak`)."""
+        return sum(self.memory().values())
+
+    def memory(self) -> dict[str, int]:
+        params = sum(t.untyped_storage().nbytes() for ls in self.leaves.values() for t in ls.values())
+        grads = sum(t.grad.untyped_storage().nbytes() for ls in self.leaves.values() for t in ls.values()
+                    if t.grad is not None)
+        opt = sum(v.untyped_storage().nbytes() for o in self.optimizers.values() for s in o.state.values()
+                  for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optimizer": opt}
