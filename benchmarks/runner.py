@@ -49,7 +49,9 @@ SUITES = (
     Suite(8, "cost-model", "Cost-model accuracy", "suite_cost_model"),
     Suite(9, "families", "Model families beyond the example GPT", "suite_families"),
     Suite(10, "experts", "Expert parallelism: divided vs replicated experts; DualPipeV x EP lanes", "suite_experts"),
-    Suite(11, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "suite_checkpoint"),
+    Suite(11, "memory-model", "Predicted vs measured peak memory", "suite_memory_model"),
+    Suite(12, "tune", "piper tune: search time, tuned vs hand-picked", "suite_tune"),
+    Suite(13, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "suite_checkpoint"),
 )
 BY_NAME = {s.name: s for s in SUITES}
 GPU_HEADING = "# Measured on GPU (CUDA, NCCL)"

@@ -1,4 +1,4 @@
-"""Suite 11, `checkpoint`: Piper's `job.save` / `job.load` vs FSDP2 + torch.distributed.checkpoint.
+"""Suite 13, `checkpoint`: Piper's `job.save` / `job.load` vs FSDP2 + torch.distributed.checkpoint.
 
 Same GPT, ZeRO-3 over dp (Piper's `zero3`, one flat unit per region) against
 FSDP2 (`fully_shard` per region, then the root), AdamW with its state after
@@ -92,7 +92,7 @@ def run(ctx) -> SuiteResult:
     batch = gpt_batches(wl, 1)[0]
     model, _ = make_gpt(kw)
     state_bytes = n_params(model) * model.wte.weight.element_size() * 3     # parameters + two AdamW moments
-    result = SuiteResult("checkpoint", 11, "Checkpoint save and load vs FSDP2 + DCP", ctx.command("checkpoint"))
+    result = SuiteResult("checkpoint", 13, "Checkpoint save and load vs FSDP2 + DCP", ctx.command("checkpoint"))
     table = Table(f"Save and load of parameters + AdamW state ({mib(state_bytes):.2f} MiB in all), median of "
                   f"{repeats} alternated repeats; {wl.describe(regions)}; ZeRO-3 / FSDP2 over dp",
                   ["devices", "system", "save ms", "load ms", "MiB per device (min-max)", "MiB written in all",

@@ -136,6 +136,7 @@ JOBS = {
     "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",
     "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
     "checkpoint-unsupported": "`job.save`/`job.load` of a job whose strategy checkpoints cannot hold yet",
+    "no-trace": "`job.trace` before the job has run a step",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {
@@ -143,6 +144,10 @@ COMMANDS = {
     "export-unsupported": "a schedule torch's CSV cannot express (regions other than PP=k, no pipeline axis)",
     "bad-schedule-csv": "a torch schedule CSV that `piper import` cannot read",
     "bad-ir": "IR text that `parse_ir` cannot read",
+    "bad-program-json": "a prototype JSON program that `piper import` cannot read (not JSON, a bad directive)",
+    "prototype-unsupported": "a prototype directive the .pps language has no equivalent for",
+    "prototype-dropped": "a prototype directive's stream, dropped on import (warning)",
+    "no-fit": "`piper tune` found no strategy that fits the memory budget",
 }
 
 CODES: dict[str, str] = {**SYNTAX, **NAMES_AND_TYPES, **VALUES, **FILES, **WARNINGS, **TOOLS, **PYTHON_API,

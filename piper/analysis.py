@@ -35,9 +35,16 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
 def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=None,
                    batch_size: int | None = None) -> Compiled:
     """Build, lower, schedule and verify `script` (a loaded script or strategy)."""
+    return compile_with_program(script, mesh=mesh, model_spec=model_spec, regions=regions,
+                                batch_size=batch_size)[0]
+
+
+def compile_with_program(script, *, mesh=None, model_spec: str | None = None, regions=None,
+                         batch_size: int | None = None) -> tuple[Compiled, Program]:
+    """`compile_script`, and the program it planned for (for memory prediction)."""
     mesh, directives = script.build(mesh)
     program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
-    return compile_directives(program, mesh, directives)
+    return compile_directives(program, mesh, directives), program
 
 
 def analyze(script, *, mesh, model_spec: str | None = None, regions: dict | None = None,

@@ -200,6 +200,11 @@ def cmd_show(args) -> int:
     from .ir import format_ir
 
     compiled = _compile_for(args)
+    if getattr(args, "timeline", None):
+        from .timeline import write
+
+        write(compiled, args.timeline, costs=_parse_costs(args.costs) or None, title=f"{args.script}")
+        print(f"piper show: wrote {args.timeline}", file=sys.stderr)
     if args.what == "ir":
         sys.stdout.write(format_ir(compiled.ir))
     else:
@@ -220,23 +225,49 @@ def cmd_simulate(args) -> int:
     from .simulate import STEP, background_seconds, simulate, timed_slots
 
     costs = _parse_costs(args.costs)
-    compiled = _compile_for(args)
+    from .analysis import compile_with_program
+    from .dsl import load_strategy
+
+    compiled, program = compile_with_program(
+        load_strategy(args.script, overrides=_parse_sets(args.set)), mesh=_parse_mesh(args.mesh),
+        model_spec=args.model, regions=_parse_regions(args.regions), batch_size=getattr(args, "batch_size", None))
+    memory = None
+    if args.model:                 # a model has parameters and activations to predict
+        from .memory_model import predict_memory
+
+        memory = predict_memory(compiled, program, ranks=compiled.plans.representatives())
     timings = {}
     if args.timings:
         with open(args.timings, encoding="utf-8") as f:
             timings = {k: float(v) for k, v in json.load(f).items()}
     costs.update({k: v for k, v in timings.items() if k != STEP})
-    sim = simulate(compiled.plans.representatives(), costs=costs, overlap=timed_slots(timings), cores=args.cores,
-                   devices=compiled.ir.mesh.world_size, background=background_seconds(timings))
+    plans = compiled.plans.representatives()
+    sim = simulate(plans, costs=costs, overlap=timed_slots(timings), cores=args.cores,
+                   devices=compiled.ir.mesh.world_size, background=background_seconds(timings),
+                   record_comm=bool(args.trace))
     table = Table(title=f"{args.script}: predicted step {sim.step_time:g}, bubble {sim.bubble_fraction:.1%}")
-    for column in ("rank", "busy", "idle", "bubble", "peak microbatches in flight"):
+    columns = ("rank", "busy", "idle", "bubble", "peak microbatches in flight")
+    if memory:
+        columns += ("peak memory", "params", "grads", "optimizer", "activations")
+    for column in columns:
         table.add_column(column, justify="right")
     for rank, busy, idle, frac, peak in summary_rows(compiled, sim):
-        table.add_row(str(rank), f"{busy:g}", f"{idle:g}", f"{frac:.1%}", str(peak))
+        row = [str(rank), f"{busy:g}", f"{idle:g}", f"{frac:.1%}", str(peak)]
+        if memory:
+            from .memory_model import format_bytes
+
+            m = memory[rank]
+            row += [format_bytes(b) for b in (m.peak, m.params, m.grads, m.optimizer, m.activations)]
+        table.add_row(*row)
     console = Console()
     console.print(table)
     if args.timeline:
         console.print(timeline_text(sim), markup=False, highlight=False)
+    if args.trace:
+        from .trace import simulation_trace, write
+
+        write(simulation_trace(plans, sim, mesh=compiled.ir.mesh, meta={"script": args.script}), args.trace)
+        print(f"piper simulate: wrote {args.trace} (open it in ui.perfetto.dev)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -279,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="print each device's plan (or the IR) for a script")
     _planning_flags(show)
     show.add_argument("--what", choices=("plans", "ir"), default="plans")
+    show.add_argument("--timeline", metavar="FILE.svg", help="draw each device's schedule as SVG (or .html)")
+    show.add_argument("--costs", metavar="PASS=TIME,...", help="costs for --timeline (default F=1,B=2,BI=1,BW=1)")
     show.add_argument("--layout", choices=("lines", "grid"), default="lines",
                       help="one action per line, device after device (default), or devices side by side")
     show.add_argument("--no-legend", action="store_true", help="leave out the legend of the action notation")
@@ -291,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--cores", type=int, metavar="N",
                      help="the devices share N CPU cores (costs from job.timings(cpu=True))")
     sim.add_argument("--timeline", action="store_true", help="draw each device's timeline")
+    sim.add_argument("--trace", metavar="FILE.json", help="write the predicted step as a Chrome/Perfetto trace")
     sim.set_defaults(func=cmd_simulate)
 
     export = commands.add_parser("export", help="write a script's schedule for torch.distributed.pipelining")
@@ -301,11 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--batch-size", type=int, help="the example batch for --model")
     export.set_defaults(func=lambda args: _interop("export_main", args))
 
-    imp = commands.add_parser("import", help="turn a torch schedule CSV into a .pps script")
-    imp.add_argument("file", metavar="FILE.csv")
+    imp = commands.add_parser("import", help="turn a torch schedule CSV or a prototype JSON program into a .pps script")
+    imp.add_argument("file", metavar="FILE.csv|FILE.json")
     imp.add_argument("-o", "--output", metavar="OUT.pps", help="where to write (default: stdout)")
     imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
-    imp.set_defaults(func=lambda args: _interop("import_main", args))
+    imp.set_defaults(func=lambda args: __import__("piper.prototype", fromlist=["import_main"]).import_main(args))
+
+    from .tune import add_parser as _tune_parser
+
+    _tune_parser(commands)
 
     run = commands.add_parser("run", help="train a model file's model with a script")
     from .run_args import add_run_arguments

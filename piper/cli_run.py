@@ -91,7 +91,10 @@ def run(args) -> int:
             return 0
         every = getattr(args, "checkpoint_every", None)
         stepper = checkpoint.Every(job, directory, every) if every else job
-        losses = fit(stepper, data, steps - start, tokens_per_batch=count, unit=unit, console=console)
+        losses = fit(stepper, data, steps - start, tokens_per_batch=count, unit=unit, console=console,
+                     metrics=getattr(args, "metrics", None))
+        if getattr(args, "trace", None):
+            console.print(f"trace of the last steps: {job.trace(args.trace)} (open it in ui.perfetto.dev)")
         if getattr(args, "save", None):
             torch.save(job.state_dict(), args.save)
             console.print(f"saved the trained weights to {args.save} (load with "

@@ -322,6 +322,15 @@ class Job:
         self._check_open()
         return dict(enumerate(self._get([a.timings.remote(cpu) for a in self.actors], "timings")))
 
+    def trace(self, path: str, steps: int | None = None) -> str:
+        """Write the last steps (up to `piper.runtime.executor.TRACE_STEPS`; `steps` to keep fewer) as a
+        Chrome/Perfetto trace: one process per device, a track per lane and one for communication,
+        flow arrows from each send to its receive (`piper/trace.py`). Returns `path`."""
+        self._check_open()
+        from .trace import job_trace
+
+        return job_trace(self, path, steps)
+
     def show(self) -> str:
         return self.compiled.show()
 

@@ -19,6 +19,7 @@ def add_run_arguments(run) -> None:
     add_cluster_arguments(run)
     add_output_arguments(run)
     add_checkpoint_arguments(run)
+    add_observation_arguments(run)
 
 
 def add_training_arguments(run) -> None:
@@ -53,3 +54,8 @@ def add_checkpoint_arguments(run) -> None:
     run.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="save every N steps")
     run.add_argument("--resume", action="store_true",
                      help="start from the last checkpoint in --checkpoint-dir (any strategy or mesh may have saved it)")
+def add_observation_arguments(run) -> None:
+    """What is recorded while training."""
+    run.add_argument("--trace", metavar="FILE.json", default=None,
+                     help="write the last steps as a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    run.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write one JSON line per step")

@@ -87,6 +87,8 @@ class Simulation:
     step_time: float
     busy: dict[int, float]                        # compute time per device
     timeline: dict[int, list[tuple[float, float, str]]] = field(default_factory=dict)
+    # With `record_comm`: per device, (issued, completed, key) of each send, receive and collective.
+    comm: dict[int, list[tuple[float, float, str]]] = field(default_factory=dict)
 
     def bubble(self, rank: int) -> float:
         """Idle compute time of `rank` within the step."""
@@ -99,7 +101,8 @@ class Simulation:
 
 
 def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, overlap=(), *,
-             cores: int | None = None, devices: int | None = None, background: float = 0.0) -> Simulation:
+             cores: int | None = None, devices: int | None = None, background: float = 0.0,
+             record_comm: bool = False) -> Simulation:
     """Simulate `plans`; raise `PiperError(deadlock)` with a step x device grid if stuck.
 
     `costs` maps a pass (F, B, BI, BW, UPD) or a node key to its time
@@ -119,9 +122,13 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     time on a core of its own (`job.timings(cpu=True)`); `background` is CPU
     seconds per device and step spent outside the timed actions (the
     runtime's own work, communication threads). See `_on_shared_cores`.
+
+    `record_comm` also records when each communication was issued and completed
+    (`Simulation.comm`, for `piper.trace`).
     """
     if cores is not None:
-        return _on_shared_cores(plans, costs, comm_cost, overlap, cores, devices or len(plans), background)
+        return _on_shared_cores(plans, costs, comm_cost, overlap, cores, devices or len(plans), background,
+                                record_comm=record_comm)
     check_collective_order(plans)
     if overlap:
         groups = [tuple(g) for g in overlap]
@@ -137,6 +144,7 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     issued: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> time
     group_last: dict[tuple, float] = defaultdict(float)
     members_of: dict[tuple, int] = {}         # group -> how many of its ranks are simulated
+    comm: dict[int, list] = defaultdict(list) if record_comm else {}
 
     def ready_time(rank: int, t: float, action) -> float | None:
         """When `action` can start on `rank`, free at `t`: None while a wait is pending."""
@@ -173,6 +181,8 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                 op = node.op
                 if op == "SEND":
                     sent[(a.tag, rank, a.peer)] = now
+                    if record_comm:
+                        comm[rank].append((now, now + comm_cost(node), node.key))
                 elif op == "RECV":
                     t_send = sent.get((a.tag, a.peer, rank))
                     if t_send is None:
@@ -181,6 +191,8 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                         # stall this device until the sender reaches its send.
                         break
                     done[(rank, node.key)] = max(now, t_send) + comm_cost(node)
+                    if record_comm:
+                        comm[rank].append((now, done[(rank, node.key)], node.key))
                 elif op in _COMPUTE:
                     t = ready_time(rank, now, a) if a.waits else now
                     if t is None:
@@ -210,6 +222,9 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                         group_last[stream] = finish
                         for member in group:
                             done[(member, node.key)] = finish
+                        if record_comm:
+                            for member, at in members.items():
+                                comm[member].append((at, finish, node.key))
                     if op == "ALL_TO_ALL":
                         if (rank, node.key) not in done:
                             break         # until every member of the expert group is there
@@ -222,7 +237,7 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     if stuck:
         raise deadlock_error(plans, pos, done)
     step = max(list(clock.values()) + [t for t in group_last.values()] + [0.0])
-    return Simulation(step, busy, timeline)
+    return Simulation(step, busy, timeline, dict(comm))
 
 
 def _line(timeline: dict[int, list], rank: int) -> list:
@@ -315,7 +330,7 @@ def background_seconds(timings: dict[str, float]) -> float:
 
 
 def _on_shared_cores(plans, costs, comm_cost, overlap, cores: int, devices: int, background: float = 0.0,
-                     rounds: int = 20) -> Simulation:
+                     rounds: int = 20, record_comm: bool = False) -> Simulation:
     """Devices that outnumber the cores slow each other down: a mean-field model.
 
     When k devices compute at once on c < k cores, each runs at c/k of its
@@ -330,7 +345,7 @@ def _on_shared_cores(plans, costs, comm_cost, overlap, cores: int, devices: int,
     base = {**UNIT_COSTS, **(costs or {})}
     factor, sim = 1.0, None
     for _ in range(rounds):
-        sim = simulate(plans, {k: v * factor for k, v in base.items()}, comm_cost, overlap)
+        sim = simulate(plans, {k: v * factor for k, v in base.items()}, comm_cost, overlap, record_comm=record_comm)
         if sim.step_time <= 0:
             return sim
         per_device = sum(sim.busy.values()) / len(sim.busy) + background * factor

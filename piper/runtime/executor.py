@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from .slots import spans, whole_backwards
 from .split_backward import backward_inputs, backward_weights, can_split
 
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
+TRACE_STEPS = 2      # steps whose action spans `job.trace` can show (piper/trace.py)
 
 
 @dataclass
@@ -294,6 +296,10 @@ class Executor:
         lanes = max((len(s.lanes) for s in self._spans.values()), default=1)
         self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="piper-lane") if lanes > 1 else None
         self._lock = threading.Lock()             # activation accounting and gradient sums, shared by lanes
+        # Start/end of every action and when each communication completed, last steps (`job.trace`).
+        self.traced: deque = deque(maxlen=TRACE_STEPS)
+        self._spans_now: list = []
+        self._done_at: dict[str, float] = {}
 
     # -- one step -------------------------------------------------------------------------
     def run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
@@ -306,6 +312,8 @@ class Executor:
             self.cpu_timings["step"] = time.process_time() - cpu      # piper.simulate.STEP
 
     def _run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
+        self._spans_now, self._done_at = [], {}
+        self.traced.append((time.perf_counter(), self._spans_now, self._done_at, threading.get_ident()))
         self.batch = {i: [t.to(self.device) for t in mbs] for i, mbs in batch.items()}
         self.values: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
@@ -357,6 +365,7 @@ class Executor:
             self.experts.exchanged()          # count only this compute's all-to-alls
         getattr(self, "_" + action.node.op.lower())(action)
         end = time.perf_counter()
+        self._spans_now.append((action.key, start, end, threading.get_ident()))
         if compute:
             self.timings[action.key] = end - start
             if self.experts is not None:      # its all-to-alls go to their ALL_TO_ALL node
@@ -414,6 +423,7 @@ class Executor:
         works, then = self.pending.pop(key)
         for w in works:
             w.wait()
+        self._done_at[key] = time.perf_counter()
         if then is not None:
             then()
 

@@ -77,6 +77,13 @@ class Worker:
     def timings(self, cpu: bool = False):
         return dict(self.executor.cpu_timings if cpu else self.executor.timings)
 
+    def trace(self):
+        """The last steps' action spans (`Executor.traced`) and this process's clocks, to line them up."""
+        import time
+
+        steps = [(t0, list(spans), dict(done), main) for t0, spans, done, main in self.executor.traced]
+        return {"clock": (time.perf_counter(), time.time()), "steps": steps}
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
