@@ -133,10 +133,10 @@ JOBS = {
     "worker-died": "a worker process died (killed, out of memory)",
     "worker-failed": "a worker raised an exception",
     "job-closed": "`step` on a job that is closed",
+    "no-trace": "`job.trace` before the job has run a step",
     "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",
     "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
     "checkpoint-unsupported": "`job.save`/`job.load` of a job whose strategy checkpoints cannot hold yet",
-    "no-trace": "`job.trace` before the job has run a step",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

@@ -1,7 +1,8 @@
 """`piper run SCRIPT --model path.py:Factory [--steps N] [--batch-size N] [--optimizer adamw --lr 1e-3]
 [--mesh ...] [--set ...] [--address ADDR] [--device cpu|cuda] [--save weights.pt]
-[--checkpoint-dir DIR --checkpoint-every N] [--resume]`:
-train a model with a strategy script on a Ray cluster (a local one unless --address).
+[--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R]`:
+train a model with a strategy script on a Ray cluster (a local one unless --address),
+saving checkpoints (`piper.checkpoint`) and restarting lost workers (`piper.recovery`).
 
 The model's file provides the data: `training_batches(batch_size)`, an iterator of
 input tuples, or else `example_batch(batch_size)`, which is then trained on again
@@ -56,16 +57,18 @@ def run(args) -> int:
     if not args.model:
         console.print("piper run: error: --model PATH.py:FACTORY is required (e.g. examples/gpt.py:small_gpt)")
         return 2
-    problem = checkpoint.check_run_flags(args)
-    if problem:
-        console.print(f"piper run: error: {problem}")
-        return 2
-    directory = getattr(args, "checkpoint_dir", None)
     steps = 20 if args.steps is None else args.steps
     batch_size = 16 if getattr(args, "batch_size", None) is None else args.batch_size
     if steps < 1 or batch_size < 1:
         console.print("piper run: error: --steps and --batch-size take whole numbers of at least 1")
         return 2
+    problem = checkpoint.check_run_flags(args)
+    if (getattr(args, "max_restarts", 0) or 0) < 0:
+        problem = f"--max-restarts {args.max_restarts} is not a number of restarts (0 or more)"
+    if problem:
+        console.print(f"piper run: error: {problem}")
+        return 2
+    directory = getattr(args, "checkpoint_dir", None)
     torch.manual_seed(getattr(args, "seed", 0) or 0)
     model, module = load_model(args.model)
     stream, _ = training_data(module, batch_size, console)
@@ -75,11 +78,13 @@ def run(args) -> int:
     params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]piper run[/] {args.script}: {type(model).__name__}, {params:,} parameters, "
                   f"batch {batch_size}, {steps} steps", highlight=False)
+    if getattr(args, "max_restarts", 0):
+        return _run_recoverable(args, model, module, batch_size, steps, optimizer, count, unit, console)
     with console.status("capturing the model, checking the plans, starting the workers on Ray "
                         "(a minute on a busy machine)..."):
         job = compile(model, first, strategy=args.script, mesh=args.mesh, optimizer=optimizer,
                       overrides=args.overrides or None, address=getattr(args, "address", None),
-                      device=getattr(args, "device", "auto"))
+                      device=getattr(args, "device", "auto"), progress=lambda message: console.print(f"  {message}"))
     with job:
         console.print(f"mesh {job.mesh}: {job.mesh.world_size} workers ready ({job.device})", highlight=False)
         from .train import fit
@@ -99,5 +104,66 @@ def run(args) -> int:
             torch.save(job.state_dict(), args.save)
             console.print(f"saved the trained weights to {args.save} (load with "
                           f"model.load_state_dict(torch.load({args.save!r})))", highlight=False)
-    console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{steps}", highlight=False)
+    span = f"steps {start + 1}-{steps}" if start else f"{steps} steps"
+    console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {span}", highlight=False)
+    return 0
+
+
+def _run_recoverable(args, model, module, batch_size: int, steps: int, optimizer, count: int, unit: str,
+                     console) -> int:
+    """`--max-restarts R`: the loop of `piper.recovery`, with the data deterministic per step."""
+    import os
+
+    import ray
+
+    from .recovery import Checkpoints, StepData, train
+
+    quiet = Console(quiet=True)           # the repeated-batch warning was printed once already
+    data = StepData(lambda: training_data(module, batch_size, quiet)[0])
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray stays up across restarts: a job that started Ray would shut it down on close.
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(address=getattr(args, "address", None), include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=True)
+
+    def start_job():
+        job = compile(model, data(0), strategy=args.script, mesh=args.mesh, optimizer=optimizer,
+                      overrides=args.overrides or None, address=getattr(args, "address", None),
+                      device=getattr(args, "device", "auto"), progress=lambda m: console.print(f"  {m}"))
+        nodes = {}
+        for rank, w in job.placement().items():
+            nodes.setdefault(w["node"][:8], []).append(str(rank))
+        console.print(f"mesh {job.mesh}: {job.mesh.world_size} workers ready ({job.device}; "
+                      + "; ".join(f"node {n}: ranks {', '.join(r)}" for n, r in nodes.items()) + ")",
+                      highlight=False)
+        return job
+
+    def on_step(step, loss, seconds):
+        if step % 10 == 0 or step == steps - 1:
+            console.print(f"step {step:3d}  loss {loss:.4f}  {count / seconds:,.0f} {unit}/s", highlight=False)
+
+    def on_restart(r):
+        console.print(f"[yellow]restart {r.error.code}[/]: {r.error.diagnostics[0].message}")
+        console.print(f"  training again {r.seconds:.1f} s after the failure, from step {r.resumed_from} "
+                      f"(failed at step {r.failed_at}), on node(s) {', '.join(n[:8] for n in r.nodes)}")
+
+    def finish(job):
+        if getattr(args, "save", None):
+            torch.save(job.state_dict(), args.save)
+            console.print(f"saved the trained weights to {args.save}", highlight=False)
+
+    directory = getattr(args, "checkpoint_dir", None)
+    checkpoints = Checkpoints(directory, getattr(args, "checkpoint_every", None) or 0) if directory else None
+    try:
+        losses, restarts = train(start_job, data, steps, max_restarts=args.max_restarts, checkpoints=checkpoints,
+                                 resume=bool(getattr(args, "resume", False)), on_step=on_step,
+                                 on_restart=on_restart, finish=finish)
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps", highlight=False)
+    if restarts:
+        # Full precision: a recovered run ends exactly where an uninterrupted one does.
+        console.print(f"restarted {len(restarts)} time(s); final loss {losses[-1]!r}", highlight=False)
     return 0

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from . import checkpoint, experts
+from . import checkpoint
+from . import experts
 from .batch_check import check_step_inputs, input_names
 from .capture import BATCH, BUFFER, Program, capture
 from .checkpoint import describe_strategy
@@ -79,7 +80,8 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, optimizer=None, *,
             address: str | None = None, device: str = "auto", timeout: float = 300.0,
-            overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None) -> "Job":
+            overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None,
+            startup_timeout: float = 600.0, progress=None) -> "Job":
     """Capture `model`, apply `strategy` on `mesh`, verify, and start one worker per device.
 
     `strategy` is a `@piper.strategy` function, a path to a `.pps` script, or
@@ -91,6 +93,13 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     one after the other instead of at once (CPU; CUDA always runs them in turn).
     `worker_env` sets environment variables in the worker processes before
     they start (Ray's runtime_env), e.g. allocator settings.
+    `address` joins an existing Ray cluster ("auto", "ray://head:10001" or
+    "head:6379"); workers are placed by the mesh (`piper.cluster`), and
+    `job.placement()` says where each rank went. Starting the workers has its
+    own limit, `startup_timeout` seconds, and reports each stage to
+    `progress(message)` when given. A lost worker makes `step` raise
+    `worker-died` naming its rank, node and pid within seconds; a stalled one
+    is named as `worker-timeout` after `timeout`.
     """
     if device not in DEVICES:
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
@@ -105,7 +114,8 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     compiled = compile_directives(program, mesh, directives)
     job = Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
               batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
-              timeout=timeout, overlap=overlap, worker_env=worker_env)
+              timeout=timeout, overlap=overlap, worker_env=worker_env, startup_timeout=startup_timeout,
+              progress=progress)
     job.strategy = describe_strategy(strategy, overrides)     # checkpoint metadata
     return job
 
@@ -114,7 +124,8 @@ class Job:
     """A compiled strategy running on Ray actors, one per device."""
 
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
-                 shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None):
+                 shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None,
+                 startup_timeout: float = 600.0, progress=None):
         self.program = program
         self.input_names = input_names(model, len(program.batch))
         self.worker_env = dict(worker_env or {})
@@ -125,7 +136,10 @@ class Job:
         self.microbatches = microbatches
         self.shards = shards
         self.timeout = timeout
+        self.startup_timeout = startup_timeout
+        self._progress = progress or (lambda message: None)
         self.actors = []
+        self.where: dict[int, dict] = {}     # rank -> pid, node, ip, device (`placement()`)
         self._owns_ray = False
         self._closed = False
         self.steps = 0                                    # optimizer steps taken (checkpoints keep it)
@@ -167,26 +181,43 @@ class Job:
                         f"cluster has {gpus:g}", hint="shrink the mesh, add GPUs to the cluster, or run on CPU "
                         "(device='cpu', Gloo)")
         self.device = device
-        bundle = {"GPU": 1, "CPU": 0.01} if device == "cuda" else {"CPU": 0.01}
-        self._pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-        if not self._pg.wait(timeout_seconds=self.timeout):
-            raise error("no-resources", f"the cluster cannot host {world} workers ({bundle} each)",
+        from .cluster import node_capacity, plan_placement
+        from .runtime.health import Watch
+
+        started = time.monotonic()
+        placement = plan_placement(self.mesh.axes, node_capacity(ray.nodes(), device), device)
+        self._progress(f"placing {world} workers ({placement.strategy} over the cluster's nodes)")
+        self._pg = placement_group([dict(b) for b in placement.bundles], strategy=placement.strategy)
+        if not self._pg.wait(timeout_seconds=self.startup_timeout):
+            raise error("no-resources", f"the cluster cannot host {world} workers ({placement.strategy} of "
+                        f"{len(placement.bundles)} bundles of {placement.bundles[0]})",
                         hint="shrink the mesh or add nodes/GPUs to the Ray cluster")
-        actor = ray.remote(Worker)
+        actor = ray.remote(concurrency_groups={"health": 1})(Worker)    # `Worker.status` answers mid-step
+        if os.environ.get("PIPER_FAULT"):      # a test's injected fault (runtime.faults) reaches the workers
+            self.worker_env.setdefault("PIPER_FAULT", os.environ["PIPER_FAULT"])
         self.actors = [
-            actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+            actor.options(**placement.resources(device),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              self._pg, placement_group_bundle_index=placement.bundle_of[r]),
                           **({"runtime_env": {"env_vars": {k: str(v) for k, v in self.worker_env.items()}}}
                              if self.worker_env else {}))
             .remote(r, world, device)
             for r in range(world)]
-        rendezvous = self._get([self.actors[0].rendezvous_address.remote()], "start")[0]
-        self.pids = self._get([a.init.remote(rendezvous, self.timeout) for a in self.actors], "join")
+        self._watch = Watch(self.actors, self.mesh)
+        self.where = dict(enumerate(self._get([a.where.remote() for a in self.actors], "start",
+                                              self.startup_timeout)))
+        self._watch.where = self.where
+        self._progress(f"{world} workers started on {len({w['node'] for w in self.where.values()})} node(s) "
+                       f"({time.monotonic() - started:.1f} s); joining torch.distributed")
+        self.rendezvous = self._get([self.actors[0].rendezvous_address.remote()], "start", self.startup_timeout)[0]
+        self.pids = self._get([a.init.remote(self.rendezvous, self.timeout) for a in self.actors], "join",
+                              self.startup_timeout)
         params = dict(model.named_parameters())
         slots = self._multi_slots()
         refs = [a.setup.remote(*self._spec(rank, params, optimizer, slots.get(rank, ())))
                 for rank, a in enumerate(self.actors)]
-        self._get(refs, "set up")
+        self._get(refs, "set up", self.startup_timeout)
+        self._progress(f"workers ready ({time.monotonic() - started:.1f} s)")
 
     def _multi_slots(self) -> dict[int, tuple]:
         """Per rank, the `order` slots holding several computes (tuples of keys)."""
@@ -224,28 +255,20 @@ class Job:
         return spec, init
 
     # -- running -----------------------------------------------------------------------------
-    def _get(self, refs, what: str):
-        """ray.get with a deadline; a dead or failing worker closes the job with a clear error."""
-        import ray
+    def _get(self, refs, what: str, limit: float | None = None):
+        """ray.get with a deadline; a dead, stalled or failing worker closes the job with an error
+        naming it (`runtime.health`)."""
+        ranks = list(range(len(refs))) if len(refs) == len(self.actors) else [0] * len(refs)
+        try:
+            return self._watch.wait(refs, what, self.timeout if limit is None else limit, ranks)
+        except PiperError:
+            self.close()
+            raise
 
-        deadline = time.monotonic() + self.timeout
-        results = {}
-        remaining = list(refs)
-        while remaining:
-            ready, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self.close()
-                raise error("worker-timeout", f"workers did not finish `{what}` within {self.timeout:.0f} s",
-                            hint="a worker is stuck or very slow; raise timeout= in piper.compile if the "
-                                 "model is large, or check the workers' logs")
-            for ref in ready:
-                try:
-                    results[ref] = ray.get(ref)
-                except Exception as exc:
-                    rank = refs.index(ref) if len(refs) == len(self.actors) else 0
-                    self.close()
-                    raise _worker_error(exc, rank, what) from None
-        return [results[r] for r in refs]
+    def placement(self) -> dict[int, dict]:
+        """Where every rank runs: `{rank: {"node": id, "ip": ..., "device": "cpu" | "cuda:N", "pid": ...,
+        "coords": {"dp": 0, "pp": 1}}}` (`cuda:N` is the GPU's physical index on its node)."""
+        return {rank: {**w, "coords": self.mesh.coords(rank)} for rank, w in self.where.items()}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -365,19 +388,3 @@ class Job:
         except Exception:
             pass
 
-
-def _worker_error(exc, rank: int, what: str) -> PiperError:
-    import ray.exceptions as rex
-
-    if isinstance(exc, rex.RayActorError):
-        return error("worker-died", f"worker {rank} died during `{what}`: {str(exc).splitlines()[0]}",
-                     hint="the job was closed; check the worker's memory use and logs, then compile a new job")
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, PiperError):
-        return cause
-    inner = cause or exc
-    text = str(inner).strip().splitlines()
-    trace = [line for line in str(exc).splitlines() if line.strip()][-8:]
-    return error("worker-failed", f"worker {rank} failed during `{what}`: {type(inner).__name__}: "
-                 f"{text[-1] if text else ''}", notes=("worker traceback (last lines):\n" + "\n".join(trace),),
-                 hint="the job was closed; the message above comes from the worker")

@@ -18,8 +18,9 @@ def add_run_arguments(run) -> None:
     add_training_arguments(run)
     add_cluster_arguments(run)
     add_output_arguments(run)
-    add_checkpoint_arguments(run)
     add_observation_arguments(run)
+    add_checkpoint_arguments(run)
+    add_recovery_arguments(run)
 
 
 def add_training_arguments(run) -> None:
@@ -41,10 +42,24 @@ def add_cluster_arguments(run) -> None:
                           "auto: cuda when the cluster has a GPU for every device")
 
 
+def add_recovery_arguments(run) -> None:
+    """Going on after a lost worker or node (piper/recovery.py)."""
+    run.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                     help="when a worker or node is lost, restart the workers (on whatever nodes the cluster has), "
+                          "load the last checkpoint and go on, up to R times")
+
+
 def add_output_arguments(run) -> None:
     """What is written when training ends."""
     run.add_argument("--save", metavar="FILE.pt", default=None,
                      help="write the trained weights (model.state_dict() keys) with torch.save")
+
+
+def add_observation_arguments(run) -> None:
+    """What is recorded while training."""
+    run.add_argument("--trace", metavar="FILE.json", default=None,
+                     help="write the last steps as a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    run.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write one JSON line per step")
 
 
 def add_checkpoint_arguments(run) -> None:
@@ -54,8 +69,3 @@ def add_checkpoint_arguments(run) -> None:
     run.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="save every N steps")
     run.add_argument("--resume", action="store_true",
                      help="start from the last checkpoint in --checkpoint-dir (any strategy or mesh may have saved it)")
-def add_observation_arguments(run) -> None:
-    """What is recorded while training."""
-    run.add_argument("--trace", metavar="FILE.json", default=None,
-                     help="write the last steps as a Chrome/Perfetto trace (open in ui.perfetto.dev)")
-    run.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write one JSON line per step")

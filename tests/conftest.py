@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray cluster per test session, shut down at the end."""
+"""Shared fixtures: one local Ray cluster for the session's tests, shut down at the end."""
 import os
 
 import pytest
@@ -12,17 +12,29 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(items):
     # Everything that needs the cluster is slow: mark it, so `-m "not ray"` runs the rest in seconds.
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        if {"ray_cluster", "two_nodes"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray cluster; Gloo workers take a sliver of CPU each so any mesh fits."""
+def _ray_session():
+    yield
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # "local": a cluster someone started with `ray start` on this machine is not the tests' to use.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(_ray_session):
+    """A local Ray cluster; Gloo workers take a sliver of CPU each so any mesh fits.
+
+    Started by the first test that asks and shared by all after it; started again if a
+    module with a cluster of its own (test_multinode.py: several nodes) shut it down.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # "local": a cluster someone started with `ray start` on this machine is not the tests' to use.
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield

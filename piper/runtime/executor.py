@@ -300,6 +300,8 @@ class Executor:
         self.traced: deque = deque(maxlen=TRACE_STEPS)
         self._spans_now: list = []
         self._done_at: dict[str, float] = {}
+        self.current: str | None = None           # the action running now (`Worker.status`, health checks)
+        self.fault = None                         # a test's injected fault (`faults.Trigger`), else None
 
     # -- one step -------------------------------------------------------------------------
     def run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
@@ -347,12 +349,16 @@ class Executor:
             work.wait()
         self.sends.clear()
         losses = [float(x) for x in self.losses]
+        self.current = None
         if self._events:
             self._device_timings()
         del self.values, self.grads, self.grad_out, self.saved, self.batch
         return losses
 
     def _run(self, action) -> tuple[float, float]:
+        self.current = action.key
+        if self.fault is not None:
+            self.fault(action.key)
         for key in action.waits:
             self._wait(key)
         compute = action.node.is_compute

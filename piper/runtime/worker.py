@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import socket
 
+import ray
 import torch
 
-from . import checkpoint, comm
+from . import checkpoint, comm, faults
 from .executor import Executor
 
 
@@ -17,9 +18,18 @@ class Worker:
         self.world_size = world_size
         self.device = device
         self.executor = None
+        self.steps_done = 0
         if device == "cpu":
             # Ray gives actors one thread; keep torch in line so replicas don't oversubscribe.
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+            if "GLOO_SOCKET_IFNAME" not in os.environ:
+                # Gloo would bind to what the host name resolves to, often 127.0.0.1: peers on other
+                # nodes could not connect. Use the interface of this node's Ray address.
+                from ..cluster import interface_of
+
+                interface = interface_of(ray.util.get_node_ip_address())
+                if interface:
+                    os.environ["GLOO_SOCKET_IFNAME"] = interface
 
     def rendezvous_address(self) -> str:
         """Rank 0 opens the store the others meet at, on a port the OS picks.
@@ -31,7 +41,8 @@ class Worker:
 
         import torch.distributed as dist
 
-        host = socket.gethostbyname(socket.gethostname()) if self.device != "cpu" else "127.0.0.1"
+        # This node's address as Ray knows it, so peers on other nodes can reach the store.
+        host = ray.util.get_node_ip_address() or socket.gethostbyname(socket.gethostname())
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=300))
         return f"{host}:{self._store.port}"
@@ -54,9 +65,27 @@ class Worker:
     def setup(self, spec, init) -> None:
         device = "cuda:0" if self.device == "cuda" else "cpu"
         self.executor = Executor(spec, init, device)
+        self.executor.fault = faults.from_env(self.rank, lambda: self.steps_done)
 
     def step(self, batch):
-        return self.executor.run_step(batch)
+        losses = self.executor.run_step(batch)
+        self.steps_done += 1
+        return losses
+
+    def where(self) -> dict:
+        """Where this worker runs: pid, Ray node id and address, device (`cuda:N` is the physical GPU)."""
+        ctx = ray.get_runtime_context()
+        gpus = ray.get_gpu_ids() if self.device == "cuda" else []
+        return {"pid": os.getpid(), "node": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "device": f"cuda:{gpus[0]}" if gpus else self.device,
+                "interface": os.environ.get("GLOO_SOCKET_IFNAME") if self.device == "cpu" else None}
+
+    @ray.method(concurrency_group="health")
+    def status(self) -> tuple[int, str | None]:
+        """(steps finished, the action running now or None). Answered even while a step runs
+        (its own concurrency group), so the driver can tell a busy worker from a stalled one."""
+        executor = self.executor
+        return self.steps_done, (executor.current if executor is not None else None)
 
     def shards(self):
         return self.executor.shards()
