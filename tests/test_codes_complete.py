@@ -27,7 +27,7 @@ PRINTED = re.compile(r"(?:error|warning|note)\[([a-z]+(?:-[a-z]+)*)\]")
 FORWARDERS = {
     ("piper/diagnostics.py", "error"),        # error(code, ...) -> Diagnostic(code, ...)
     ("piper/cli.py", "_note"),                # _note(code, ...) -> Diagnostic(code, ...)
-    ("dsl/interpreter.py", "fail"),           # self.fail(code, ...) -> Diagnostic(code, ...)
+    ("dsl/outcomes.py", "fail"),              # self.fail(code, ...) -> Diagnostic(code, ...)
     ("dsl/syntax_errors.py", "_token"),       # code = match(...) or _rule_of_thumb(...): EXAMPLES' keys
 }
 

@@ -1,0 +1,48 @@
+"""How a .pps run reports: a statement that fails, a limit that stops the run, and the step count.
+
+Mixed into `Interpreter`; user mistakes become diagnostics here, never exceptions to the caller.
+"""
+from __future__ import annotations
+
+from piper.diagnostics import Diagnostic, Span
+
+
+class Fail(Exception):
+    """One statement fails; the run goes on with the next."""
+
+    def __init__(self, diagnostic: Diagnostic):
+        super().__init__(diagnostic.message)
+        self.diagnostic = diagnostic
+
+
+class Stop(Exception):
+    """A limit is reached; the run ends."""
+
+    def __init__(self, diagnostic: Diagnostic | None):
+        super().__init__(diagnostic.message if diagnostic else "stopped")
+        self.diagnostic = diagnostic
+
+
+class Outcomes:
+    """Makes and keeps diagnostics; needs `trace`, `diagnostics`, `limits`, `steps`, `_seen`, `_span`."""
+
+    def fail(self, code: str, message: str, span: Span | None, *, hint: str | None = None,
+             notes=(), labels=()) -> Fail:
+        return Fail(Diagnostic(code, message, "error", span, tuple(labels), tuple(notes), hint, self.trace))
+
+    def report(self, diagnostic: Diagnostic, *, force: bool = False) -> None:
+        key = (diagnostic.code, diagnostic.span, diagnostic.trace)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.diagnostics.append(diagnostic)
+        if not force and len(self.diagnostics) >= self.limits.errors:
+            raise Stop(None)
+
+    def tick(self, span: Span) -> None:
+        self.steps += 1
+        self._span = span
+        if self.steps > self.limits.steps:
+            raise Stop(Diagnostic(
+                "loop-limit", f"this script takes more than {self.limits.steps:,} steps", span=span,
+                trace=self.trace, hint="a strategy runs about once per stage and microbatch; check the loop bounds"))
