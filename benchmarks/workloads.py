@@ -64,6 +64,32 @@ def gpt_batches(workload: GPTWorkload, count: int, *, seed: int = 1) -> list[tup
     return [next(stream) for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class HFWorkload:
+    """A Hugging Face causal LM as the library wrote it (`examples/train_hf.py`: tiny
+    config, no download), cut into stages by `piper.annotate_modules`, a region per
+    block inside each stage. Needs `transformers` (the `test` extra)."""
+
+    family: str = "llama"                # or "gpt2" (tied embeddings across the first and last stage)
+    layers: int = 8
+    hidden: int = 128
+    heads: int = 4
+    batch: int = 32                      # global batch (sequences of examples.train_hf.SEQ tokens)
+
+    def describe(self, stages: int) -> str:
+        return (f"HF {self.family} layers={self.layers} hidden={self.hidden} heads={self.heads}, {stages} stages, "
+                f"global batch {self.batch}, AdamW lr=1e-3")
+
+
+def make_hf(workload: HFWorkload, stages: int):
+    """(model, batches): the annotated model and a stream of (idx, targets) of the corpus."""
+    from examples.gpt import training_batches
+    from examples.train_hf import build
+
+    model = build(workload.family, workload.layers, stages, hidden=workload.hidden, heads=workload.heads)
+    return model, training_batches(workload.batch)
+
+
 def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

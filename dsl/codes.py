@@ -92,7 +92,7 @@ PLACEMENT = {
     "unplaced-region": "some regions are placed and others are not",
     "undivided-work": "a region runs on several devices along an axis the batch is not sharded over",
     "batch-not-covered": "a region's device group does not span the axes the batch is sharded over",
-    "tied-across-devices": "a parameter shared by regions that run on different devices",
+    "tied-across-devices": "a parameter shared by regions on more than two device groups",
     "shard-size-one": "`shard ... over` an axis of size 1 does nothing (warning)",
     "shard-without-batch": "optimizer, grads or params sharded over an axis the batch is not sharded over",
     "incomplete-zero": "grads sharded without optimizer, or params without grads and optimizer",
@@ -119,9 +119,12 @@ MODEL = {
     "bad-inputs": "example or step inputs that are not tensors with one batch size",
     "indivisible-batch": "the batch does not divide into microbatches x data-parallel shards",
     "graph-break": "TorchDynamo cannot capture forward as one graph",
-    "unannotated-compute": "compute outside every `piper.annotate` block when others are annotated",
+    "unannotated-compute": "compute outside every region that is fed by a later region than its first user",
     "bad-annotation": "a region annotation whose value is not an integer index",
     "unsupported-model": "a constant tensor, a buffer update or a non-tensor between regions",
+    "unknown-module": "`annotate_modules` names a module the model does not have",
+    "overlapping-groups": "`annotate_modules` puts one module (or a module and its parent) in two groups",
+    "group-order": "`annotate_modules` groups listed in another order than forward runs them",
     "bad-moe": "a piper.nn.MoE with a non-positive size or top_k above num_experts",
 }
 # A running job (job.py).

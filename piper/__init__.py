@@ -1,6 +1,7 @@
 """Piper: a programmable distributed training system for PyTorch.
 
     with piper.annotate("PP"): ...          # mark regions in forward
+    piper.annotate_modules(model, "PP", [["embed", "blocks.0"], ["blocks.1", "head"]])   # or by module name
     @piper.strategy def zero3(s): ...       # or a .pps script
     job = piper.compile(model, example_inputs=(x, y), strategy=zero3, mesh={"dp": 2})
     loss = job.step(x, y)
@@ -10,7 +11,7 @@ from .diagnostics import Diagnostic, PiperError, Span
 from .mesh import Mesh
 from .strategy import strategy
 
-__all__ = ["annotate", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span"]
+__all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span"]
 
 
 def compile(*args, **kwargs):
@@ -18,3 +19,10 @@ def compile(*args, **kwargs):
     from .job import compile as _compile
 
     return _compile(*args, **kwargs)
+
+
+def annotate_modules(model, tag, groups):
+    """Run the calls of the modules in `groups[i]` inside region `tag=i` (see `piper.modules`)."""
+    from .modules import annotate_modules as _annotate_modules
+
+    return _annotate_modules(model, tag, groups)

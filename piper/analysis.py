@@ -44,7 +44,9 @@ def compile_with_program(script, *, mesh=None, model_spec: str | None = None, re
     """`compile_script`, and the program it planned for (for memory prediction)."""
     mesh, directives = script.build(mesh)
     program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
-    return compile_directives(program, mesh, directives), program
+    compiled = compile_directives(program, mesh, directives)
+    compiled.program = program       # for `piper show --what ir`: where each op went
+    return compiled, program
 
 
 def analyze(script, *, mesh, model_spec: str | None = None, regions: dict | None = None,

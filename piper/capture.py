@@ -71,6 +71,8 @@ class Region:
     loss: bool                           # the last output is the step's loss
     graph: fx.GraphModule | None = field(default=None, repr=False)
     source: str | None = None            # "file:line" of the region's first op
+    # Ops outside every annotated region that joined this one: (op, why, "file:line").
+    joined: tuple[tuple[str, str, str | None], ...] = ()
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -88,6 +90,8 @@ class Program:
     params: dict[str, TensorSpec]
     buffers: dict[str, TensorSpec]
     batch: tuple[TensorSpec, ...]        # microbatch-sized example inputs
+    input_names: tuple[str, ...] = ()    # keyword names of the batch inputs, when forward took keywords
+    constants: dict = field(default_factory=dict)   # tensors forward makes from data, sent as buffers
 
     def owner(self, param: str) -> int:
         """The region that owns a parameter: the first one that uses it."""
@@ -138,11 +142,13 @@ def _user_frame(text: str) -> str | None:
     return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
 
 
-def _export(model, example_inputs):
+def _export(model, example_inputs, names=()):
     reset_counters()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
+            if names:
+                return torch.export.export(model, (), dict(zip(names, example_inputs)), strict=True)
             return torch.export.export(model, tuple(example_inputs), strict=True)
         except Exception as exc:  # Dynamo raises many types; all mean "cannot capture"
             text = str(exc)
@@ -167,32 +173,52 @@ def _stack_line(node: fx.Node) -> str | None:
     return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
 
 
-def capture(model: torch.nn.Module, example_inputs) -> Program:
+def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = ()) -> Program:
     """Trace `model(*example_inputs)` on the meta device and cut it into regions.
 
     `example_inputs` must already have the microbatch shape the regions will
-    run with: export specialises shapes into the graph.
+    run with: export specialises shapes into the graph. With `names`, forward
+    is called with keywords instead: `model(**dict(zip(names, example_inputs)))`.
     """
     if not isinstance(model, torch.nn.Module):
         raise error("bad-model", f"piper.compile needs a torch.nn.Module, not {type(model).__name__}")
     check_layers(model)
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
-            raise error("bad-inputs", f"example input {i} is a {type(x).__name__}, not a tensor",
+            what = f"`{names[i]}`" if names else str(i)
+            raise error("bad-inputs", f"example input {what} is a {type(x).__name__}, not a tensor",
                         hint="forward takes the batch as tensors, e.g. (idx, targets), and returns the loss")
     meta_model = _meta_copy(model)
+    _no_kv_cache(meta_model)
     meta_inputs = tuple(x.detach().to("meta") for x in example_inputs)
-    exported = _export(meta_model, meta_inputs)
-    return _cut(exported, model)
+    exported = _export(meta_model, meta_inputs, names)
+    program = _cut(exported, model)
+    program.input_names = tuple(names)
+    return program
+
+
+def _no_kv_cache(model: torch.nn.Module) -> None:
+    """Training never reads a KV cache: turn it off in Hugging Face configs
+    (of the meta copy only), so forward returns no cache object."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if getattr(config, "use_cache", None):
+            config.use_cache = False
 
 
 def _cut(exported, model) -> Program:
-    graph = exported.graph
+    gm = exported.graph_module
+    graph = gm.graph
     sig = exported.graph_signature
+    mutated = [s.target for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
+    if mutated:
+        raise _mutation_error(model, mutated[0])
     kind_of: dict[str, RegionInput] = {}
     params: dict[str, TensorSpec] = {}
     buffers: dict[str, TensorSpec] = {}
     batch: list[TensorSpec] = []
+    constant_inputs: dict[str, str] = {}
+    constants: dict = {}
     for spec in sig.input_specs:
         name = spec.arg.name
         kind = spec.kind.name
@@ -206,66 +232,45 @@ def _cut(exported, model) -> Program:
         elif kind == "USER_INPUT":
             kind_of[name] = RegionInput(BATCH, len(batch))
             batch.append(TensorSpec.of(node.meta["val"]))
+        elif kind == "CONSTANT_TENSOR" and (spec.target or "").rpartition(".")[2].startswith("lifted_tensor"):
+            value = exported.constants.get(spec.target)
+            if isinstance(value, torch.Tensor) and value.device.type != "meta" and value.numel():
+                # Made in forward from Python data on the CPU (`torch.tensor(d ** 0.5)`): its value is
+                # known, so it travels to the workers as a buffer would.
+                kind_of[name] = RegionInput(BUFFER, spec.target)
+                buffers[spec.target] = TensorSpec.of(value)
+                constants[spec.target] = value.detach().clone()
+            else:
+                constant_inputs[name] = spec.target
         else:
             raise error("unsupported-model", f"forward uses a {kind.lower().replace('_', ' ')} (`{spec.target}`), "
                         "which Piper cannot place yet",
                         hint="make constant tensors buffers of the module (register_buffer)")
-    outputs = [s for s in sig.output_specs]
-    if any(s.kind.name != "USER_OUTPUT" for s in outputs):
-        raise error("unsupported-model", "forward mutates a buffer (e.g. BatchNorm running statistics)",
-                    hint="use LayerNorm or freeze the statistics; buffer updates are not supported yet")
-    output_node = next(n for n in graph.nodes if n.op == "output")
-    results = output_node.args[0]
-    if len(results) != 1 or not isinstance(results[0], fx.Node) or tuple(
-            results[0].meta["val"].shape) != ():
-        raise error("bad-model", "forward must return one scalar loss (the mean over its batch)",
-                    hint="compute the loss inside forward and return it alone, as nanoGPT does")
-    loss_node = results[0]
+    from .exported import inline_grad_islands, keep_only_loss, materialise_constants
 
+    inline_grad_islands(gm)
+    materialise_constants(graph, constant_inputs, exported.constants)
     for n in graph.nodes:
         # Export keeps in-place updates of parameters and buffers (BatchNorm statistics, counters) in the graph.
         schema = getattr(n.target, "_schema", None)
         if n.op == "call_function" and schema is not None and schema.is_mutable and n.args \
                 and isinstance(n.args[0], fx.Node) and kind_of.get(n.args[0].name, RegionInput(BATCH, 0)).kind in (
                     PARAM, BUFFER):
-            where = _stack_line(n)
-            raise error("unsupported-model", f"forward updates `{kind_of[n.args[0].name].ref}` in place "
-                        f"(`{n.target}`{f' at {where}' if where else ''})",
-                        hint="buffer and parameter updates inside forward are not supported yet: use "
-                             "LayerNorm instead of BatchNorm, or move the update out of forward")
+            raise _mutation_error(model, kind_of[n.args[0].name].ref, n)
+    loss_node = keep_only_loss(graph, exported.call_spec.out_spec)
+
     compute = [n for n in graph.nodes if n.op == "call_function"]
     # Export adds shape asserts with no users; they carry no data, so drop them.
     compute = [n for n in compute if n.users or "assert" not in str(n.target)]
-    tagged = [n for n in compute if n.meta.get("custom")]
-    if not tagged:
-        tag_of = {n: (("PP", 0),) for n in compute}   # no annotations: one region
-    else:
-        missing = [n for n in compute if not n.meta.get("custom")]
-        if missing:
-            where = _stack_line(missing[0])
-            raise error("unannotated-compute",
-                        f"`{missing[0].target}` runs outside every piper.annotate region"
-                        + (f" (at {where})" if where else "")
-                        + f"; {len(missing)} op(s) in all",
-                        hint="wrap that code in a `with piper.annotate(\"PP\"):` block, or join it "
-                             "to the region before or after it")
-        tag_of = {}
-        for n in compute:
-            tags = n.meta["custom"]
-            for k, v in tags.items():
-                if not isinstance(v, int):
-                    raise error("bad-annotation", f"annotation {k}={v!r} is not a region index",
-                                hint="use piper.annotate(\"PP\"), which numbers regions for you")
-            tag_of[n] = tuple(tags.items())
-
-    order: list[tuple] = []
     for n in compute:
-        if tag_of[n] not in order:
-            order.append(tag_of[n])
-    region_of = {n: order.index(tag_of[n]) for n in compute}
-    if loss_node not in region_of:
-        raise error("bad-model", "the loss is not computed inside any region",
-                    hint="compute the loss inside the last `piper.annotate` block")
+        for k, v in (n.meta.get("custom") or {}).items():
+            if not isinstance(v, int):
+                raise error("bad-annotation", f"annotation {k}={v!r} is not a region index",
+                            hint="use piper.annotate(\"PP\"), which numbers regions for you")
+    order, region_of, joined = assign_regions(compute)
+    _check_group_order(model, compute)
+    tag_of = {n: order[region_of[n]] for n in compute}
+    needs_grad = _needs_grad(graph, kind_of)
 
     # Values: nodes used by another region.
     value_ids: dict[fx.Node, int] = {}
@@ -287,7 +292,7 @@ def _cut(exported, model) -> Program:
             r = region_of[n]
             value_ids[n] = len(values)
             values.append(Value(len(values), r, len(region_outputs[r]), tuple(consumers[n]), TensorSpec.of(val),
-                                val.dtype.is_floating_point or val.dtype.is_complex))
+                                (val.dtype.is_floating_point or val.dtype.is_complex) and n in needs_grad))
             region_outputs[r].append(n)
 
     regions = []
@@ -314,6 +319,8 @@ def _cut(exported, model) -> Program:
             inputs.append(ref_of(a))
         for n in member[r]:
             env[n] = sub.node_copy(n, lambda a: env[a])
+            if n in joined:
+                env[n].meta["piper_joined"] = joined[n]     # for `piper show --what ir`
         outs = [env[n] for n in region_outputs[r]]
         is_loss = region_of[loss_node] == r
         if is_loss:
@@ -321,5 +328,142 @@ def _cut(exported, model) -> Program:
         sub.output(tuple(outs))
         gm = fx.GraphModule(torch.nn.Module(), sub)
         regions.append(Region(r, tags, tuple(inputs), tuple(value_ids[n] for n in region_outputs[r]), is_loss, gm,
-                              _stack_line(member[r][0]) if member[r] else None))
-    return Program(tuple(regions), tuple(values), params, buffers, tuple(batch))
+                              _stack_line(member[r][0]) if member[r] else None,
+                              tuple((str(n.target), joined[n], _stack_line(n)) for n in member[r] if n in joined)))
+    return Program(tuple(regions), tuple(values), params, buffers, tuple(batch), constants=constants)
+
+
+def assign_regions(compute: list[fx.Node]):
+    """Every op's region: its annotation's, or by the outside-region rule.
+
+    An op outside every `piper.annotate` block (rotary tables, masks, the loss
+    after the head) joins the region that first uses its result; with no user
+    in a region, the last region that fed it. An op computed from the batch
+    alone joins its first user once that is known (an op fed by nothing and
+    used by nothing joins the first region). A model without annotations is one
+    region, PP=0. Returns (the regions' tags in trace order, op -> region,
+    op -> why it joined, for ops outside every block).
+    """
+    if not any(n.meta.get("custom") for n in compute):
+        return [(("PP", 0),)], {n: 0 for n in compute}, {}
+    order: list[tuple] = []
+    for n in compute:
+        tags = tuple((n.meta.get("custom") or {}).items())
+        if tags and tags not in order:
+            order.append(tags)
+    rank = {tags: i for i, tags in enumerate(order)}
+    region_of: dict[fx.Node, int] = {}
+    joined: dict[fx.Node, str] = {}
+    for n in compute:
+        if n.meta.get("custom"):
+            region_of[n] = rank[tuple(n.meta["custom"].items())]
+    for n in reversed(compute):           # users come later in the trace: walk back
+        if n in region_of:
+            continue
+        used = [region_of[u] for u in n.users if u in region_of]
+        if used:
+            region_of[n] = min(used)
+            joined[n] = "first user"
+    for n in compute:                      # producers come earlier: walk forward
+        fed = [region_of[a] for a in n.all_input_nodes if a in region_of]
+        if n not in region_of:
+            if fed:
+                region_of[n] = max(fed)
+                joined[n] = "last producer"
+        elif n in joined and fed and max(fed) > region_of[n]:
+            label = " ".join(f"{k}={v}" for k, v in order[region_of[n]])
+            later = " ".join(f"{k}={v}" for k, v in order[max(fed)])
+            where = _stack_line(n)
+            raise error("unannotated-compute",
+                        f"`{n.target}` runs outside every piper.annotate region"
+                        + (f" (at {where})" if where else "")
+                        + f" and is first used by region {label} but fed by the later region {later}, "
+                          "so it can join neither",
+                        hint="wrap that code in the `piper.annotate` block of the region that should run it")
+    for n in reversed(compute):            # fed by inputs alone (targets.flatten()): the first user, now known
+        if n not in region_of:
+            used = [region_of[u] for u in n.users if u in region_of]
+            region_of[n] = min(used, default=0)
+            joined[n] = "first user" if used else "no producer or user"
+    return order, region_of, joined
+
+
+def _needs_grad(graph: fx.Graph, kind_of: dict[str, RegionInput]) -> set[fx.Node]:
+    """The nodes a gradient flows through: those computed from parameters, except
+    detached results (a no-grad block's) and integer or boolean tensors."""
+    out: set[fx.Node] = set()
+    no_grad_ops = (torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            if kind_of.get(n.name, RegionInput(BATCH, 0)).kind == PARAM:
+                out.add(n)
+        elif n.op == "call_function" and n.target not in no_grad_ops and any(a in out for a in n.all_input_nodes):
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex:
+                out.add(n)
+    return out
+
+
+
+def _mutation_error(model, name: str, node: fx.Node | None = None):
+    """Forward updates a buffer or parameter: name the module and what to do instead."""
+    module_name = name.rpartition(".")[0]
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+        kind = type(module).__name__
+    except AttributeError:
+        kind = "module"
+    where = _stack_line(node) if node is not None else None
+    norm = "BatchNorm" in kind
+    return error("unsupported-model",
+                 f"forward of {kind} `{module_name or 'the model'}` updates `{name}` in place"
+                 + (f" (`{node.target}` at {where})" if where else "")
+                 + (": BatchNorm's running statistics" if norm else ""),
+                 notes=("Piper runs each region on several devices and microbatches; a buffer written in "
+                        "forward would differ between them, so buffer updates are not supported yet",),
+                 hint=(f"call `.eval()` on `{module_name}` before piper.compile to train with fixed statistics, "
+                       "or use LayerNorm / GroupNorm instead of BatchNorm" if norm else
+                       "move the update out of forward (do it between steps), or use LayerNorm instead of "
+                       "BatchNorm"))
+
+
+def _check_group_order(model, compute: list[fx.Node]) -> None:
+    """`annotate_modules` groups must run in their order: group i's first op before group i+1's."""
+    from .modules import module_groups
+
+    for tag, groups in module_groups(model).items():
+        seen: list[int] = []
+        for n in compute:
+            index = (n.meta.get("custom") or {}).get(tag)
+            if index is not None and index not in seen:
+                if seen and index < seen[-1]:
+                    later = seen[-1]
+                    raise error("group-order", f"group {later} of `{tag}` runs before group {index} in forward "
+                                f"(`{groups[later][0]}` before `{groups[index][0]}`)",
+                                notes=(f"group {index}: {', '.join(groups[index])}",
+                                       f"group {later}: {', '.join(groups[later])}"),
+                                hint="list the groups in the order forward calls their modules: region "
+                                     f"{tag}=i feeds {tag}=i+1")
+                seen.append(index)
+
+
+def describe(program: Program) -> str:
+    """Where each op went, as comment lines for `piper show --what ir`:
+
+        # region 0 PP=0: 41 ops (6 joined by the outside-region rule)
+        #   arange      aten.arange.default     joined: first user     modeling_llama.py:379
+        #   embedding   aten.embedding.default  annotated              modeling_llama.py:372
+    """
+    lines = []
+    for r in program.regions:
+        if r.graph is None:
+            continue
+        ops = [n for n in r.graph.graph.nodes if n.op == "call_function"]
+        joined = sum(1 for n in ops if n.meta.get("piper_joined"))
+        lines.append(f"# region {r.index} {r.label}: {len(ops)} ops ({joined} joined by the outside-region rule)")
+        for n in ops:
+            why = n.meta.get("piper_joined")
+            where = _stack_line(n) or "-"
+            lines.append(f"#   {n.name:<28} {str(n.target):<40} {'joined: ' + why if why else 'annotated':<28} "
+                         f"{where}".rstrip())
+    return "\n".join(lines) + "\n" if lines else ""

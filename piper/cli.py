@@ -206,7 +206,11 @@ def cmd_show(args) -> int:
         write(compiled, args.timeline, costs=_parse_costs(args.costs) or None, title=f"{args.script}")
         print(f"piper show: wrote {args.timeline}", file=sys.stderr)
     if args.what == "ir":
+        from .capture import describe
+
         sys.stdout.write(format_ir(compiled.ir))
+        program = getattr(compiled, "program", None)
+        sys.stdout.write(describe(program) if program is not None else "")
     else:
         from .show_plans import plan_grid, plan_lines
 

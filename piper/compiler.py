@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from .diagnostics import Diagnostic, Label, error
 from .ir import COLLECTIVES, COMPUTE, IR, Edge, Node, _not_same, distinct_edges
 from .lower import add_transfers, check_orders, resolve_placement, temporal_edges, zero_levels
+from .tied import add_tie_exchanges, units_used
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
 _COMPUTE = frozenset(COMPUTE)
@@ -278,9 +279,8 @@ def _deadlock_error(ir: IR, cycle: list[Edge]):
 
 
 def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:
-    """Region -> the owner regions whose parameters it reads."""
-    owner = {p: r.index for r in ir.regions for p in r.owned}
-    return {r.index: tuple(sorted({owner[p] for p in r.params})) for r in ir.regions}
+    """Region -> the owner regions whose parameters it reads (a tied parameter's copy on its devices)."""
+    return units_used(ir)
 
 
 def _by_group(computes) -> dict[tuple, list[tuple[int, Node]]]:
@@ -550,6 +550,8 @@ def compile_ir(ir: IR) -> Compiled:
     ir = add_transfers(ir)
     order = schedule(ir)
     order, extra, release = add_collectives(ir, order, zero)
+    order, ties = add_tie_exchanges(ir, order, _units_used(ir))     # tied weights across stages
+    extra += ties
     ir = ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
     plans = project(ir, order, release)
     return Compiled(ir, order, plans, zero, warnings)

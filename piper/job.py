@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -30,6 +31,7 @@ from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
 from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
 from .strategy import as_strategy
+from .tied import state_keys, tie_ids, units_used
 
 
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
@@ -109,8 +111,11 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
 
     check_optimizer(optimizer)    # before capture: a wrong optimizer is a one-line fix
     mesh, directives = build_strategy(strategy, mesh, overrides)
-    mb_inputs, microbatches, shards, batch = _microbatch_inputs(tuple(example_inputs), mesh, directives)
-    program = capture(model, mb_inputs)
+    # A dict of example inputs calls forward with keywords (`input_ids=..., labels=...`).
+    names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else ()
+    example_inputs = tuple(example_inputs.values()) if names else tuple(example_inputs)
+    mb_inputs, microbatches, shards, batch = _microbatch_inputs(example_inputs, mesh, directives)
+    program = capture(model, mb_inputs, names)
     compiled = compile_directives(program, mesh, directives)
     job = Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
               batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
@@ -127,7 +132,7 @@ class Job:
                  shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None,
                  startup_timeout: float = 600.0, progress=None):
         self.program = program
-        self.input_names = input_names(model, len(program.batch))
+        self.input_names = program.input_names or input_names(model, len(program.batch))
         self.worker_env = dict(worker_env or {})
         self.concurrent = overlap
         self.compiled = compiled
@@ -148,11 +153,14 @@ class Job:
         ir = compiled.ir
         # Under `shard experts`, expert weights live outside the flat units: each device holds its rows.
         self._expert_weights = experts.expert_params(program) if ir.sharded("experts") else {}
+        ties = tie_ids(ir)
         self.layouts: dict[int, UnitLayout] = {
             r.index: layout_unit(r.index, [p for p in r.owned if p not in self._expert_weights], program.params,
-                                 ir.devices_of(r.index))
+                                 ir.devices_of(r.index), ties)
             for r in ir.regions if r.owned}
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
+        self._buffers.update(program.constants)     # tensors forward makes from data (not in state_dict)
+        self._state_keys = state_keys(model)
         try:
             self._start(model, optimizer, address, device)
         except BaseException:
@@ -229,7 +237,7 @@ class Job:
     def _spec(self, rank: int, params, optimizer, slots=()):
         ir, program = self.compiled.ir, self.program
         mine = [r.index for r in ir.regions if rank in ir.devices_of(r.index)]
-        units_of = {r.index: tuple(sorted({program.owner(p) for p in r.params})) for r in ir.regions}
+        units_of = units_used(ir)
         regions = {r: RegionSpec(r, pack(program.regions[r].graph), program.regions[r].inputs, program.regions[r].outputs,
                                  program.regions[r].loss, units_of[r]) for r in mine}
         units = {u: self.layouts[u] for u in mine if u in self.layouts}
@@ -274,9 +282,13 @@ class Job:
         if self._closed:
             raise error("job-closed", "this job is closed", hint="compile a new job")
 
-    def step(self, *batch) -> float:
-        """One optimizer step on the global batch; returns its mean loss."""
+    def step(self, *batch, **named) -> float:
+        """One optimizer step on the global batch; returns its mean loss.
+
+        A job compiled with a dict of example inputs takes the batch by the same keywords."""
         self._check_open()
+        if named:
+            batch = _by_name(batch, named, self.program.input_names)
         check_step_inputs(batch, self.program.batch, self.batch_size, self.input_names)
         ir = self.compiled.ir
         per = self.batch_size // (self.microbatches * self.shards)
@@ -322,7 +334,8 @@ class Job:
         if self._expert_weights:
             out.update(expert_state(self.compiled.ir, self.program, self._expert_weights, shards))
         out.update({k: v.clone() for k, v in self._buffers.items()})
-        return out
+        # model.state_dict()'s keys: a tied weight under each name, no non-persistent buffers.
+        return {k: out[src] for k, src in self._state_keys.items() if src in out}
 
     def memory(self) -> dict[int, dict[str, int]]:
         """Per rank: bytes of parameters, gradients and optimizer state held between
@@ -387,4 +400,13 @@ class Job:
             self.close()
         except Exception:
             pass
+
+
+def _by_name(batch: tuple, named: dict, names: tuple[str, ...]) -> tuple:
+    """The batch in capture's order from keyword inputs."""
+    if batch or set(named) != set(names):
+        expected = ", ".join(names) if names else "positional inputs"
+        raise error("bad-inputs", f"step got {', '.join(named)} by keyword; this job takes {expected}",
+                    hint="pass the batch the way example_inputs was passed (a dict for keywords)")
+    return tuple(named[n] for n in names)
 

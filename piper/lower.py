@@ -17,6 +17,7 @@ from operator import not_
 
 from .diagnostics import Diagnostic, Label, error
 from .ir import _IDENTITY, IR, Edge, Node, data_edge, node_key
+from .tied import share_across_devices
 
 _tuple_new = tuple.__new__
 
@@ -68,18 +69,8 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
                         f"({expected} shards) but region {region.label} runs on {len(ranks)} device(s)",
                         span=span,
                         hint="place every region on a group that spans exactly the batch axes" + example)
-    # A parameter used by regions on different devices (tied weights) is not supported yet.
-    for region in ir.regions:
-        for p in region.params:
-            for other in ir.regions:
-                if p in other.owned and ir.devices_of(other.index) != ir.devices_of(region.index):
-                    raise error("tied-across-devices", f"parameter `{p}` is used by regions {other.label} and "
-                                f"{region.label}, which run on different devices",
-                                span=spans.get(region.index),
-                                labels=(Label(spans[other.index], "owner placed here"),) if spans.get(
-                                    other.index) else (),
-                                hint="place both regions on the same devices, or untie the weights "
-                                     "(shared parameters across devices are not supported yet)")
+    # A parameter used by regions on different devices (tied weights): each group holds a copy.
+    ir = share_across_devices(ir, spans)
     placed = dict(ir.placement)
     ir = ir.with_(nodes=tuple(n.but(devices=placed[n.region]) for n in ir.nodes))
     for (what, axis), span in zip(ir.sharding, ir.sharding_spans + (None,) * len(ir.sharding)):

@@ -38,6 +38,8 @@ class GraphBreak(torch.nn.Module):
 
 
 class Tied(torch.nn.Module):
+    """`w` is used by three regions: three device groups once each is placed on its own."""
+
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(4, 4))
@@ -46,18 +48,40 @@ class Tied(torch.nn.Module):
         with piper.annotate("PP"):
             h = x @ self.w
         with piper.annotate("PP"):
+            h = torch.tanh(h @ self.w)
+        with piper.annotate("PP"):
             return ((h @ self.w.t()).sum(-1) - y).pow(2).mean()
 
 
 XY = (torch.randn(4, 4), torch.randn(4))
 
 
-def test_compute_outside_regions_names_the_line():
+def test_compute_outside_regions_joins_its_first_user():
+    program = capture(Unannotated(), XY)
+    assert [r.label for r in program.regions] == ["PP=0", "PP=1"]
+    (op, why, where), = program.regions[1].joined
+    assert op == "aten.relu.default" and why == "first user" and "test_errors.py:" in where
+
+
+class FedByALaterRegion(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        h = self.a(x)
+        s = torch.tanh(self.b(h))          # outside: fed by PP=1, first used by PP=0
+        return ((self.a(s).sum(-1) - y) ** 2).mean()
+
+
+def test_compute_fed_by_a_later_region_than_its_first_user_names_the_line():
+    model = piper.annotate_modules(FedByALaterRegion(), "PP", [["a"], ["b"]])
     with pytest.raises(piper.PiperError) as err:
-        capture(Unannotated(), XY)
+        capture(model, XY)
     assert err.value.code == "unannotated-compute"
-    assert "relu" in str(err.value) and "test_errors.py:" in str(err.value)
-    assert "piper.annotate" in err.value.diagnostics[0].hint
+    assert "tanh" in str(err.value) and "test_errors.py:" in str(err.value)
+    assert "first used by region PP=0 but fed by the later region PP=1" in str(err.value)
 
 
 def test_graph_break_names_the_line():
@@ -67,11 +91,12 @@ def test_graph_break_names_the_line():
     assert "test_errors.py:" in str(err.value)
 
 
-def test_tied_weights_across_devices():
+def test_tied_weights_across_more_than_two_device_groups():
+    # Two groups hold a copy each and add their gradients (tests/test_hf.py trains GPT-2 so).
     with pytest.raises(piper.PiperError) as err:
-        piper.compile(Tied(), XY, strategy=pipeline(1), mesh={"pp": 2})
+        piper.compile(Tied(), XY, strategy=pipeline(1), mesh={"pp": 3})
     assert err.value.code == "tied-across-devices"
-    assert "`w`" in str(err.value)
+    assert "`w` is used by regions on 3 device groups" in str(err.value)
 
 
 def test_region_never_placed():

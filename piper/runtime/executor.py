@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm
+from . import comm, tied
 from .experts import Experts, lane_group
 from .flat import UnitLayout
 from .graphs import unpack
@@ -590,6 +590,8 @@ class Executor:
 
     def _send(self, action) -> None:
         node = action.node
+        if node.phase == "T":                  # a tied weight's gradient (runtime/tied.py)
+            return tied.send(self, action)
         v = self._value_of(node)
         if node.phase == "F":
             tensor = self.values[(v, node.mb)].detach()
@@ -599,6 +601,8 @@ class Executor:
 
     def _recv(self, action) -> None:
         node = action.node
+        if node.phase == "T":
+            return tied.recv(self, action)
         v = self._value_of(node)
         _, _, shape, dtype, _ = self.spec.values[v]
         buf = torch.empty(shape, dtype=dtype, device=self.device)

@@ -34,6 +34,7 @@ class Bucket:
     entries: tuple[Entry, ...]
     padded: int               # flat length, a multiple of the group size
     group_size: int
+    tied: int | None = None   # a tied parameter's bucket of its own: the tie's number (piper.tied)
 
     @property
     def shard_size(self) -> int:
@@ -51,13 +52,19 @@ class UnitLayout:
     buckets: tuple[Bucket, ...]
 
 
-def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...]) -> UnitLayout:
-    """Pack `names` (with `specs[name].shape/.dtype`) per dtype, in the given order."""
-    by_dtype: dict[torch.dtype, list] = {}
+def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: dict | None = None) -> UnitLayout:
+    """Pack `names` (with `specs[name].shape/.dtype`) per dtype, in the given order.
+
+    A name in `tied` (name -> tie number) gets a bucket of its own, so every
+    copy of a tied parameter is padded and sharded alike."""
+    tied = tied or {}
+    by_dtype: dict = {}
     for name in names:
-        by_dtype.setdefault(specs[name].dtype, []).append(name)
+        key = ("tied", tied[name]) if name in tied else specs[name].dtype
+        by_dtype.setdefault(key, []).append(name)
     buckets = []
-    for dtype, members in by_dtype.items():
+    for key, members in by_dtype.items():
+        dtype = specs[members[0]].dtype
         entries, offset = [], 0
         for name in members:
             e = Entry(name, tuple(specs[name].shape), offset)
@@ -65,7 +72,7 @@ def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...]) -> UnitL
             offset += e.numel
         size = len(group)
         padded = -(-offset // size) * size if offset else size
-        buckets.append(Bucket(dtype, tuple(entries), padded, size))
+        buckets.append(Bucket(dtype, tuple(entries), padded, size, key[1] if isinstance(key, tuple) else None))
     return UnitLayout(owner, tuple(group), tuple(buckets))
 
 

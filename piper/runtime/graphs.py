@@ -76,6 +76,8 @@ def unpack(packed: PackedGraph, device: torch.device | None = None) -> fx.GraphM
             target = target.resolve()
         if device is not None and isinstance(kwargs.get("device"), torch.device):
             kwargs = {**kwargs, "device": device}   # capture ran on meta
+        if device is not None and any(isinstance(a, torch.device) for a in args):
+            args = tuple(device if isinstance(a, torch.device) else a for a in args)   # `x.to(device)`
         if op == "placeholder":
             node = graph.placeholder(name)
         elif op == "output":
