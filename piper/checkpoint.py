@@ -89,7 +89,15 @@ def save(job, path) -> str:
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
     # The buffers are the job's constants, held by the driver: rank 0 writes them with the metadata.
     first = {"model": {k: job._buffers[k] for k in _persistent_buffers(job)}, "piper": meta}
-    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}, job.aliases)
+    # A parameter tied across pipeline stages has an identical copy on each: the first unit's is written.
+    copies: dict = {}
+    for u in sorted(job.layouts):
+        for bucket in job.layouts[u].buckets:
+            if getattr(bucket, "tied", None) is not None:
+                for e in bucket.entries:
+                    copies.setdefault(e.name, []).append(u)
+    skip = {(u, name) for name, units in copies.items() for u in units[1:]}
+    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}, job.aliases, skip)
             for rank, a in enumerate(job.actors)]
     job.saved_bytes = dict(enumerate(job._get(refs, "save")))
     return path
