@@ -92,7 +92,7 @@ def run(ctx) -> SuiteResult:
     batch = gpt_batches(wl, 1)[0]
     model, _ = make_gpt(kw)
     state_bytes = n_params(model) * model.wte.weight.element_size() * 3     # parameters + two AdamW moments
-    result = SuiteResult("checkpoint", 10, "Checkpoint save and load vs FSDP2 + DCP", ctx.command("checkpoint"))
+    result = SuiteResult("checkpoint", 13, "Checkpoint save and load vs FSDP2 + DCP", ctx.command("checkpoint"))
     table = Table(f"Save and load of parameters + AdamW state ({mib(state_bytes):.2f} MiB in all), median of "
                   f"{repeats} alternated repeats; {wl.describe(regions)}; ZeRO-3 / FSDP2 over dp",
                   ["devices", "system", "save ms", "load ms", "MiB per device (min-max)", "MiB written in all",

@@ -63,6 +63,16 @@ def model_keys(model, program) -> tuple[frozenset, dict[str, str]]:
     return frozenset(state), aliases
 
 
+def _check_supported(job, what: str) -> None:
+    """Expert weights under `shard experts` live outside the flat units this module writes."""
+    held = getattr(job, "_expert_weights", None)
+    if held:
+        raise error("checkpoint-unsupported", f"`job.{what}` cannot yet {what} a job with `shard experts`: its "
+                    f"{len(held)} expert weight(s) ({', '.join(sorted(held)[:3])}...) are held outside the flat "
+                    "parameter units checkpoints are written from", hint="checkpoint the job without "
+                    "`shard experts` (experts replicated), or keep its weights with job.state_dict()")
+
+
 def _persistent_buffers(job) -> list[str]:
     return [k for k in job._buffers if k in job.state_keys]
 
@@ -72,13 +82,22 @@ def save(job, path) -> str:
     DCP directory `path` (created; an earlier checkpoint there is replaced). Returns the
     absolute path."""
     job._check_open()
+    _check_supported(job, "save")
     path = os.path.abspath(os.fspath(path))
     _clear_old_save(path)
     meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
     # The buffers are the job's constants, held by the driver: rank 0 writes them with the metadata.
     first = {"model": {k: job._buffers[k] for k in _persistent_buffers(job)}, "piper": meta}
-    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}, job.aliases)
+    # A parameter tied across pipeline stages has an identical copy on each: the first unit's is written.
+    copies: dict = {}
+    for u in sorted(job.layouts):
+        for bucket in job.layouts[u].buckets:
+            if getattr(bucket, "tied", None) is not None:
+                for e in bucket.entries:
+                    copies.setdefault(e.name, []).append(u)
+    skip = {(u, name) for name, units in copies.items() for u in units[1:]}
+    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}, job.aliases, skip)
             for rank, a in enumerate(job.actors)]
     job.saved_bytes = dict(enumerate(job._get(refs, "save")))
     return path
@@ -235,6 +254,7 @@ def load(job, path) -> dict:
     """Read checkpoint `path` into the running `job`, whatever strategy and mesh wrote it:
     parameters, persistent buffers, optimizer state and the step count. Returns its metadata."""
     job._check_open()
+    _check_supported(job, "load")
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
     info = read_info(path)

@@ -64,8 +64,16 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def saved(ray_cluster, tmp_path_factory, reference):
-    """A checkpoint written at step SAVE_AT by ZeRO-3 x 1F1B on dp=2 x pp=2."""
+def saved(_ray_session, tmp_path_factory, reference):
+    """A checkpoint written at step SAVE_AT by ZeRO-3 x 1F1B on dp=2 x pp=2 (the tests that use it
+    also name `ray_cluster`, which is function-scoped: this starts the shared cluster the same way)."""
+    import os
+
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     path = tmp_path_factory.mktemp("ckpt") / "step-2"
     strategy = load_strategy("use one_f_one_b(microbatches=4) on pp\nuse zero3() on dp\n")
     steps = data(SAVE_AT)
@@ -83,7 +91,7 @@ def saved(ray_cluster, tmp_path_factory, reference):
     ("use dp() on dp", {"dp": 4}),
     ("use dualpipev(microbatches=4) on pp", {"pp": 2}),
 ], ids=["1f1b-pp4", "dp4", "dualpipev-pp2"])
-def test_load_under_another_strategy_continues_exactly(saved, reference, script, mesh):
+def test_load_under_another_strategy_continues_exactly(ray_cluster, saved, reference, script, mesh):
     path, _ = saved
     ref_losses, ref_params, _ = reference
     steps = data(SAVE_AT + MORE)
@@ -101,7 +109,7 @@ def test_load_under_another_strategy_continues_exactly(saved, reference, script,
     torch.testing.assert_close(state, ref_params[-1], rtol=1e-9, atol=1e-12)
 
 
-def test_every_worker_writes_only_its_own_shards(saved):
+def test_every_worker_writes_only_its_own_shards(ray_cluster, saved):
     path, written = saved
     n_bytes = sum(p.numel() for p in gpt(2).parameters()) * 8
     # Parameters and two AdamW moments, split four ways (ZeRO-3 over dp within each of 2 stages).
@@ -111,7 +119,7 @@ def test_every_worker_writes_only_its_own_shards(saved):
     assert len(files) == 4
 
 
-def test_dcp_to_torch_save_loads_into_the_plain_model(saved, reference, tmp_path):
+def test_dcp_to_torch_save_loads_into_the_plain_model(ray_cluster, saved, reference, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path, _ = saved
@@ -202,7 +210,7 @@ class Other(torch.nn.Module):
         return loss
 
 
-def test_bad_checkpoints_are_named_with_cause_and_fix(saved, tmp_path):
+def test_bad_checkpoints_are_named_with_cause_and_fix(ray_cluster, saved, tmp_path):
     path, _ = saved
     batch = (torch.randn(4, 8), torch.randn(4))
     with piper.compile(Other(), batch, strategy=load_strategy("use dp() on dp\n"), mesh={"dp": 2},

@@ -203,7 +203,7 @@ def optimizer_layout(executor, with_state: bool) -> dict[str, dict[str, str]]:
     return out
 
 
-def save(executor, path: str, extra: dict, aliases: dict[str, str]) -> int:
+def save(executor, path: str, extra: dict, aliases: dict[str, str], skip=()) -> int:
     """Write this rank's shards into the checkpoint `path` (all ranks call it at once).
     `extra` adds entries this rank writes (rank 0: buffers and metadata); each of
     `aliases` (tied parameters' other names) is written as the parameter it names.
@@ -211,10 +211,11 @@ def save(executor, path: str, extra: dict, aliases: dict[str, str]) -> int:
     import torch.distributed.checkpoint as dcp
 
     model, optim = {}, {}
-    for unit in executor.units.values():
+    for u, unit in executor.units.items():
         params, state = unit_state(unit, saving=True)
-        model.update(params)
-        optim.update(state)
+        # `skip`: the names of a parameter tied across stages that another stage's copy writes.
+        model.update({k: v for k, v in params.items() if (u, k) not in skip})
+        optim.update({k: v for k, v in state.items() if (u, k) not in skip})
     model.update({alias: model[name] for alias, name in aliases.items() if name in model})
     state = {MODEL: model, OPTIM: {"state": optim}}
     for key, value in extra.items():

@@ -94,8 +94,8 @@ class Worker:
         return self.executor.memory()
 
     # -- checkpoints (piper/runtime/checkpoint.py) --
-    def save_checkpoint(self, path: str, extra: dict, aliases: dict) -> int:
-        return checkpoint.save(self.executor, path, extra, aliases)
+    def save_checkpoint(self, path: str, extra: dict, aliases: dict, skip=()) -> int:
+        return checkpoint.save(self.executor, path, extra, aliases, skip)
 
     def optimizer_layout(self, with_state: bool):
         return checkpoint.optimizer_layout(self.executor, with_state)
