@@ -32,7 +32,7 @@ from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack
 from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
 from .strategy import as_strategy
-from .tied import state_keys, tie_ids, units_used
+from .tied import state_keys, tie_ids, tied_params, units_used
 
 
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
@@ -163,10 +163,11 @@ class Job:
         ir = compiled.ir
         # Under `shard experts`, expert weights live outside the flat units: each device holds its rows.
         self._expert_weights = experts.expert_params(program) if ir.sharded("experts") else {}
-        ties = tie_ids(ir)
+        ties, copies = tie_ids(ir), tied_params(ir)
         self.layouts: dict[int, UnitLayout] = {
             r.index: layout_unit(r.index, [p for p in r.owned if p not in self._expert_weights], program.params,
-                                 ir.devices_of(r.index), ties)
+                                 ir.devices_of(r.index), ties,
+                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index})
             for r in ir.regions if r.owned}
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
         self._buffers.update(program.constants)     # tensors forward makes from data (not in state_dict)

@@ -45,3 +45,33 @@ def test_bad_clip_is_a_diagnostic(value):
     with pytest.raises(piper.PiperError) as info:
         piper.compile(model, gpt_batches(1)[0], clip_grad_norm=value)
     assert info.value.code == "bad-clip"
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_clip_counts_a_weight_tied_across_stages_once():
+    """Both stages hold the tied weight and step on the summed gradient: the norm counts it once."""
+    from piper.dsl import load_strategy
+    from tests.test_modules import TiedToy
+
+    torch.manual_seed(0)
+    model = piper.annotate_modules(TiedToy().double(), "PP", [["emb"], ["mid", "head"]])
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 16, (8, 4), generator=g), torch.randint(0, 16, (8, 4), generator=g))
+    norms = []
+    result = train_both(model, load_strategy("use one_f_one_b(microbatches=4) on pp\n"), mesh={"pp": 2},
+                        batches=[batch] * 3, clip_grad_norm=0.05, job_hook=lambda job: norms.append(job.grad_norm()))
+    assert_same_training(result, rtol=1e-9, atol=1e-9)
+    assert norms[0] > 2 * 0.05
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_clip_includes_expert_rows_divided_by_shard_experts():
+    """Under `shard experts` each device holds its expert rows outside the flat units: they count too."""
+    from tests.test_experts import EP, Tiny, moe_layer, script, tiny_batches
+
+    norms = []
+    result = train_both(Tiny(1, moe_layer()).double(), script("use dp() on dp\n" + EP), mesh={"dp": 2},
+                        batches=tiny_batches(steps=3), clip_grad_norm=0.05,
+                        job_hook=lambda job: norms.append(job.grad_norm()))
+    assert_same_training(result, rtol=1e-9, atol=1e-9)
+    assert norms[0] > 2 * 0.05

@@ -37,16 +37,18 @@ class GlobalNormClip:
         self.deferred.append(action)
         return True
 
-    def finish(self, units, run) -> None:
+    def finish(self, units, run, experts=()) -> None:
         """Clip every unit's gradients by the global norm, then run the held-back actions with `run`.
 
+        `experts`: this device's expert-row gradients under `shard experts` (each row lives on one
+        device only, so every device counts and scales all of its own).
         Called on every device at the end of the step, once every reduction is done."""
         squares = torch.zeros((), dtype=torch.float64)
         device = None
-        for unit in units:
-            for grad in owned_gradients(unit):
-                device = grad.device
-                squares = squares.to(grad.device) + grad.double().pow(2).sum()
+        experts = [g for g in experts if g is not None]
+        for grad in [g for unit in units for g in owned_gradients(unit)] + experts:
+            device = grad.device
+            squares = squares.to(grad.device) + grad.double().pow(2).sum()
         if device is None:
             device = next((full.device for u in units for full in u.full), torch.device("cpu"))
             squares = squares.to(device)
@@ -56,9 +58,8 @@ class GlobalNormClip:
         self.norm = float(total)
         # torch.nn.utils.clip_grad_norm_'s factor, clamped so gradients only ever shrink.
         factor = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
-        for unit in units:
-            for grad in scaled_gradients(unit):
-                grad.mul_(factor.to(grad.dtype))
+        for grad in [g for unit in units for g in scaled_gradients(unit)] + experts:
+            grad.mul_(factor.to(grad.dtype))
         actions, self.deferred = self.deferred, []
         self.flushing = True
         try:
@@ -71,6 +72,8 @@ class GlobalNormClip:
 def owned_gradients(unit):
     """The gradient elements this member of the unit's group counts towards the norm."""
     for i, bucket in enumerate(unit.layout.buckets):
+        if not bucket.counted:          # a tied weight's second copy: its first copy counts the sum
+            continue
         if unit.zero >= 2:
             if unit.grad_shard[i] is not None:
                 yield unit.grad_shard[i]

@@ -362,7 +362,7 @@ class Executor:
             work.wait()
         self.sends.clear()
         if self.clip is not None:        # the updates it held back, after clipping
-            self.clip.finish(self._unit_list, self._run)
+            self.clip.finish(self._unit_list, self._run, self.experts.gradients() if self.experts else ())
             for key in list(self.pending):
                 self._wait(key)
         losses = [float(x) for x in self.losses]

@@ -128,6 +128,10 @@ class Experts:
     def weights(self, unit: int) -> list[torch.Tensor]:
         return list(self.leaves.get(unit, {}).values())
 
+    def gradients(self) -> list:
+        """This device's expert-row gradients (for a global-norm clip)."""
+        return [leaf.grad for leaves in self.leaves.values() for leaf in leaves.values()]
+
     def step(self, unit: int) -> None:
         if unit not in self.optimizers:
             return

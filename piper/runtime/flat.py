@@ -35,6 +35,7 @@ class Bucket:
     padded: int               # flat length, a multiple of the group size
     group_size: int
     tied: int | None = None   # a tied parameter's bucket of its own: the tie's number (piper.tied)
+    counted: bool = True      # False on a tied weight's second copy: a global norm counts the weight once
 
     @property
     def shard_size(self) -> int:
@@ -52,11 +53,13 @@ class UnitLayout:
     buckets: tuple[Bucket, ...]
 
 
-def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: dict | None = None) -> UnitLayout:
+def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: dict | None = None,
+                second_copies=frozenset()) -> UnitLayout:
     """Pack `names` (with `specs[name].shape/.dtype`) per dtype, in the given order.
 
     A name in `tied` (name -> tie number) gets a bucket of its own, so every
-    copy of a tied parameter is padded and sharded alike."""
+    copy of a tied parameter is padded and sharded alike; a name in
+    `second_copies` is a tied weight whose first copy lives in another unit."""
     tied = tied or {}
     by_dtype: dict = {}
     for name in names:
@@ -72,7 +75,9 @@ def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: di
             offset += e.numel
         size = len(group)
         padded = -(-offset // size) * size if offset else size
-        buckets.append(Bucket(dtype, tuple(entries), padded, size, key[1] if isinstance(key, tuple) else None))
+        tie = key[1] if isinstance(key, tuple) else None
+        buckets.append(Bucket(dtype, tuple(entries), padded, size, tie,
+                              counted=tie is None or members[0] not in second_copies))
     return UnitLayout(owner, tuple(group), tuple(buckets))
 
 
