@@ -1,5 +1,5 @@
 """`piper run SCRIPT --model path.py:Factory [--steps N] [--batch-size N] [--optimizer adamw --lr 1e-3]
-[--mesh ...] [--set ...] [--address ADDR] [--device cpu|cuda] [--save weights.pt]
+[--mesh ...] [--set ...] [--address ADDR] [--device cpu|cuda] [--save weights.pt|DIR]
 [--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R]`:
 train a model with a strategy script on a Ray cluster (a local one unless --address),
 saving checkpoints (`piper.checkpoint`) and restarting lost workers (`piper.recovery`).
@@ -101,9 +101,7 @@ def run(args) -> int:
         if getattr(args, "trace", None):
             console.print(f"trace of the last steps: {job.trace(args.trace)} (open it in ui.perfetto.dev)")
         if getattr(args, "save", None):
-            torch.save(job.state_dict(), args.save)
-            console.print(f"saved the trained weights to {args.save} (load with "
-                          f"model.load_state_dict(torch.load({args.save!r})))", highlight=False)
+            save_outputs(job, args.save, console)
     span = f"steps {start + 1}-{steps}" if start else f"{steps} steps"
     console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {span}", highlight=False)
     return 0
@@ -150,8 +148,7 @@ def _run_recoverable(args, model, module, batch_size: int, steps: int, optimizer
 
     def finish(job):
         if getattr(args, "save", None):
-            torch.save(job.state_dict(), args.save)
-            console.print(f"saved the trained weights to {args.save}", highlight=False)
+            save_outputs(job, args.save, console)
 
     directory = getattr(args, "checkpoint_dir", None)
     checkpoints = Checkpoints(directory, getattr(args, "checkpoint_every", None) or 0) if directory else None
@@ -167,3 +164,20 @@ def _run_recoverable(args, model, module, batch_size: int, steps: int, optimizer
         # Full precision: a recovered run ends exactly where an uninterrupted one does.
         console.print(f"restarted {len(restarts)} time(s); final loss {losses[-1]!r}", highlight=False)
     return 0
+
+
+WEIGHT_FILES = (".pt", ".pth", ".bin")
+
+
+def save_outputs(job, path: str, console) -> None:
+    """`--save`: FILE.pt gets the trained weights (torch.save of model.state_dict()'s keys); any
+    other path becomes a checkpoint directory (`job.save`: weights, optimizer state and step, each
+    device writing its own shards), which `job.load` or `piper run --resume` continue from."""
+    if path.endswith(WEIGHT_FILES):
+        torch.save(job.state_dict(), path)
+        console.print(f"saved the trained weights to {path} (load with "
+                      f"model.load_state_dict(torch.load({path!r})))", highlight=False)
+    else:
+        job.save(path)
+        console.print(f"saved a checkpoint to {path}/ (weights, optimizer state, step {job.steps}; continue "
+                      f"with job.load({path!r}) under any strategy and mesh)", highlight=False)

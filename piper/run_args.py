@@ -51,8 +51,9 @@ def add_recovery_arguments(run) -> None:
 
 def add_output_arguments(run) -> None:
     """What is written when training ends."""
-    run.add_argument("--save", metavar="FILE.pt", default=None,
-                     help="write the trained weights (model.state_dict() keys) with torch.save")
+    run.add_argument("--save", metavar="FILE.pt|DIR", default=None,
+                     help="FILE.pt (or .pth, .bin): the trained weights (model.state_dict() keys) with torch.save; "
+                          "any other path: a checkpoint directory (job.save: weights, optimizer state, step)")
 
 
 def add_observation_arguments(run) -> None:

@@ -89,3 +89,30 @@ def test_run_trains_warns_on_one_repeated_batch_and_saves_the_weights(ray_cluste
         opt.step()
     for name, value in net.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_save_writes_weights_to_a_weight_file_and_a_checkpoint_elsewhere(tmp_path):
+    """`--save w.pt` keeps torch.save of the weights; `--save DIR` asks the job for a checkpoint."""
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from piper.cli_run import save_outputs
+
+    class Job:
+        steps = 3
+        saved = []
+
+        def state_dict(self):
+            return {"w": torch.ones(2)}
+
+        def save(self, path):
+            self.saved.append(path)
+
+    job, console = Job(), Console(file=io.StringIO())
+    save_outputs(job, str(tmp_path / "w.pt"), console)
+    assert torch.equal(torch.load(tmp_path / "w.pt")["w"], torch.ones(2)) and job.saved == []
+    save_outputs(job, str(tmp_path / "ckpt"), console)
+    assert job.saved == [str(tmp_path / "ckpt")]
+    assert "checkpoint" in console.file.getvalue()
