@@ -86,7 +86,9 @@ class TorchWorker:
         'fsdp2', or 'eager' (one process, a plain loop over microbatches).
         model: 'gpt' (examples.gpt, `model_kw` for make_model), 'chain'
         (LinearChain, `model_kw` for make_chain) or 'family:NAME'
-        (benchmarks/families.py, `model_kw` = {"cfg": ..., "regions": R}). For 'fsdp2':
+        (benchmarks/families.py, `model_kw` = {"cfg": ..., "regions": R}); 'hf' ('fsdp2' only: the
+        Hugging Face model of `benchmarks.workloads.make_hf`, `model_kw` = HFWorkload's fields
+        and "stages"; its forward returns the loss). For 'fsdp2':
         `precision="bf16"` is `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`,
         and `checkpoint=True` wraps every block in torch.utils.checkpoint (non-reentrant).
         """
@@ -107,6 +109,14 @@ class TorchWorker:
             net = family.make(model_kw["cfg"], regions=model_kw["regions"])
             n_stages = model_kw["regions"]
             make_stage, loss_fn = (lambda s: family.stage(net, s)), family.loss
+        elif model == "hf":
+            from .workloads import HFWorkload, make_hf
+
+            if kind != "fsdp2":
+                raise ValueError("the Hugging Face baseline runs under fsdp2 only")
+            kw = dict(model_kw)
+            stages = kw.pop("stages", 1)
+            net = make_hf(HFWorkload(**kw), stages)[0]
         else:
             net, cfg = make_gpt(model_kw)
             n_stages = cfg.n_regions
@@ -144,16 +154,20 @@ class TorchWorker:
         elif kind == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            blocks = net.m.model.layers if model == "hf" else net.blocks
             if checkpoint:
                 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-                for i, block in enumerate(net.blocks):
-                    net.blocks[i] = checkpoint_wrapper(block)
+                for i, block in enumerate(blocks):
+                    blocks[i] = checkpoint_wrapper(block)
             low = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
             policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
-            # One FSDP unit per Piper region (the same flat units ZeRO-3 gathers), then the root.
-            for region in range(cfg.n_regions):
-                fully_shard(region_modules(net, region), mp_policy=policy)
+            # One FSDP unit per Piper region (the same flat units ZeRO-3 gathers), then the root:
+            # the GPT's regions, or the Hugging Face model's blocks (its `L` regions).
+            units = [blocks[i] for i in range(len(blocks))] if model == "hf" else [
+                region_modules(net, region) for region in range(cfg.n_regions)]
+            for unit in units:
+                fully_shard(unit, mp_policy=policy)
             self.model = fully_shard(net, mp_policy=policy)
             params = list(self.model.parameters())
         else:

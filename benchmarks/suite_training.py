@@ -11,6 +11,11 @@
     `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` against
     `precision="bf16"`, and torch.utils.checkpoint around every block against
     `recompute PP=*`. Step times A/B alternated; ratio = torch / Piper.
+(c), (d) The same two comparisons for a Hugging Face `LlamaForCausalLM` as the
+    library wrote it (tiny config, no download; `benchmarks.workloads.make_hf`,
+    cut into stages and blocks by `piper.annotate_modules`); (d) fp32 and bf16
+    only, FSDP2 with one unit per decoder block. Skipped, with the reason in the
+    table, where `transformers` is not installed.
 
 On CPU, bf16 matmuls are not faster than fp32 ones (no AMX on most CPUs, and
 casts cost extra), so the step-time column shows what 16 bits cost here, not
@@ -20,7 +25,9 @@ what they save on a GPU; the bytes are what carries over.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.util
 import statistics
 import time
 import traceback
@@ -32,7 +39,7 @@ from piper.dsl.script import load_strategy
 
 from .baselines import set_up_group
 from .harness import SuiteResult, Table, head_to_head, mib, ms, ray_cluster, short_error
-from .workloads import GPTWorkload, gpt_batches, make_gpt
+from .workloads import GPTWorkload, HFWorkload, gpt_batches, make_gpt, make_hf
 
 VARIANTS = (("fp32", "fp32", False), ("bf16", "bf16", False), ("fp32 + recompute", "fp32", True),
             ("bf16 + recompute", "bf16", True))
@@ -42,6 +49,12 @@ def workload(quick: bool) -> GPTWorkload:
     if quick:
         return GPTWorkload(n_layer=4, n_embd=64, n_head=2, block_size=32, batch=16)
     return GPTWorkload(n_layer=4, n_embd=128, n_head=4, block_size=64, batch=32)
+
+
+def hf_workload(quick: bool) -> HFWorkload:
+    if quick:
+        return HFWorkload(family="llama", layers=4, hidden=64, heads=4, batch=16)
+    return HFWorkload(family="llama", layers=4, hidden=128, heads=4, batch=32)
 
 
 def _strategy(text: str, recompute: bool):
@@ -54,20 +67,51 @@ def run(ctx) -> SuiteResult:
     warmup, steps = (1, 3) if quick else (2, 8)
     batches = gpt_batches(wl, warmup + steps)
     result = SuiteResult("training-features", 14, "Mixed precision and recomputation", ctx.command("training-features"))
+    gpt_model = functools.partial(make_gpt, wl.model_kw(2))
+    hf = _hf_inputs(quick, warmup + steps)
     with ray_cluster():
-        result.tables.append(_pipeline_table(ctx, result, wl, batches, warmup, steps))
-        result.tables.append(_fsdp_table(ctx, result, wl, batches, warmup, steps))
+        result.tables.append(_pipeline_table(ctx, result, "(a)", wl.describe(2), gpt_model, batches, warmup,
+                                             steps, "pp"))
+        result.tables.append(_fsdp_table(ctx, result, "(b)", wl.describe(2), gpt_model, batches, warmup, steps,
+                                         "fsdp", {"model_kw": wl.model_kw(2)}))
+        if isinstance(hf, str):
+            result.tables.append(_skipped("(c), (d) Hugging Face Llama", hf))
+        else:
+            hwl, hf_batches = hf
+            result.tables.append(_pipeline_table(ctx, result, "(c)", hwl.describe(2), lambda: make_hf(hwl, 2),
+                                                 hf_batches, warmup, steps, "hf_pp"))
+            result.tables.append(_fsdp_table(ctx, result, "(d)", hwl.describe(2), lambda: make_hf(hwl, 2),
+                                             hf_batches, warmup, steps, "hf_fsdp",
+                                             {"model": "hf", "model_kw": {**dataclasses.asdict(hwl), "stages": 2}},
+                                             rows=FSDP_ROWS[:2]))
     return result
 
 
-def _pipeline_table(ctx, result, wl, batches, warmup, steps) -> Table:
+def _hf_inputs(quick: bool, count: int):
+    """(workload, batches) for the Llama tables, or why they cannot run."""
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed (pip install -e '.[test]')"
+    from examples.gpt import training_batches          # the stream make_hf returns
+
+    hwl = hf_workload(quick)
+    stream = training_batches(hwl.batch)
+    return hwl, [next(stream) for _ in range(count)]
+
+
+def _skipped(title: str, why: str) -> Table:
+    table = Table(title, ["variant", "result"])
+    table.add("all", f"skipped: {why}")
+    return table
+
+
+def _pipeline_table(ctx, result, tag, described, make_model, batches, warmup, steps, prefix) -> Table:
     microbatches = 4
     text = f"use one_f_one_b(microbatches={microbatches}) on pp\nuse zero3() on dp\n"
-    table = Table(f"(a) ZeRO-3 x 1F1B, dp=2 x pp=2, {microbatches} microbatches; {wl.describe(2)}; "
+    table = Table(f"{tag} ZeRO-3 x 1F1B, dp=2 x pp=2, {microbatches} microbatches; {described}; "
                   f"median of {steps} steps after {warmup} warm-up; bytes: the largest over the 4 devices",
                   ["variant", "step ms", "busiest CPU ms/step", "step_peak MiB", "activations_peak MiB",
                    "step_peak vs fp32", "final loss"])
-    model, _ = make_gpt(wl.model_kw(2))
+    model, _ = make_model()
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     base = None
     unhosted = ctx.cannot_host(4)
@@ -75,7 +119,7 @@ def _pipeline_table(ctx, result, wl, batches, warmup, steps) -> Table:
         if unhosted:
             table.add(label, unhosted, *[None] * 5)
             continue
-        ctx.log(f"training-features: ZeRO-3 x 1F1B, {label}")
+        ctx.log(f"training-features: {tag} ZeRO-3 x 1F1B, {label}")
         try:
             with piper.compile(model, batches[0], strategy=_strategy(text, recompute), mesh={"dp": 2, "pp": 2},
                                optimizer=optimizer, timeout=300, precision=precision, device=ctx.device) as job:
@@ -98,33 +142,36 @@ def _pipeline_table(ctx, result, wl, batches, warmup, steps) -> Table:
         table.add(label, step_ms, cpu_ms, mib(peak), mib(acts), f"{peak / base:.2f}x" if base else None,
                   losses[-1])
         key = label.replace(" + ", "_")
-        result.metrics.update({f"pp_{key}_step_ms": step_ms, f"pp_{key}_cpu_ms": cpu_ms,
-                               f"pp_{key}_step_peak": float(peak), f"pp_{key}_activations_peak": float(acts)})
+        result.metrics.update({f"{prefix}_{key}_step_ms": step_ms, f"{prefix}_{key}_cpu_ms": cpu_ms,
+                               f"{prefix}_{key}_step_peak": float(peak),
+                               f"{prefix}_{key}_activations_peak": float(acts)})
     table.notes.append("CPU ms/step: the busiest worker process's CPU seconds in a step (every thread), "
                        "from job.timings(cpu=True)['step'].")
     return table
 
 
-def _fsdp_table(ctx, result, wl, batches, warmup, steps) -> Table:
-    table = Table(f"(b) Piper zero3 vs FSDP2 fully_shard, dp=2; {wl.describe(2)}; median of {steps} steps after "
+FSDP_ROWS = (("fp32", "fp32", False, "fully_shard"),
+             ("bf16", "bf16", False, "MixedPrecisionPolicy(bf16, reduce fp32)"),
+             ("fp32 + recompute", "fp32", True, "checkpoint_wrapper per block"))
+
+
+def _fsdp_table(ctx, result, tag, described, make_model, batches, warmup, steps, prefix, torch_kw,
+                rows=FSDP_ROWS) -> Table:
+    table = Table(f"{tag} Piper zero3 vs FSDP2 fully_shard, dp=2; {described}; median of {steps} steps after "
                   f"{warmup} warm-up, A/B alternated",
                   ["variant", "torch", "torch ms", "Piper ms", "ratio torch/Piper", "paired ratios, middle half",
                    "spread torch", "spread Piper", "max |Δloss|", "Piper step_peak MiB"])
-    kw = wl.model_kw(2)
-    model, _ = make_gpt(kw)
+    model, _ = make_model()
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     group = None
     unhosted = ctx.cannot_host(2)
-    rows = (("fp32", "fp32", False, "fully_shard"),
-            ("bf16", "bf16", False, "MixedPrecisionPolicy(bf16, reduce fp32)"),
-            ("fp32 + recompute", "fp32", True, "checkpoint_wrapper per block"))
     for label, precision, recompute, torch_label in rows:
         if unhosted:
             table.add(label, torch_label, unhosted, unhosted, *[None] * 6)
             continue
-        ctx.log(f"training-features: zero3 vs FSDP2, {label}")
-        group, torch_error = set_up_group(ctx, group, 2, 120.0, "fsdp2", model_kw=kw, precision=precision,
-                                          checkpoint=recompute)
+        ctx.log(f"training-features: {tag} zero3 vs FSDP2, {label}")
+        group, torch_error = set_up_group(ctx, group, 2, 120.0, "fsdp2", precision=precision,
+                                          checkpoint=recompute, **torch_kw)
         job, piper_error, peak = None, None, None
         try:
             job = piper.compile(model, batches[0], strategy=_strategy("use zero3() on dp\n", recompute),
@@ -149,7 +196,7 @@ def _fsdp_table(ctx, result, wl, batches, warmup, steps) -> Table:
         group = h2h.group
         table.add(label, torch_label, *h2h.cells, mib(peak))
         key = label.replace(" + ", "_")
-        result.metrics.update({f"fsdp_{key}_{name}": value for name, value in h2h.metrics()})
+        result.metrics.update({f"{prefix}_{key}_{name}": value for name, value in h2h.metrics()})
     if group is not None:
         group.close()
     table.notes.append("Piper's last step also reads job.memory() (one round trip to each worker); the median "

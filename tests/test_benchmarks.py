@@ -200,3 +200,44 @@ def test_alternation_keeps_one_order_so_each_step_follows_the_other_system():
     timings = alternate(systems, [(i, None) for i in range(3)], warmup=1, steps=2)
     assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
     assert len(timings.times["a"]) == len(timings.times["b"]) == 2
+
+
+HF_FSDP_CHECK = """
+import torch
+from benchmarks.baselines import TorchWorker
+from benchmarks.suite_training import hf_workload
+from benchmarks.workloads import make_hf
+from examples.gpt import training_batches
+
+wl = hf_workload(True)
+x, y = next(training_batches(2))
+eager = float(make_hf(wl, 2)[0](x, y))
+worker = TorchWorker(0, 1)
+worker.init(worker.rendezvous_address(), 60.0)
+kw = {"family": wl.family, "layers": wl.layers, "hidden": wl.hidden, "heads": wl.heads, "batch": 2, "stages": 2}
+out = {}
+for precision, checkpoint in (("fp32", False), ("bf16", False), ("fp32", True)):
+    worker.setup("fsdp2", model="hf", model_kw=kw, precision=precision, checkpoint=checkpoint)
+    units = [m for m in worker.model.modules() if type(m).__name__.startswith("FSDP")]
+    out[(precision, checkpoint)] = (worker.step(x, y)[0], len(units))
+worker.shutdown()
+print(repr((eager, out)))
+"""
+
+
+def test_fsdp2_baseline_of_the_hf_llama_shards_each_block_and_starts_from_the_same_loss():
+    """Suite 14's FSDP2 Llama baseline, on one process: one FSDP unit per decoder block plus the root,
+    and the first loss of fp32 (with or without per-block checkpointing) is the unsharded model's."""
+    pytest.importorskip("transformers")
+    import ast
+
+    proc = subprocess.run([sys.executable, "-c", HF_FSDP_CHECK], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eager, out = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    layers = 4
+    for (precision, checkpoint), (loss, units) in out.items():
+        assert units == layers + 1
+        if precision == "fp32":
+            assert math.isclose(loss, eager, rel_tol=1e-5)
+        else:
+            assert math.isclose(loss, eager, rel_tol=5e-2) and loss != eager
