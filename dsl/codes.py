@@ -142,7 +142,6 @@ JOBS = {
     "no-trace": "`job.trace` before the job has run a step",
     "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",
     "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
-    "checkpoint-unsupported": "`job.save`/`job.load` of a job whose strategy checkpoints cannot hold yet",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

@@ -11,8 +11,9 @@ writing worker) holding
     optim.state.<name>.<key>       the optimizer's state per parameter (AdamW: exp_avg, exp_avg_sq, step)
     piper.<key>                    step, strategy, mesh, world_size, zero, microbatches, format
 
-so it does not depend on the strategy that wrote it: regions, pipeline stages
-and flat ZeRO units are the job's business, not the file's (see
+so it does not depend on the strategy that wrote it: regions, pipeline stages,
+flat ZeRO units and expert rows under `shard experts` are the job's business,
+not the file's (see
 `piper.runtime.checkpoint` for how a flat shard is described). DCP's own
 `format_utils.dcp_to_torch_save(dir, file)` turns it into one `torch.save`
 file: `torch.load(file)["model"]` loads into the plain model.
@@ -63,16 +64,6 @@ def model_keys(model, program) -> tuple[frozenset, dict[str, str]]:
     return frozenset(state), aliases
 
 
-def _check_supported(job, what: str) -> None:
-    """Expert weights under `shard experts` live outside the flat units this module writes."""
-    held = getattr(job, "_expert_weights", None)
-    if held:
-        raise error("checkpoint-unsupported", f"`job.{what}` cannot yet {what} a job with `shard experts`: its "
-                    f"{len(held)} expert weight(s) ({', '.join(sorted(held)[:3])}...) are held outside the flat "
-                    "parameter units checkpoints are written from", hint="checkpoint the job without "
-                    "`shard experts` (experts replicated), or keep its weights with job.state_dict()")
-
-
 def _persistent_buffers(job) -> list[str]:
     return [k for k in job._buffers if k in job.state_keys]
 
@@ -82,7 +73,6 @@ def save(job, path) -> str:
     DCP directory `path` (created; an earlier checkpoint there is replaced). Returns the
     absolute path."""
     job._check_open()
-    _check_supported(job, "save")
     path = os.path.abspath(os.fspath(path))
     _clear_old_save(path)
     meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
@@ -254,7 +244,6 @@ def load(job, path) -> dict:
     """Read checkpoint `path` into the running `job`, whatever strategy and mesh wrote it:
     parameters, persistent buffers, optimizer state and the step count. Returns its metadata."""
     job._check_open()
-    _check_supported(job, "load")
     path = os.path.abspath(os.fspath(path))
     md = read_metadata(path)
     info = read_info(path)

@@ -160,7 +160,8 @@ def expert_spec(program: Program, ir: IR, rank: int, params: dict, lanes: int):
     held = holdings(program, ir, rank)
     init = {name: params[name].detach()[lo:hi].cpu().clone()
             for names in held.values() for name, (lo, hi) in names.items()}
-    return ExpertSpec(groups(ir), lanes, held), init
+    shapes = {name: tuple(params[name].shape) for names in held.values() for name in names}
+    return ExpertSpec(groups(ir), lanes, held, shapes), init
 
 
 def expert_state(ir: IR, program: Program, weights: dict[str, int], shards: dict) -> dict:

@@ -21,6 +21,15 @@ unit over the network at every save and makes one member write it all.
 Replicated state (dp without ZeRO, ZeRO-1's parameters) is written in 1/N
 slices, one per replica, so the writing is spread evenly and nothing is
 written twice; on load every replica reads everything it holds.
+
+Expert weights under `shard experts` are not in the flat units: each device
+holds a block of whole expert rows (dim 0) as leaves of their own, with their
+own optimizer (`runtime.experts.Experts`). Such a block is one box of the
+whole weight at its first row's offset, so every device writes (and reads
+into) its rows and their optimizer state as one chunk per tensor of the same
+`model.<name>` / `optim.state.<name>.<key>` keys; the devices of a region
+hold disjoint rows, so nothing is written twice. A job with the experts
+replicated reads the same keys into its flat units, and the other way round.
 """
 from __future__ import annotations
 
@@ -168,6 +177,30 @@ def unit_state(unit, *, saving: bool) -> tuple[dict, dict]:
     return params, optim
 
 
+def expert_state(executor) -> tuple[dict, dict]:
+    """(parameters, optimizer state) of the expert rows this device holds under `shard
+    experts`, nested as DCP keys them: each leaf (and each optimizer tensor of its shape) is
+    one chunk of the whole weight at its first row. The same for saving and loading."""
+    params, optim = {}, {}
+    experts = getattr(executor, "experts", None)
+    if experts is None:
+        return params, optim
+    for unit, name, leaf, row, shape in experts.rows():
+        offsets = (row,) + (0,) * (leaf.dim() - 1)
+        params[name] = Chunks(shape, [(offsets, leaf.detach())])
+        for key, value in experts.optimizers[unit].state.get(leaf, {}).items():
+            if torch.is_tensor(value) and value.shape == leaf.shape:
+                optim.setdefault(name, {})[key] = Chunks(shape, [(offsets, value)])
+            else:          # a step count
+                optim.setdefault(name, {})[key] = value
+    return params, optim
+
+
+def _expert_optimizers(executor) -> list:
+    experts = getattr(executor, "experts", None)
+    return list(experts.optimizers.values()) if experts is not None else []
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a fresh optimizer the state its first step would, without moving a parameter:
     one step on zero gradients at learning rate 0 (torch's DCP state_dict helpers do the same),
@@ -200,6 +233,13 @@ def optimizer_layout(executor, with_state: bool) -> dict[str, dict[str, str]]:
         for name, states in optim.items():
             out[name] = {k: "tensor" if isinstance(v, Chunks) else "value" for k, v in states.items()}
         unit.count()
+    for optimizer in _expert_optimizers(executor):
+        if with_state:
+            init_optimizer_state(optimizer)
+        else:
+            optimizer.state.clear()
+    for name, states in expert_state(executor)[1].items():
+        out[name] = {k: "tensor" if isinstance(v, Chunks) else "value" for k, v in states.items()}
     return out
 
 
@@ -216,6 +256,9 @@ def save(executor, path: str, extra: dict, aliases: dict[str, str], skip=()) -> 
         # `skip`: the names of a parameter tied across stages that another stage's copy writes.
         model.update({k: v for k, v in params.items() if (u, k) not in skip})
         optim.update({k: v for k, v in state.items() if (u, k) not in skip})
+    params, state = expert_state(executor)
+    model.update(params)
+    optim.update(state)
     model.update({alias: model[name] for alias, name in aliases.items() if name in model})
     state = {MODEL: model, OPTIM: {"state": optim}}
     for key, value in extra.items():
@@ -238,6 +281,10 @@ def load(executor, path: str, with_state: bool, buffers) -> None:
         model.update(params)
         if with_state:
             optim.update(state)
+    params, state = expert_state(executor)
+    model.update(params)
+    if with_state:
+        optim.update(state)
     model.update({k: v for k, v in executor.buffers.items() if k in buffers})
     state = {MODEL: model, OPTIM: {"state": optim}} if optim else {MODEL: model}
     with torch.no_grad():
@@ -252,6 +299,12 @@ def load(executor, path: str, with_state: bool, buffers) -> None:
                 if not torch.is_tensor(value) and key in loaded:
                     mine[key] = loaded[key]
         unit.count()
+    experts = getattr(executor, "experts", None)
+    for unit, name, leaf, _, _ in (experts.rows() if experts is not None else ()):
+        mine = experts.optimizers[unit].state.get(leaf, {})
+        for key, value in mine.items():
+            if not torch.is_tensor(value) and key in optim.get(name, {}):
+                mine[key] = optim[name][key]
 
 
 def _items(tree):

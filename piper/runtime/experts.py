@@ -86,6 +86,7 @@ class ExpertSpec:
     groups: tuple[tuple[int, ...], ...]          # every expert group of the mesh
     lanes: int
     params: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)   # unit -> name -> (lo, hi)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> the whole weight's shape (checkpoints)
 
 
 class Experts:
@@ -121,6 +122,12 @@ class Experts:
         if seconds and node.op in ("F", "B", "BI"):
             timings[f"{node.region}ALL_TO_ALL_{node.op}{node.mb}"] = seconds
             timings[node.key] = max(0.0, timings[node.key] - seconds)
+
+    def rows(self):
+        """(unit, name, leaf, its first row, the whole weight's shape) of every expert weight held here."""
+        for unit, leaves in self.leaves.items():
+            for name, leaf in leaves.items():
+                yield unit, name, leaf, self.spec.params[unit][name][0], self.spec.shapes[name]
 
     def views(self, unit: int) -> dict[str, torch.Tensor]:
         return self.leaves.get(unit, {})
