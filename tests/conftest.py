@@ -9,11 +9,19 @@ def pytest_addoption(parser):
                      help="rewrite golden files from the current output")
 
 
+FULL = bool(os.environ.get("PIPER_FULL"))
+
+
 def pytest_collection_modifyitems(items):
     # Everything that needs the cluster is slow: mark it, so `-m "not ray"` runs the rest in seconds.
+    # `@pytest.mark.full`: a further case of something the default suite already trains (another
+    # strategy, another family); it runs with PIPER_FULL=1, so the default suite stays within minutes.
+    skip_full = pytest.mark.skip(reason="runs with PIPER_FULL=1 (a further case of what the default suite covers)")
     for item in items:
         if {"ray_cluster", "two_nodes"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
+        if not FULL and item.get_closest_marker("full"):
+            item.add_marker(skip_full)
 
 
 @pytest.fixture(scope="session")

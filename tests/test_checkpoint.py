@@ -137,6 +137,7 @@ def test_dcp_to_torch_save_loads_into_the_plain_model(ray_cluster, saved, refere
             torch.testing.assert_close(whole["optim"]["state"][name][key], moments[key], rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.full      # the reshards above and the step-0 load in test_checkpoint_experts.py cover its paths
 def test_replicated_save_and_a_step_zero_checkpoint_load_under_zero2_and_1f1b(ray_cluster, reference, tmp_path):
     # dp writes each replicated parameter in halves, one per replica; ZeRO-2 reads whole
     # parameters but only its slice of the optimizer state. A checkpoint of step 0 has no
