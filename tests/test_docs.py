@@ -23,8 +23,11 @@ def blocks(lang: str):
         text = page.read_text(encoding="utf-8")
         for i, (kind, body) in enumerate(BLOCK.findall(text)):
             if kind == lang:
-                yield pytest.param(body, id=f"{page.relative_to(REPO)}#{i}",
-                                   marks=[pytest.mark.ray] if "piper.compile(" in body else [])
+                trains = "piper.compile(" in body
+                # The README's blocks always run; a docs page's training block repeats what its own
+                # test file trains (test_checkpoint.py...), so it runs with PIPER_FULL=1.
+                marks = [pytest.mark.ray] + ([pytest.mark.full] if page.name != "README.md" else []) if trains else []
+                yield pytest.param(body, id=f"{page.relative_to(REPO)}#{i}", marks=marks)
 
 
 def test_the_pages_exist_and_the_readme_links_them():

@@ -274,7 +274,7 @@ def test_skewed_router_and_empty_experts():
 
 
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("data", ["dp", "zero3"])
+@pytest.mark.parametrize("data", [pytest.param("dp", marks=pytest.mark.full), "zero3"])
 def test_one_f_one_b_pp2_with_expert_parallel_dp2(data):
     strategy = script(f"use one_f_one_b(microbatches=2) on pp\nuse {data}() on dp\n" + EP)
     assert_same(train_both(Tiny(2, moe_layer()).double(), strategy, mesh={"dp": 2, "pp": 2},

@@ -184,6 +184,7 @@ def test_qwen2_tied_under_zero3_and_1f1b():
     assert_exact(train(qwen2_tied, "zero3x1f1b"))
 
 
+@pytest.mark.full       # tests/test_modules.py captures both without workers
 @pytest.mark.usefixtures("ray_cluster")
 def test_model_output_and_keywords():
     """The model itself, called with keywords, returning a ModelOutput whose loss Hugging Face computes."""

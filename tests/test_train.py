@@ -73,12 +73,13 @@ def test_data_parallel_and_zero(what):
     assert_same_training(train_both(gpt(2), data_parallel(*what), mesh={"dp": 2}, batches=gpt_batches()))
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_pipeline_gpipe(stages):
     result = train_both(gpt(stages), pipeline(4), mesh={"pp": stages}, batches=gpt_batches())
     assert_same_training(result)
 
 
+@pytest.mark.full       # test_zero3_1f1b_float64_is_exact holds a pipeline to 1e-10 by default
 def test_pipeline_gpipe_float64_is_exact():
     result = train_both(gpt(4, torch.float64), pipeline(4), mesh={"pp": 4}, batches=gpt_batches())
     assert_same_training(result, rtol=1e-10, atol=1e-12)
@@ -98,6 +99,7 @@ def test_interleaved_two_regions_per_device():
     assert_same_training(result)
 
 
+@pytest.mark.full       # the same composition in float64 (test_zero3_1f1b_float64_is_exact) runs by default
 def test_zero3_with_1f1b_on_dp2_pp2():
     strategy = pipeline(4, order=one_f_one_b, batch_axis="dp", zero=("optimizer", "grads", "params"))
     result = train_both(gpt(2), strategy, mesh={"dp": 2, "pp": 2}, batches=gpt_batches())
@@ -182,7 +184,7 @@ def layered_gpt(stages: int, dtype=torch.float64):
     return model.to(dtype)
 
 
-@pytest.mark.parametrize("schedule,stages", [("one_f_one_b", 2), ("dualpipev", 4)])
+@pytest.mark.parametrize("schedule,stages", [pytest.param("one_f_one_b", 2, marks=pytest.mark.full), ("dualpipev", 4)])
 def test_stages_cut_into_layer_regions_train_exactly(schedule, stages):
     # A stage of several regions: `F(MB=0)` names a chain of forwards, which runs in order
     # (not in lanes), and ZeRO-3 gathers and frees each block's parameters on its own.
