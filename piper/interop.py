@@ -325,7 +325,6 @@ def import_main(args) -> int:
     Returns the exit status.
     """
     import os
-    import sys
 
     path = args.file
     try:
@@ -337,10 +336,16 @@ def import_main(args) -> int:
     stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0]) or "imported"
     name = getattr(args, "name", None) or (stem if stem[0].isalpha() or stem[0] == "_" else f"s_{stem}")
     script = import_torch_csv(text, name=name, source=os.path.basename(path))
-    output = getattr(args, "output", None)
+    write_script(script, getattr(args, "output", None))
+    return 0
+
+
+def write_script(script: str, output: str | None) -> None:
+    """`-o FILE` of `piper import`: the script to FILE, or to standard output for none or `-`."""
+    import sys
+
     if output in (None, "-"):
         sys.stdout.write(script)
     else:
         with open(output, "w", encoding="utf-8") as f:
             f.write(script)
-    return 0

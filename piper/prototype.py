@@ -346,12 +346,9 @@ def import_main(args) -> int:
         from .render import print_diagnostics
 
         print_diagnostics(warnings, file=sys.stderr)
-    output = getattr(args, "output", None)
-    if output in (None, "-"):
-        sys.stdout.write(script)
-    else:
-        with open(output, "w", encoding="utf-8") as f:
-            f.write(script)
+    from .interop import write_script
+
+    write_script(script, getattr(args, "output", None))
     return 0
 
 
