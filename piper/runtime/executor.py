@@ -289,6 +289,8 @@ class Executor:
         self._unit_list = list(self.units.values())
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
         self._param_storages |= {s for u in self.units.values() for s in getattr(u, "storages", list)()}
+        if self.experts is not None:      # expert rows are parameters too (expert_mm saves them for backward)
+            self._param_storages |= self.experts.storages()
         self._whole, self._skip = whole_backwards(spec.plan, spec.slots)
         # Overlapped slots run their items in threads on CPU, where Gloo matches messages by
         # tag. NCCL matches point-to-point messages by issue order and its communicators
@@ -508,6 +510,7 @@ class Executor:
             self.saved_bytes[(node.region, node.mb)] = self.saved_bytes.get((node.region, node.mb), 0) + size
             self.activations += size
             self.activation_peak = max(self.activation_peak, self.activations)
+        self._sample()                    # the rerun's activations are held now, until this backward ends
         return outs
 
     def _backward_targets(self, region: RegionSpec, mb: int, outs):
