@@ -31,11 +31,14 @@ The prediction replays each device's plan the way the executor spends memory
 
 The peak is sampled after every action, as `job.memory()[rank]["step_peak"]`
 is, in a steady-state step (optimizer state and gradient shards exist). The
-items of an overlapped slot run at once in lanes (CPU): the prediction takes
-the worst case, both items' gradient buffers attached and the forward's
-activations saved before the backward frees its own. The measured peak then
-depends on which lane finishes first (DualPipeV with ZeRO-2 on the test GPT:
-0-9% below the prediction, varying between replicas of one stage).
+items of an overlapped slot run at once in lanes (CPU), so what a step holds
+at the slot depends on how the lanes' threads interleave, which changes from
+step to step and run to run: `peak` is the worst interleaving (both items'
+gradient buffers attached, the forward's activations saved before the
+backward frees its own), `least` the kindest (the backward done before the
+forward saves). A run's measured peak lies between them (DualPipeV with
+ZeRO-2 on the test GPT: one step at `least`, the next at `peak`, 8-9% apart);
+`peak` is the number to budget with.
 Point-to-point buffers and temporaries inside an action are not counted
 (neither are they in `step_peak`); `p2p_bytes` gives the largest message a
 device receives, for a margin.
@@ -43,7 +46,7 @@ device receives, for a margin.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -66,11 +69,16 @@ class MemoryPrediction:
     activations: int
     in_flight: int                 # of `grads`: buffers handed to reduce-scatters still running
     between_steps: dict = field(default_factory=dict)   # params / grads / optimizer held between steps
+    # The peak if every overlapped slot's lanes interleave as favourably as they can (a backward
+    # lane done before a forward lane's activations are counted); `peak` is the worst
+    # interleaving. Equal without lanes. Which one a run sees depends on its threads' timing.
+    least: int | None = None
 
     def as_dict(self) -> dict:
         return {"peak": self.peak, "at": self.at, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "gathered": self.gathered, "activations": self.activations,
-                "in_flight": self.in_flight, "between_steps": dict(self.between_steps)}
+                "in_flight": self.in_flight, "between_steps": dict(self.between_steps),
+                "least": self.peak if self.least is None else self.least}
 
 
 @dataclass(frozen=True)
@@ -364,7 +372,13 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
         rows = _expert_bytes(compiled, program, rank) if sharded else {}
         units = {u: _Unit(layouts.get(u), compiled.zero, states, low_size, rows.get(u, 0))
                  for u in group if u in layouts or u in rows}
-        out[rank] = by_group[group] = _replay(plan, units, units_of, saved, whole, skip, lanes, recompute)
+        worst = _replay(plan, units, units_of, saved, whole, skip, lanes, recompute)
+        least = worst.peak
+        if lanes:                       # the same step with each slot's lanes in their kindest order
+            units = {u: _Unit(layouts.get(u), compiled.zero, states, low_size, rows.get(u, 0))
+                     for u in group if u in layouts or u in rows}
+            least = _replay(plan, units, units_of, saved, whole, skip, lanes, recompute, worst=False).peak
+        out[rank] = by_group[group] = replace(worst, least=least)
     return out
 
 
@@ -376,7 +390,12 @@ def predict_job(job, **options) -> dict[int, MemoryPrediction]:
 
 
 def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=None,
-            recompute=frozenset()) -> MemoryPrediction:
+            recompute=frozenset(), worst: bool = True) -> MemoryPrediction:
+    """Replay one device's plan on `units` (changed in place). The items of an overlapped slot's
+    lanes run at once: `worst` takes the interleaving that holds most (every backward's
+    gradient buffers attached and every forward's activations saved before a backward frees
+    its own); else the one that holds least (the backward lanes first, each attaching its
+    buffers as it starts, then the forward lanes)."""
     between = {"params": sum(u.params() for u in units.values()),
                "grads": sum(u.grads() for u in units.values()),
                "optimizer": sum(u.optimizer() for u in units.values())}
@@ -485,13 +504,15 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
             settle({u for lane in span.lanes for a in lane if a.node.is_compute for u in units_of[a.node.region]})
         for a in span.before:
             run(a)
-        # The lanes run at once: a backward's gradient buffers are attached as it starts, and a
-        # forward (the shorter item) saves its activations before the backward frees its own.
-        for lane in span.lanes:
-            for a in lane:
-                if a.node.op in ("B", "BW") or (a.node.op == "BI" and a.key in whole):
-                    attach(a.node.region)
-        ordered = sorted(span.lanes, key=lambda lane: not any(a.node.op == "F" for a in lane))
+        # The lanes run at once. At worst a backward's gradient buffers are attached as it starts,
+        # and a forward (the shorter item) saves its activations before the backward frees its
+        # own; at best the backward is done before the forward saves anything.
+        if worst:
+            for lane in span.lanes:
+                for a in lane:
+                    if a.node.op in ("B", "BW") or (a.node.op == "BI" and a.key in whole):
+                        attach(a.node.region)
+        ordered = sorted(span.lanes, key=lambda lane: any(a.node.op == "F" for a in lane) != worst)
         for a in (*(a for lane in ordered for a in lane), *span.after):
             run(a)
         i = span.stop
