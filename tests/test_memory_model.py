@@ -55,10 +55,17 @@ def measure(pipeline, data):
 
 
 def _table(rows) -> str:
-    lines = [f"{'composition':<34}{'rank':>5}{'predicted':>12}{'measured':>12}{'error':>8}"]
+    lines = [f"{'composition':<34}{'rank':>5}{'predicted':>12}{'least':>12}{'measured':>12}{'error':>8}"]
     for name, rank, pred, meas in rows:
-        lines.append(f"{name:<34}{rank:>5}{pred:>12,}{meas:>12,}{(pred - meas) / meas:>8.1%}")
+        lines.append(f"{name:<34}{rank:>5}{pred.peak:>12,}{pred.least:>12,}{meas:>12,}"
+                     f"{(pred.peak - meas) / meas:>8.1%}")
     return "\n".join(lines)
+
+
+def _outside(rows) -> list:
+    """Rows whose measured peak is not within 10% of the prediction. With overlapped slots in
+    lanes the prediction is a range, [least, peak], over the lanes' interleavings."""
+    return [r for r in rows if not (1 - TOLERANCE) * r[2].least <= r[3] <= (1 + TOLERANCE) * r[2].peak]
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -66,10 +73,10 @@ def _table(rows) -> str:
 def test_predicted_peak_is_within_ten_percent_of_the_measured_step_peak(pipeline, data, capsys):
     predicted, measured = measure(pipeline, data)
     name = " + ".join(x for x in (pipeline, data) if x)
-    rows = [(name, rank, predicted[rank].peak, m["step_peak"]) for rank, m in measured.items()]
+    rows = [(name, rank, predicted[rank], m["step_peak"]) for rank, m in measured.items()]
     with capsys.disabled():
         print("\n" + _table(rows))
-    bad = [r for r in rows if abs(r[2] - r[3]) / r[3] > TOLERANCE]
+    bad = _outside(rows)
     assert not bad, "\n" + _table(bad)
 
 
@@ -122,11 +129,36 @@ def test_precision_recompute_and_experts_are_predicted_within_ten_percent(case, 
         for b in batches:
             job.step(*b)
         measured = job.memory()
-    rows = [(case, rank, predicted[rank].peak, m["step_peak"]) for rank, m in measured.items()]
+    rows = [(case, rank, predicted[rank], m["step_peak"]) for rank, m in measured.items()]
     with capsys.disabled():
         print("\n" + _table(rows))
-    bad = [r for r in rows if abs(r[2] - r[3]) / r[3] > TOLERANCE]
+    bad = _outside(rows)
     assert not bad, "\n" + _table(bad)
+
+
+@pytest.mark.full
+@pytest.mark.usefixtures("ray_cluster")
+def test_lanes_interleave_between_the_kindest_and_the_worst_prediction(capsys):
+    """DualPipeV + ZeRO-2 on dp=2 x pp=2 runs its [F, B] slots in two threads: whether a backward
+    has attached its gradient buffer when the forward beside it finishes depends on their timing,
+    so the measured step peak moves between steps of one job. Every steady step (optimizer state
+    allocated: from the second) lies within [least, peak]; the test prints the steps' peaks."""
+    batches = gpt_batches(steps=5, batch=16)
+    with piper.compile(gpt(4), batches[0], strategy=load_strategy(composition("dualpipev", "zero2")),
+                       timeout=120) as job:
+        predicted = predict_job(job)
+        assert any(p.least < p.peak for p in predicted.values())
+        steps = {rank: [] for rank in predicted}
+        for b in batches:
+            job.step(*b)
+            for rank, m in job.memory().items():
+                steps[rank].append(m["step_peak"])
+    with capsys.disabled():
+        for rank, peaks in steps.items():
+            print(f"\nrank {rank}: least {predicted[rank].least:,} peak {predicted[rank].peak:,} "
+                  f"measured per step {peaks}")
+    for rank, peaks in steps.items():
+        assert all(predicted[rank].least <= p <= predicted[rank].peak for p in peaks[1:]), (rank, peaks)
 
 
 def test_parts_follow_the_zero_formulas_between_steps():
