@@ -42,7 +42,8 @@ def recompute_costs(compiled, costs: dict | None = None, *, measured=None) -> di
         if node.op not in RERUN_PASSES or node.region not in chosen or node.key in measured:
             continue
         forward = node.but(op="F").key
-        costs[node.key] = base.get(node.op, 1.0) + base.get(forward, base.get("F", 1.0))
+        own = base.get(node.key, base.get(node.op, 1.0))
+        costs[node.key] = own + base.get(forward, base.get("F", 1.0))
     return costs
 
 

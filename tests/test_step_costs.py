@@ -8,7 +8,7 @@ from piper.cli import main
 from piper.dsl import load_strategy
 from piper.ir import Node
 from piper.job import plan
-from piper.simulate import simulate
+from piper.simulate import UNIT_COSTS, simulate
 from piper.step_costs import comm_bytes, comm_cost, recompute_costs
 
 
@@ -22,6 +22,10 @@ def test_recompute_adds_the_forward_to_the_first_backward_pass():
     assert costs["1B0"] == 3.0 and "0B0" not in costs and costs["F"] == 1.0
     # a measured action (job.timings() of a job that recomputed) is taken as measured
     assert recompute_costs(compiled, {"1B0": 5.0})["1B0"] == 5.0
+    # estimates per key (piper tune's): each backward plus its own region's forward
+    estimates = {"1F0": 0.25, "1B0": 0.5, "0F0": 9.0, "0B0": 9.0}
+    got = recompute_costs(compiled, estimates, measured=())
+    assert got["1B0"] == 0.75 and got["0B0"] == 9.0 and got["1B1"] == UNIT_COSTS["B"] + UNIT_COSTS["F"]
     # split backward: BI reruns the forward, BW does not
     zb = _plan("mesh pp=2\nuse zero_bubble(microbatches=4) on pp\nrecompute PP=*\n")
     costs = recompute_costs(zb, {"F": 1.0, "BI": 1.0, "BW": 1.0})
