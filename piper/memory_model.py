@@ -37,7 +37,7 @@ step to step and run to run: `peak` is the worst interleaving (both items'
 gradient buffers attached, the forward's activations saved before the
 backward frees its own), `least` the kindest (the backward done before the
 forward saves). A run's measured peak lies between them (DualPipeV with
-ZeRO-2 on the test GPT: one step at `least`, the next at `peak`, 8-9% apart);
+ZeRO-2 on the example GPT: one step at `least`, another at `peak`, 8-11% apart);
 `peak` is the number to budget with.
 Point-to-point buffers and temporaries inside an action are not counted
 (neither are they in `step_peak`); `p2p_bytes` gives the largest message a
