@@ -97,7 +97,7 @@ def _moe_batches(steps=2, batch=8):
     return [next(stream) for _ in range(steps)]
 
 
-# name -> (model, batches, script, piper.compile options): each of precision=, recompute and
+# name -> (model, script, piper.compile options): each of precision=, recompute and
 # shard experts, alone and with the others' strategies.
 FEATURES = {
     "zero3 bf16": (lambda: gpt(2), "mesh dp=2\nuse zero3() on dp\nsplit MB into 2\n", {"precision": "bf16"}),
