@@ -58,6 +58,13 @@ class ExpertGroup:
         _thread.seconds = getattr(_thread, "seconds", 0.0) + time.perf_counter() - start
         return out
 
+    def all_to_all_async(self, rows: torch.Tensor, out_splits: torch.Tensor, in_splits: torch.Tensor):
+        """`all_to_all` issued and not waited for: (the buffer it fills, its work handle)."""
+        outs, ins = out_splits.tolist(), in_splits.tolist()
+        out = rows.new_empty(sum(outs), *rows.shape[1:])
+        work = dist.all_to_all_single(out, rows.contiguous(), outs, ins, group=self.group, async_op=True)
+        return out, work
+
 
 def current() -> ExpertGroup | None:
     """The calling thread's expert group; None on one device (the ops' local meaning)."""
