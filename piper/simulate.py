@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .compiler import Action
-from .ir import COMPUTE
+from .ir import COMPUTE, node_key
 from .diagnostics import error
 
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "UPD": 0.0}
@@ -33,12 +33,13 @@ class _Overlapped:
     name: str
 
     @property
-    def key(self) -> str:
-        return "&".join(a.key for a in self.members)
+    def key(self) -> str:            # a pass cut into pieces (`piper.moe_cut`) counts once, by its token
+        return "&".join(a.key for a in self.members if a.node.is_compute and not a.node.value)
 
     @property
     def waits(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(k for a in self.members for k in a.waits))
+        inside = {a.key for a in self.members}      # a cut pass's exchanges run inside the unit
+        return tuple(dict.fromkeys(k for a in self.members for k in a.waits if k not in inside))
 
 
 def _unit_name(members: tuple[Action, ...]) -> str:
@@ -47,6 +48,8 @@ def _unit_name(members: tuple[Action, ...]) -> str:
     ops = []
     for a in members:
         n = a.node
+        if n.value is not None:      # a later piece or an exchange of a cut pass: the pass counts once
+            continue
         if (n.region, n.mb) in backward and n.op in ("BI", "BW"):
             if n.op == "BI":
                 ops.append("B")
@@ -71,6 +74,15 @@ def _fuse_overlaps(plan: tuple, groups) -> tuple:
             continue
         at = sorted(index[k] for k in group)
         lo, hi = at[0], at[-1]
+        # A pass cut at its all-to-alls: its pieces and exchanges join the unit (a slot's time, as
+        # `job.timings()` measures it, holds them).
+        pieces = {i for i, a in enumerate(plan) if isinstance(a, Action) and a.node.value is not None
+                  and (a.node.is_compute or a.node.op == "ALL_TO_ALL")
+                  and node_key(a.node.phase if a.node.op == "ALL_TO_ALL" else a.node.op, a.node.region,
+                               a.node.mb) in group}
+        if pieces:
+            at = sorted(set(at) | pieces)
+            lo, hi = at[0], at[-1]
         members = tuple(plan[i] for i in at)
         others = [plan[i] for i in range(lo, hi + 1) if i not in at]
         if any(a.node.is_compute for a in others):
@@ -171,7 +183,8 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                         break
                     cost = costs.get(a.key, costs.get(a.name))   # this slot as timed, else its kind
                     if cost is None:
-                        cost = sum(costs.get(m.key, costs.get(m.node.op, 1.0)) for m in a.members)
+                        cost = sum(costs.get(m.key, 0.0 if m.node.value else costs.get(m.node.op, 1.0))
+                                   for m in a.members if m.node.is_compute)
                     _line(timeline, rank).append((t, t + cost, a.key))
                     now = t + cost
                     spent += cost
@@ -197,14 +210,19 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                     t = ready_time(rank, now, a) if a.waits else now
                     if t is None:
                         break
-                    cost = costs.get(node.key, costs.get(op, 1.0))
+                    # A later piece of a cut pass costs nothing unless priced itself: the pass's
+                    # cost (`F`, or its token's) falls on piece 0, which keeps its token.
+                    cost = costs.get(node.key, 0.0 if node.value else costs.get(op, 1.0))
                     _line(timeline, rank).append((t, t + cost, node.key))
                     now = t + cost
                     spent += cost
                 else:  # collective
                     group = a.group
-                    if op == "ALL_TO_ALL" and (rank, node.key) in done:
-                        # Expert all-to-alls run inside their compute: the device waits for them.
+                    blocking = op == "ALL_TO_ALL" and node.value is None
+                    if blocking and (rank, node.key) in done:
+                        # A marker for the all-to-alls a compute runs inside: the device waits for them.
+                        # (An exchange between pieces, `0ALL_TO_ALL_F3.0`, is issued like any
+                        # collective; the piece after it waits for it.)
                         now = max(now, done[(rank, node.key)])
                         i += 1
                         continue
@@ -225,7 +243,7 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
                         if record_comm:
                             for member, at in members.items():
                                 comm[member].append((at, finish, node.key))
-                    if op == "ALL_TO_ALL":
+                    if blocking:
                         if (rank, node.key) not in done:
                             break         # until every member of the expert group is there
                         continue          # taken up again at the top of the loop

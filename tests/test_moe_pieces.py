@@ -49,7 +49,14 @@ class FakeExecutor:
         self.delivered = []
 
     def _args(self, region, mb):
-        return [self.params[i.ref] if i.kind == "param" else self.batch[i.ref] for i in region.inputs], {}
+        args, leaves = [], {}
+        for i in region.inputs:
+            if i.kind == "value":          # a value from another region: a leaf, as the executor makes it
+                leaves[i.ref] = self.value.detach().clone().requires_grad_()
+                args.append(leaves[i.ref])
+            else:
+                args.append(self.params[i.ref] if i.kind == "param" else self.batch[i.ref])
+        return args, leaves
 
     def _release(self, action):
         pass
@@ -59,6 +66,7 @@ class FakeExecutor:
 
     def _deliver_input_grads(self, node, leaves, grads):
         self.delivered.append(node.key)
+        self.input_grads = grads
 
     def _weights(self, region):
         return [self.params[i.ref] for i in region.inputs if i.kind == "param"]
@@ -78,33 +86,40 @@ class FakeExecutor:
             pieces.backward(self, action, inputs_only=inputs_only)
 
 
-def _region(layer):
-    model = Tiny(1, layer).double()
+def _region(layer, regions=1):
+    model = Tiny(regions, layer).double()
     program = capture(copy.deepcopy(model), tiny_batches(1)[0])
-    region = program.regions[0]
+    region = program.regions[regions - 1]
     region.graph = unpack(pack(region.graph), torch.device("cpu"))     # off the meta device, as workers do
     return model, region
 
 
-def _reference(model, region, batch):
+def _reference(model, region, batch, value=None):
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
-    args = [params[i.ref] if i.kind == "param" else batch[i.ref] for i in region.inputs]
+    if value is not None:
+        params["<value>"] = value = value.detach().clone().requires_grad_()
+    args = [params[i.ref] if i.kind == "param" else value if i.kind == "value" else batch[i.ref]
+            for i in region.inputs]
     loss = region.graph(*args)[-1]
     loss.backward()
     return loss.detach(), {k: p.grad for k, p in params.items()}
 
 
-@pytest.mark.parametrize("layer", [moe_layer(), lambda: SkewedMoE(8, 8, 4, 2)], ids=["moe", "own-layer"])
+@pytest.mark.parametrize("layer,regions", [(moe_layer(), 1), (lambda: SkewedMoE(8, 8, 4, 2), 1), (moe_layer(), 2)],
+                         ids=["moe", "own-layer", "value-input"])
 @pytest.mark.parametrize("backward", ["B", "BI+BW"])
-def test_pieces_run_as_actions_equal_the_region_graph(layer, backward):
-    model, region = _region(layer)
+def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward):
+    """Forward pieces and exchanges, then the backward's (whole, or for inputs then weights); with a
+    value from an earlier region as input (its gradient is handed on) when `regions` is 2."""
+    model, region = _region(layer, regions)
     batch = list(tiny_batches(1)[0])
-    ref_loss, ref_grads = _reference(model, region, batch)
+    value = torch.randn(8, 4, 8, dtype=torch.float64) if regions > 1 else None
+    ref_loss, ref_grads = _reference(model, region, batch, value)
     assert cuttable(region.graph) and count_exchanges(region.graph) == 2
     the_cut = cut(region.graph, 1)
     assert [kind for kind, _ in the_cut.exchanges] == [DISPATCH, COMBINE] and len(the_cut.pieces) == 3
     ex, pieces = FakeExecutor(model, region), Pieces({0: the_cut})
-    ex.batch = batch
+    ex.batch, ex.value = batch, value
     lg = expert_groups.lane_group([OneMember()], 0)
     with lg:
         # the plan's forward, then its backward, as `piper.experts.add_all_to_alls` lays them out
@@ -119,7 +134,10 @@ def test_pieces_run_as_actions_equal_the_region_graph(layer, backward):
             ex.run(Node("BW", 0, 0), pieces)
     torch.testing.assert_close(ex.losses[0], ref_loss, rtol=0, atol=1e-12)
     for name, g in ref_grads.items():
-        torch.testing.assert_close(ex.params[name].grad, g, rtol=0, atol=1e-12, msg=name)
+        got = list(ex.input_grads.values())[0] if name == "<value>" else ex.params[name].grad
+        if g is None and got is None:      # a parameter of another region
+            continue
+        torch.testing.assert_close(got, g, rtol=0, atol=1e-12, msg=name)
     assert ex.delivered == [f"0{op}0"] and not pieces.passes and ex.activations == 0
     assert {"0ALL_TO_ALL_F0.0", "0ALL_TO_ALL_F0.1", f"0ALL_TO_ALL_{op}0.0"} <= set(ex.timings)
 

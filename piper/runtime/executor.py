@@ -27,6 +27,7 @@ from .forward_actions import ForwardActions
 from .graphs import unpack
 from .lanes import Lanes
 from .memory_accounting import MemoryAccounting
+from .moe_pieces import cut_regions
 from .specs import BATCH, BUFFER, PARAM, VALUE, RegionSpec, WorkerSpec
 from .step_loop import TRACE_STEPS, StepLoop
 from .unit import Unit
@@ -55,6 +56,7 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
                       for u, layout in spec.units.items()}
         self.experts = (Experts(spec.experts, spec.rank, init.get("experts", {}), spec.optimizer, self.device)
                         if spec.experts is not None else None)
+        self.moe = cut_regions(spec, self.experts)        # regions run as pieces and exchanges (`moe_pieces`)
         self.buffers = {k: v.to(self.device) for k, v in spec.buffers.items()}
         self.by_value = {(p, i): v for v, (p, i, *_rest) in spec.values.items()}
         self.pending: dict[str, tuple[list, object]] = {}

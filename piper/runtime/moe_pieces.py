@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from ..moe_cut import DISPATCH, Cut, Source
+from ..ir import node_key
+from ..moe_cut import DISPATCH, Cut, Source, cut
 from . import experts as expert_groups
 from .saved import SavedBytes
 from .split_backward import backward_inputs, backward_weights, can_split
@@ -68,6 +69,14 @@ class Pieces:
     def __contains__(self, region: int) -> bool:
         return region in self.cuts
 
+    def __bool__(self) -> bool:
+        return bool(self.cuts)
+
+    @staticmethod
+    def pass_key(node) -> str:
+        """The token of the pass a piece belongs to (its piece 0): `0BI3.2` -> `0BI3`."""
+        return node_key(node.op, node.region, node.mb)
+
     # -- forward ------------------------------------------------------------------------------
     def _input(self, run: _Pass, source: Source, piece: int):
         if source.kind == "arg":
@@ -91,6 +100,9 @@ class Pieces:
         inputs = [self._input(run, s, piece) for s in cut.inputs[piece]]
         with torch.enable_grad(), SavedBytes(ex._param_storages) as saved:
             outs = cut.pieces[piece](*inputs)
+            # A piece's output may be a view of its input (a reshape); its own backward for inputs
+            # (`split_backward`) detaches its outputs in place, which a view does not allow.
+            outs = tuple(o.clone() if torch.is_tensor(o) and o.requires_grad and o._is_view() else o for o in outs)
         run.outs[piece] = outs
         for j, out in enumerate(outs):
             run.values[Source("piece", piece, j)] = out
@@ -230,10 +242,13 @@ class Pieces:
         found = [w for w in every if id(w) in mine]
         return found if found or not mine else every
 
-    def backward_weights(self, ex, action) -> None:
-        """BW: every piece's weight gradients, from what its BI kept."""
+    def backward_weights(self, ex, action, *, skip: bool = False) -> None:
+        """BW: every piece's weight gradients, from what its BI kept (`skip`: its BI ran a whole B)."""
         node = action.node
         key = (node.region, node.mb)
+        if skip:
+            ex._release(action)
+            return
         run = self.passes[key]
         ex._grads_for(ex.spec.regions[node.region])
         for weights, state in run.weight_states.values():
@@ -245,3 +260,13 @@ class Pieces:
         del self.passes[key]
         with ex._lock:
             ex.activations -= ex.saved_bytes.pop(key, 0)
+
+
+def cut_regions(spec, experts) -> Pieces:
+    """The regions this device's plan runs as pieces (its plan names a piece of them), cut for
+    this device's expert group."""
+    regions = {a.node.region for a in spec.plan if a.node.is_compute and a.node.value}
+    if not regions:
+        return Pieces({})
+    size = experts.lanes[0].size
+    return Pieces({r: cut(spec.regions[r].graph, size) for r in sorted(regions)})
