@@ -369,6 +369,7 @@ def test_an_overlapped_slot_takes_its_items_pieces_and_exchanges_into_their_lane
     slots = [s for s in compute_slots(compiled, 0) if len(s) > 1]
     found = spans(plan, slots, {r: {r} for r in range(4)}, {r: {r - 1} if r else set() for r in range(4)})
     assert found, "DualPipeV's main phase has overlapped slots"
+    switched = {"yes": 0, "no": 0}
     for span in found.values():
         members = set(span.key.split("&"))
         for lane in span.lanes:
@@ -381,12 +382,18 @@ def test_an_overlapped_slot_takes_its_items_pieces_and_exchanges_into_their_lane
                 else:
                     assert n.op == "SEND"
             assert sum("ALL_TO_ALL" in a.key for a in lane) == 2
-        # in turn: the thread switches items after every exchange
+        # in turn: the thread switches items after every exchange, unless the second item waits for a
+        # pipeline message (which may need the first item's sends): then the items run as planned
         order = [a.key for a in interleaved(span)]
-        switched = [order[i + 1][0] for i, k in enumerate(order[:-1]) if "ALL_TO_ALL" in k]
         assert sorted(a.key for lane in span.lanes for a in lane) == sorted(order)
-        assert len(switched) == 4 and all(order[i + 1][0] != k[0] for i, k in enumerate(order[:-1])
-                                           if "ALL_TO_ALL" in k), order
+        switches = [order[i + 1][0] != k[0] for i, k in enumerate(order[:-1]) if "ALL_TO_ALL" in k]
+        if any("RECV" in k for a in span.lanes[1] for k in a.waits):
+            switched["no"] += 1
+            assert order == [a.key for lane in span.lanes for a in lane]
+        else:
+            switched["yes"] += 1
+            assert switches == [True] * 4, order
+    assert switched["yes"] and switched["no"]       # device 0 has slots of both kinds
 
 
 def test_no_all_to_alls_when_the_experts_are_replicated():

@@ -173,7 +173,16 @@ def interleaved(span: Span) -> tuple:
     from the plan's pieces). Each lane keeps its own order; every replica
     derives the same order, so each expert group sees the same collectives in
     the same sequence on every member. Used where the lanes do not run at once.
+
+    The plan (what the simulator verified) runs the first item whole, sends
+    included, before the second. So a later item that waits for a message from
+    another device (a pipeline receive) keeps its place after the first: that
+    message may need one of the first item's sends, which switching would hold
+    back. Then the lanes run one after another.
     """
+    first, *later = span.lanes
+    if any("RECV" in k for lane in later for a in lane for k in a.waits):
+        return tuple(a for lane in span.lanes for a in lane)
     parts: list[list[list]] = []
     for lane in span.lanes:
         chunks, chunk = [], []
