@@ -86,12 +86,18 @@ class FakeExecutor:
             pieces.backward(self, action, inputs_only=inputs_only)
 
 
-def _region(layer, regions=1):
-    model = Tiny(regions, layer).double()
-    program = capture(copy.deepcopy(model), tiny_batches(1)[0])
-    region = program.regions[regions - 1]
-    region.graph = unpack(pack(region.graph), torch.device("cpu"))     # off the meta device, as workers do
-    return model, region
+_captured = {}
+
+
+def _region(layer, regions=1, key=None):
+    """(the model, its last region with the graph on the CPU); `key` reuses a capture (export takes seconds)."""
+    if key is None or key not in _captured:
+        model = Tiny(regions, layer).double()
+        program = capture(copy.deepcopy(model), tiny_batches(1)[0])
+        region = program.regions[regions - 1]
+        region.graph = unpack(pack(region.graph), torch.device("cpu"))     # off the meta device, as workers do
+        _captured[key] = model, region
+    return _captured[key]
 
 
 def _reference(model, region, batch, value=None):
@@ -111,7 +117,7 @@ def _reference(model, region, batch, value=None):
 def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward):
     """Forward pieces and exchanges, then the backward's (whole, or for inputs then weights); with a
     value from an earlier region as input (its gradient is handed on) when `regions` is 2."""
-    model, region = _region(layer, regions)
+    model, region = _region(layer, regions, key=(id(layer), regions))
     batch = list(tiny_batches(1)[0])
     value = torch.randn(8, 4, 8, dtype=torch.float64) if regions > 1 else None
     ref_loss, ref_grads = _reference(model, region, batch, value)
