@@ -396,6 +396,19 @@ def test_an_overlapped_slot_takes_its_items_pieces_and_exchanges_into_their_lane
     assert switched["yes"] and switched["no"]       # device 0 has slots of both kinds
 
 
+def test_memory_prediction_counts_a_cut_pass_once():
+    from piper.memory_model import predict_memory
+
+    peaks = {}
+    for name, extra in (("replicated", ""), ("ep", EP)):
+        compiled, _ = compile_only(Tiny(4, moe_layer()), script(
+            "mesh dp=2, pp=2\nuse dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + extra), None, key="tiny4")
+        program = next(v for k, v in _captured.items() if k[0] == "tiny4")
+        predicted = predict_memory(compiled, program, saved={r: 1000 for r in range(4)})
+        peaks[name] = {r: p.activations for r, p in predicted.items()}
+    assert any(a.node.value for a in compiled.plans[0]) and peaks["ep"] == peaks["replicated"]
+
+
 def test_no_all_to_alls_when_the_experts_are_replicated():
     compiled, _ = compile_only(Tiny(2, moe_layer()), script(
         "mesh dp=2, pp=2\nuse one_f_one_b(microbatches=2) on pp\nuse dp() on dp\n"), None)
