@@ -297,6 +297,26 @@ def test_dualpipev_pp2_with_expert_parallel_dp2_in_lanes():
 
 
 @pytest.mark.usefixtures("ray_cluster")
+def test_recomputed_moe_regions_stay_whole_and_train_exactly():
+    """A recomputed region runs its forward again whole in backward, so it is not cut: its compute
+    issues its all-to-alls (one ALL_TO_ALL marker after each pass); its backward finds the expert rows."""
+    strategy = script("use one_f_one_b(microbatches=2) on pp\nuse dp() on dp\n" + EP + "recompute PP=*\n")
+    seen = {}
+    assert_same(train_both(Tiny(2, moe_layer()).double(), strategy, mesh={"dp": 2, "pp": 2},
+                           batches=tiny_batches(), job_hook=lambda job: seen.update(plan=job.compiled.plans[0])))
+    assert "0ALL_TO_ALL_F0" in [a.key for a in seen["plan"]]
+    assert not any(a.node.value is not None for a in seen["plan"] if a.node.op in ("F", "B", "ALL_TO_ALL"))
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_expert_parallel_in_bf16_computes_in_bf16_on_float32_rows():
+    losses, ref_losses, state, _ = train_both(Tiny(1, moe_layer()), script("use dp() on dp\n" + EP), mesh={"dp": 2},
+                                              batches=tiny_batches(), precision="bf16")
+    assert all(abs(a - b) < 0.05 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert state["layers.0.w1"].dtype == torch.float32
+
+
+@pytest.mark.usefixtures("ray_cluster")
 def test_dualpipev_in_turn_switches_items_at_their_exchanges(tmp_path):
     """`overlap=False`: one thread runs an overlapped slot's two items, switching from one to the
     other after each expert exchange it issues (`piper.runtime.slots.interleaved`)."""

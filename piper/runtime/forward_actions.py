@@ -68,6 +68,8 @@ class ForwardActions:
         views = {}
         for u in region.units:             # the parameters as this backward sees them (gathered again)
             views.update(self.units[u].views())
+            if self.experts is not None:   # and the expert rows this device holds
+                views.update(self.experts.views(u))
         outs.args = [views[i.ref] if i.kind == PARAM else a for i, a in zip(region.inputs, outs.args)]
         outs, size = recompute.rerun(region.graph, outs, self.device, self._param_storages)
         with self._lock:
