@@ -188,15 +188,16 @@ def moe_regions(program: Program) -> dict[int, int]:
 def exchanges_by_region(program: Program, ir: IR) -> dict[int, int]:
     """Region -> how many exchanges its passes are cut into (`piper.moe_cut`: two per MoE
     layer), for the regions the plan cuts: under `shard experts`, on more than one
-    device, not recomputed (a recomputed region runs its forward again whole), with
-    MoE layers that alternate dispatch and combine. 0 for the other MoE regions,
-    whose compute issues its all-to-alls from inside its graph."""
+    device, with MoE layers that alternate dispatch and combine. 0 for the other MoE
+    regions, whose compute issues its all-to-alls from inside its graph. (A recomputed
+    region is cut too: each piece keeps its inputs and runs again in its backward, so
+    no exchange is repeated.)"""
     from .moe_cut import count_exchanges
 
     out = {}
     for region in moe_regions(program):
         graph = program.regions[region].graph
-        cut = (graph is not None and region not in ir.recompute and len(ir.devices_of(region)) > 1)
+        cut = graph is not None and len(ir.devices_of(region)) > 1
         out[region] = count_exchanges(graph) if cut else 0
     return out
 

@@ -297,15 +297,16 @@ def test_dualpipev_pp2_with_expert_parallel_dp2_in_lanes():
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_recomputed_moe_regions_stay_whole_and_train_exactly():
-    """A recomputed region runs its forward again whole in backward, so it is not cut: its compute
-    issues its all-to-alls (one ALL_TO_ALL marker after each pass); its backward finds the expert rows."""
-    strategy = script("use one_f_one_b(microbatches=2) on pp\nuse dp() on dp\n" + EP + "recompute PP=*\n")
+@pytest.mark.parametrize("schedule,regions", [("one_f_one_b", 2), ("dualpipev", 4)])
+def test_recomputed_moe_regions_train_exactly_as_pieces(schedule, regions):
+    """`recompute`: each piece keeps its inputs and runs again in its backward (B, or BI and BW in
+    lanes), so no exchange runs twice."""
+    strategy = script(f"use {schedule}(microbatches=4) on pp\nuse dp() on dp\n" + EP + "recompute PP=*\n")
     seen = {}
-    assert_same(train_both(Tiny(2, moe_layer()).double(), strategy, mesh={"dp": 2, "pp": 2},
-                           batches=tiny_batches(), job_hook=lambda job: seen.update(plan=job.compiled.plans[0])))
-    assert "0ALL_TO_ALL_F0" in [a.key for a in seen["plan"]]
-    assert not any(a.node.value is not None for a in seen["plan"] if a.node.op in ("F", "B", "ALL_TO_ALL"))
+    assert_same(train_both(Tiny(regions, moe_layer()).double(), strategy, mesh={"dp": 2, "pp": 2},
+                           batches=tiny_batches(batch=16), job_hook=lambda job: seen.update(plan=job.compiled.plans[0])))
+    keys = [a.key for a in seen["plan"]]
+    assert "0F0.2" in keys and keys.count("0ALL_TO_ALL_F0.0") == 1
 
 
 @pytest.mark.usefixtures("ray_cluster")

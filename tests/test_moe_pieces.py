@@ -39,10 +39,12 @@ class OneMember:
 class FakeExecutor:
     """What `Pieces` asks of the executor, for one region on one device."""
 
-    def __init__(self, model, region):
-        spec = SimpleNamespace(inputs=region.inputs, outputs=region.outputs, loss=region.loss, units=())
+    def __init__(self, model, region, recompute=False):
+        spec = SimpleNamespace(inputs=region.inputs, outputs=region.outputs, loss=region.loss, units=(0,),
+                               recompute=recompute)
         self.spec = SimpleNamespace(regions={0: spec}, grad_scale=1.0)
         self.params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+        self.units, self.experts, self.device = {0: SimpleNamespace(views=lambda: self.params)}, None, torch.device("cpu")
         self._param_storages, self._lock = set(), threading.Lock()
         self.saved_bytes, self.activations, self.activation_peak = {}, 0, 0
         self.values, self.losses, self.grads, self.timings, self.pending = {}, [], {}, {}, {}
@@ -114,9 +116,11 @@ def _reference(model, region, batch, value=None):
 @pytest.mark.parametrize("layer,regions", [(moe_layer(), 1), (lambda: SkewedMoE(8, 8, 4, 2), 1), (moe_layer(), 2)],
                          ids=["moe", "own-layer", "value-input"])
 @pytest.mark.parametrize("backward", ["B", "BI+BW"])
-def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward):
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
+def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward, recompute):
     """Forward pieces and exchanges, then the backward's (whole, or for inputs then weights); with a
-    value from an earlier region as input (its gradient is handed on) when `regions` is 2."""
+    value from an earlier region as input (its gradient is handed on) when `regions` is 2; with
+    `recompute`, each piece keeps its inputs and runs again in its backward."""
     model, region = _region(layer, regions, key=(id(layer), regions))
     batch = list(tiny_batches(1)[0])
     value = torch.randn(8, 4, 8, dtype=torch.float64) if regions > 1 else None
@@ -124,7 +128,7 @@ def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward):
     assert cuttable(region.graph) and count_exchanges(region.graph) == 2
     the_cut = cut(region.graph, 1)
     assert [kind for kind, _ in the_cut.exchanges] == [DISPATCH, COMBINE] and len(the_cut.pieces) == 3
-    ex, pieces = FakeExecutor(model, region), Pieces({0: the_cut})
+    ex, pieces = FakeExecutor(model, region, recompute), Pieces({0: the_cut})
     ex.batch, ex.value = batch, value
     lg = expert_groups.lane_group([OneMember()], 0)
     with lg:
@@ -132,6 +136,8 @@ def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward):
         for node in (Node("F", 0, 0), Node("ALL_TO_ALL", 0, 0, "F", 0), Node("F", 0, 0, value=1),
                      Node("ALL_TO_ALL", 0, 0, "F", 1), Node("F", 0, 0, value=2)):
             ex.run(node, pieces)
+        # recompute: every piece kept only its inputs, and runs again in its backward
+        assert len(pieces.passes[(0, 0)].kept) == (3 if recompute else 0)
         op = "B" if backward == "B" else "BI"
         for node in (Node(op, 0, 0, value=2), Node("ALL_TO_ALL", 0, 0, op, 1), Node(op, 0, 0, value=1),
                      Node("ALL_TO_ALL", 0, 0, op, 0), Node(op, 0, 0)):

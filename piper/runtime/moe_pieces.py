@@ -32,6 +32,7 @@ import torch
 from ..ir import node_key
 from ..moe_cut import DISPATCH, Cut, Source, cut
 from . import experts as expert_groups
+from . import recompute
 from .saved import SavedBytes
 from .split_backward import backward_inputs, backward_weights, can_split
 
@@ -51,11 +52,26 @@ class _Pass:
         self.grads: dict[Source, torch.Tensor] = {}     # gradients waiting for their producer's backward
         self.input_grads: dict[int, torch.Tensor] = {}  # value id -> gradient (BI)
         self.weight_states: dict[int, object] = {}      # piece -> what its BW needs (BI)
+        self.kept: dict[int, object] = {}               # piece -> its inputs (a recomputed region)
         self.seeded = False
 
 
 def _add(grads: dict, key, g) -> None:
     grads[key] = grads[key] + g if key in grads else g
+
+
+def _no_views(outs) -> tuple:
+    """A piece's outputs, a view of its input (a reshape) copied: its own backward for inputs
+    (`split_backward`) detaches its outputs in place, which a view does not allow."""
+    return tuple(o.clone() if torch.is_tensor(o) and o.requires_grad and o._is_view() else o for o in outs)
+
+
+def _count(ex, key, size: int) -> None:
+    """`size` more bytes saved for the backward of pass `key` (the executor's activation accounting)."""
+    with ex._lock:
+        ex.saved_bytes[key] += size
+        ex.activations += size
+        ex.activation_peak = max(ex.activation_peak, ex.activations)
 
 
 class Pieces:
@@ -78,11 +94,13 @@ class Pieces:
         return node_key(node.op, node.region, node.mb)
 
     # -- forward ------------------------------------------------------------------------------
-    def _input(self, run: _Pass, source: Source, piece: int):
+    def _input(self, run: _Pass, source: Source, piece: int, recomputed: bool):
         if source.kind == "arg":
             return run.args[source.index]
         value = run.values[source]
-        if torch.is_tensor(value) and (value.requires_grad or source in run.differentiable):
+        # A recomputed region's forward runs without autograd: any floating value may carry a gradient.
+        if torch.is_tensor(value) and (value.requires_grad or source in run.differentiable
+                                       or recomputed and value.is_floating_point()):
             leaf = value.detach().requires_grad_()
             run.boundary.setdefault(piece, []).append((source, leaf))
             return leaf
@@ -97,19 +115,18 @@ class Pieces:
             self.passes[key] = _Pass(*ex._args(region, node.mb))
             ex.saved_bytes[key] = 0
         run = self.passes[key]
-        inputs = [self._input(run, s, piece) for s in cut.inputs[piece]]
-        with torch.enable_grad(), SavedBytes(ex._param_storages) as saved:
-            outs = cut.pieces[piece](*inputs)
-            # A piece's output may be a view of its input (a reshape); its own backward for inputs
-            # (`split_backward`) detaches its outputs in place, which a view does not allow.
-            outs = tuple(o.clone() if torch.is_tensor(o) and o.requires_grad and o._is_view() else o for o in outs)
+        inputs = [self._input(run, s, piece, region.recompute) for s in cut.inputs[piece]]
+        if region.recompute:     # keep only the piece's inputs; its backward runs it again (`recompute`)
+            outs, run.kept[piece], size = recompute.forward(cut.pieces[piece], inputs, ex.device,
+                                                            ex._param_storages)
+        else:
+            with torch.enable_grad(), SavedBytes(ex._param_storages) as saved:
+                outs = _no_views(cut.pieces[piece](*inputs))
+            size = saved.size
         run.outs[piece] = outs
         for j, out in enumerate(outs):
             run.values[Source("piece", piece, j)] = out
-        with ex._lock:
-            ex.saved_bytes[key] += saved.size
-            ex.activations += saved.size
-            ex.activation_peak = max(ex.activation_peak, ex.activations)
+        _count(ex, key, size)
         if piece == len(cut.pieces) - 1:
             outs = [run.args[s.index] if s.kind == "arg" else run.values[s] for s in cut.outputs]
             for v, out in zip(region.outputs, outs):
@@ -202,6 +219,8 @@ class Pieces:
         run = self.passes[key]
         if not run.seeded:
             self._seed(ex, run, node, region, cut, whole=not inputs_only)
+        if piece in run.kept:
+            self._rerun(ex, run, node, region, cut, piece)
         tensors, grads = self._targets(run, piece)
         boundary = run.boundary.pop(piece, [])
         if not inputs_only:
@@ -234,6 +253,21 @@ class Pieces:
                 self._finish(ex, key)
                 ex._deliver_input_grads(node, run.leaves, {v: leaf.grad for v, leaf in run.leaves.items()})
         ex._release(action)
+
+    def _rerun(self, ex, run: _Pass, node, region, cut: Cut, piece: int) -> None:
+        """A recomputed region's piece, forward again with autograd on the inputs it kept (the
+        parameters as this backward sees them: a ZeRO-3 unit is gathered again)."""
+        kept = run.kept.pop(piece)
+        views = {}
+        for u in region.units:
+            views.update(ex.units[u].views())
+            if ex.experts is not None:
+                views.update(ex.experts.views(u))
+        kept.args = [views[region.inputs[s.index].ref] if s.kind == "arg" and region.inputs[s.index].kind == PARAM
+                     else a for s, a in zip(cut.inputs[piece], kept.args)]
+        outs, size = recompute.rerun(cut.pieces[piece], kept, ex.device, ex._param_storages)
+        run.outs[piece] = _no_views(outs)
+        _count(ex, (node.region, node.mb), size)
 
     def _weights(self, ex, region, run: _Pass, cut: Cut, piece: int) -> list[torch.Tensor]:
         """The weights piece `piece` reads (all the region's where they are not its own inputs)."""
