@@ -8,7 +8,7 @@ import socket
 import ray
 import torch
 
-from . import checkpoint, comm, faults
+from . import comm, faults
 from .executor import Executor
 
 
@@ -93,14 +93,18 @@ class Worker:
     def memory(self):
         return self.executor.memory()
 
-    # -- checkpoints (piper/runtime/checkpoint.py) --
+    # -- checkpoints (piper/runtime/checkpoint.py: imported on use, since torch.distributed.checkpoint
+    # costs a worker about a second of CPU at start-up) --
     def save_checkpoint(self, path: str, extra: dict, aliases: dict, skip=()) -> int:
+        from . import checkpoint
         return checkpoint.save(self.executor, path, extra, aliases, skip)
 
     def optimizer_layout(self, with_state: bool):
+        from . import checkpoint
         return checkpoint.optimizer_layout(self.executor, with_state)
 
     def load_checkpoint(self, path: str, with_state: bool, buffers) -> None:
+        from . import checkpoint
         checkpoint.load(self.executor, path, with_state, buffers)
 
     def timings(self, cpu: bool = False):
