@@ -159,6 +159,8 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         self.actors = []
         self.where: dict[int, dict] = {}     # rank -> pid, node, ip, device (`placement()`)
         self._owns_ray = False
+        self._broken = False       # a call to the workers failed: close kills them (`runtime/pool.py`)
+        self._pool_key = None
         self._closed = False
         self.steps = 0                                    # optimizer steps taken (checkpoints keep it)
         self.strategy = None                              # its name, for checkpoint metadata
@@ -178,6 +180,7 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         try:
             self._start(model, optimizer, address, device)
         except BaseException:
+            self._broken = True
             self.close()
             raise
 
@@ -189,12 +192,16 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         try:
             import ray
 
-            for a in self.actors:
-                ray.kill(a)
-            if getattr(self, "_pg", None) is not None:
-                from ray.util.placement_group import remove_placement_group
+            from .runtime import pool
 
-                remove_placement_group(self._pg)
+            pg = getattr(self, "_pg", None)
+            if self._broken or self._owns_ray or not pool.give(self._pool_key, pg, self.actors):
+                for a in self.actors:
+                    ray.kill(a)
+                if pg is not None:
+                    from ray.util.placement_group import remove_placement_group
+
+                    remove_placement_group(pg)
             if self._owns_ray:
                 ray.shutdown()
         except Exception:

@@ -18,8 +18,10 @@ class JobSteps:
         ranks = list(range(len(refs))) if len(refs) == len(self.actors) else [0] * len(refs)
         try:
             return self._watch.wait(refs, what, self.timeout if limit is None else limit, ranks)
-        except PiperError:
-            self.close()
+        except BaseException as exc:
+            self._broken = True     # its workers may be mid-collective: never kept for another job
+            if isinstance(exc, PiperError):
+                self.close()
             raise
 
     def _check_open(self) -> None:
