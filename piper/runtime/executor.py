@@ -58,6 +58,7 @@ class WorkerSpec:
     concurrent: bool = True                       # run an overlapped slot's items at once (CPU only, see below)
     clip_grad_norm: float | None = None           # clip by the global gradient norm (`clip.py`)
     compute_dtype: torch.dtype | None = None      # 16-bit compute, float32 master (`precision.py`)
+    loss_scaling: object = None                   # fp16's loss scaling (piper.FP16), else None
     experts: object = None                        # runtime.experts.ExpertSpec under `shard experts`
 
 
@@ -267,7 +268,7 @@ class Executor:
         for region in spec.regions.values():
             region.graph = unpack(region.graph, self.device)
         self.groups = comm.new_groups(spec.groups)
-        from .precision import make_unit
+        from .precision import make_unit, with_loss_scaling
 
         make = make_unit(spec.compute_dtype)
         self.units = {u: make(layout, spec.rank, spec.zero, init[u], spec.optimizer, self.device)
@@ -308,6 +309,7 @@ class Executor:
         self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="piper-lane") if lanes > 1 else None
         self._lock = threading.Lock()             # activation accounting and gradient sums, shared by lanes
         self.clip = GlobalNormClip(spec.clip_grad_norm) if spec.clip_grad_norm is not None else None
+        self.clip = with_loss_scaling(self.clip, spec.loss_scaling)     # fp16 (`precision.py`)
         # Start/end of every action and when each communication completed, last steps (`job.trace`).
         self.traced: deque = deque(maxlen=TRACE_STEPS)
         self._spans_now: list = []
@@ -520,7 +522,7 @@ class Executor:
         if region.loss:
             loss = outs[-1]
             tensors.append(loss)
-            grads.append(torch.full_like(loss, self.spec.grad_scale))
+            grads.append(torch.full_like(loss, self.spec.grad_scale * getattr(self.clip, "loss_scale", 1.0)))
         return tensors, grads
 
     def _deliver_input_grads(self, node, leaves: dict, grads: dict) -> None:
