@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.harness import Table, fit_exponent, fmt
 from benchmarks.runner import SUITES, markdown
@@ -241,3 +242,51 @@ def test_fsdp2_baseline_of_the_hf_llama_shards_each_block_and_starts_from_the_sa
             assert math.isclose(loss, eager, rel_tol=1e-5)
         else:
             assert math.isclose(loss, eager, rel_tol=5e-2) and loss != eager
+
+
+def test_llama_stages_of_the_composed_baseline_compute_the_library_forward():
+    """Suite 14's FSDP2 x pipelining Llama stages (benchmarks/composed.py) chained give the logits
+    of the library's own LlamaForCausalLM forward (its rotary tables and causal mask)."""
+    pytest.importorskip("transformers")
+    from benchmarks.composed import LlamaStage
+    from benchmarks.suite_training import hf_workload
+    from benchmarks.workloads import make_hf
+    from examples.gpt import training_batches
+
+    model = make_hf(hf_workload(True), 2)[0]
+    x, _ = next(training_batches(2))
+    with torch.no_grad():
+        logits = LlamaStage(model, 1, 2)(LlamaStage(model, 0, 2)(x))
+        torch.testing.assert_close(logits, model.m(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+COMPOSED_CHECK = """
+from benchmarks.baselines import TorchWorker
+from benchmarks.suite_training import workload
+from benchmarks.workloads import gpt_batches, make_gpt
+
+wl = workload(True)
+x, y = gpt_batches(wl, 1)[0]
+eager = float(make_gpt(wl.model_kw(1))[0](x, y))
+worker = TorchWorker(0, 1)
+worker.init(worker.rendezvous_address(), 60.0)
+out = {}
+for precision, checkpoint in (("fp32", False), ("bf16", True)):
+    worker.setup("fsdp2_pipeline", model_kw=wl.model_kw(1), schedule="Schedule1F1B", microbatches=4, pp=1,
+                 precision=precision, checkpoint=checkpoint)
+    out[(precision, checkpoint)] = worker.step(x, y)[0]
+worker.shutdown()
+print(repr((eager, out)))
+"""
+
+
+def test_fsdp2_pipeline_baseline_starts_from_the_same_loss():
+    """The FSDP2 x Schedule1F1B baseline set up on one process (one stage): fully_shard, bf16 policy,
+    checkpoint_wrapper and the schedule run, and the first loss is the plain model's."""
+    import ast
+
+    proc = subprocess.run([sys.executable, "-c", COMPOSED_CHECK], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eager, out = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert abs(out[("fp32", False)] - eager) < 1e-5
+    assert abs(out[("bf16", True)] - eager) < 3e-2          # bf16 compute
