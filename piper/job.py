@@ -157,6 +157,8 @@ class Job:
         self.actors = []
         self.where: dict[int, dict] = {}     # rank -> pid, node, ip, device (`placement()`)
         self._owns_ray = False
+        self._broken = False       # a call to the workers failed: close kills them (`runtime/pool.py`)
+        self._pool_key = None
         self._closed = False
         self.steps = 0                                    # optimizer steps taken (checkpoints keep it)
         self.strategy = None                              # its name, for checkpoint metadata
@@ -176,16 +178,15 @@ class Job:
         try:
             self._start(model, optimizer, address, device)
         except BaseException:
+            self._broken = True
             self.close()
             raise
 
     # -- start-up ----------------------------------------------------------------------------
     def _start(self, model, optimizer, address, device) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .runtime.worker import Worker
+        from .runtime import pool
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster needs no token
         if not ray.is_initialized():
@@ -207,22 +208,14 @@ class Job:
         started = time.monotonic()
         placement = plan_placement(self.mesh.axes, node_capacity(ray.nodes(), device), device)
         self._progress(f"placing {world} workers ({placement.strategy} over the cluster's nodes)")
-        self._pg = placement_group([dict(b) for b in placement.bundles], strategy=placement.strategy)
-        if not self._pg.wait(timeout_seconds=self.startup_timeout):
-            raise error("no-resources", f"the cluster cannot host {world} workers ({placement.strategy} of "
-                        f"{len(placement.bundles)} bundles of {placement.bundles[0]})",
-                        hint="shrink the mesh or add nodes/GPUs to the Ray cluster")
-        actor = ray.remote(concurrency_groups={"health": 1})(Worker)    # `Worker.status` answers mid-step
         if os.environ.get("PIPER_FAULT"):      # a test's injected fault (runtime.faults) reaches the workers
             self.worker_env.setdefault("PIPER_FAULT", os.environ["PIPER_FAULT"])
-        self.actors = [
-            actor.options(**placement.resources(device),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(
-                              self._pg, placement_group_bundle_index=placement.bundle_of[r]),
-                          **({"runtime_env": {"env_vars": {k: str(v) for k, v in self.worker_env.items()}}}
-                             if self.worker_env else {}))
-            .remote(r, world, device)
-            for r in range(world)]
+        self._pool_key = pool.key(placement, device, self.worker_env)
+        kept = pool.take(self._pool_key)       # PIPER_KEEP_WORKERS: a closed job's workers of this shape
+        if kept is not None:
+            self._pg, self.actors = kept
+        else:
+            self._pg, self.actors = self._new_workers(placement, device, world)
         self._watch = Watch(self.actors, self.mesh)
         self.where = dict(enumerate(self._get([a.where.remote() for a in self.actors], "start",
                                               self.startup_timeout)))
@@ -238,6 +231,30 @@ class Job:
                 for rank, a in enumerate(self.actors)]
         self._get(refs, "set up", self.startup_timeout)
         self._progress(f"workers ready ({time.monotonic() - started:.1f} s)")
+
+    def _new_workers(self, placement, device, world):
+        """A placement group for the mesh and one actor per rank in its bundle."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .runtime.worker import Worker
+
+        pg = placement_group([dict(b) for b in placement.bundles], strategy=placement.strategy)
+        self._pg = pg            # removed by `close` if what follows fails
+        if not pg.wait(timeout_seconds=self.startup_timeout):
+            raise error("no-resources", f"the cluster cannot host {world} workers ({placement.strategy} of "
+                        f"{len(placement.bundles)} bundles of {placement.bundles[0]})",
+                        hint="shrink the mesh or add nodes/GPUs to the Ray cluster")
+        actor = ray.remote(concurrency_groups={"health": 1})(Worker)    # `Worker.status` answers mid-step
+        return pg, [
+            actor.options(**placement.resources(device),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              pg, placement_group_bundle_index=placement.bundle_of[r]),
+                          **({"runtime_env": {"env_vars": {k: str(v) for k, v in self.worker_env.items()}}}
+                             if self.worker_env else {}))
+            .remote(r, world, device)
+            for r in range(world)]
 
     def _multi_slots(self) -> dict[int, tuple]:
         """Per rank, the `order` slots holding several computes (tuples of keys)."""
@@ -282,8 +299,10 @@ class Job:
         ranks = list(range(len(refs))) if len(refs) == len(self.actors) else [0] * len(refs)
         try:
             return self._watch.wait(refs, what, self.timeout if limit is None else limit, ranks)
-        except PiperError:
-            self.close()
+        except BaseException as exc:
+            self._broken = True     # its workers may be mid-collective: never kept for another job
+            if isinstance(exc, PiperError):
+                self.close()
             raise
 
     def placement(self) -> dict[int, dict]:
@@ -396,12 +415,16 @@ class Job:
         try:
             import ray
 
-            for a in self.actors:
-                ray.kill(a)
-            if getattr(self, "_pg", None) is not None:
-                from ray.util.placement_group import remove_placement_group
+            from .runtime import pool
 
-                remove_placement_group(self._pg)
+            pg = getattr(self, "_pg", None)
+            if self._broken or self._owns_ray or not pool.give(self._pool_key, pg, self.actors):
+                for a in self.actors:
+                    ray.kill(a)
+                if pg is not None:
+                    from ray.util.placement_group import remove_placement_group
+
+                    remove_placement_group(pg)
             if self._owns_ray:
                 ray.shutdown()
         except Exception:

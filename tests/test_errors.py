@@ -191,7 +191,8 @@ def test_dead_worker_is_reported_and_the_job_cleaned_up():
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_closed_job_leaves_no_workers():
+def test_closed_job_leaves_no_workers(monkeypatch):
+    monkeypatch.delenv("PIPER_KEEP_WORKERS", raising=False)     # the default: workers end with their job
     batch = gpt_batches(1)[0]
     with piper.compile(gpt(2), batch, strategy=data_parallel(), mesh={"dp": 2}) as job:
         job.step(*batch)
