@@ -79,7 +79,9 @@ def inline_autocast(gm: fx.GraphModule) -> None:
     after:  a = _to_copy(x, dtype=bfloat16); b = _to_copy(w, dtype=bfloat16); y = mm(a, b)
     The block's sub-graph is traced again (make_fx, on fake tensors of the block's device type)
     under the same autocast, so the result is what autocast computes eagerly, with no context
-    manager left for the regions to run under.
+    manager left for the regions to run under. A CUDA autocast captured where torch has no
+    CUDA is turned off by torch itself (with its warning), as it would be eagerly there: the
+    block is captured without casts.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx import traceback as fx_traceback
@@ -101,9 +103,10 @@ def inline_autocast(gm: fx.GraphModule) -> None:
                                            device=device_type) for a in args]
             with fx_traceback.preserve_node_meta():
                 traced = make_fx(run, tracing_mode="fake")(*ins)
-        except Exception as exc:   # e.g. a CUDA autocast traced where torch has no CUDA
+        except Exception as exc:   # an op of the block that fake tensors of its device type cannot run
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise error("unsupported-model", f"cannot capture the `torch.autocast({device_type!r}, dtype={dtype})` "
-                        f"block{_at(node)}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}",
+                        f"block{_at(node)}: {why}",
                         hint="compute in 16 bits with precision='bf16' on piper.compile instead of autocast "
                              "in forward") from None
         env: dict[fx.Node, fx.Node] = {}

@@ -26,7 +26,8 @@ from .diagnostics import PiperError, error
 from .directives import Shard, Split
 from .mesh import Mesh
 from .experts import expert_spec, expert_state, slots_lanes
-from .options import TrainingOptions, check_clip, compute_dtype, loss_scaling
+from .loss_scaling import loss_scaling
+from .options import TrainingOptions, check_clip, compute_dtype
 from .planning import _no_cycle_collection, compile_directives
 from .runtime.executor import RegionSpec, WorkerSpec
 from .runtime.graphs import pack

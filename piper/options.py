@@ -11,7 +11,7 @@ import math
 import torch
 
 from .diagnostics import did_you_mean, error
-from .loss_scaling import FP16, loss_scaling  # noqa: F401  (loss_scaling: for piper.compile)
+from .loss_scaling import FP16
 
 # precision= -> the dtype computes run in (None: the model's own dtype).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
