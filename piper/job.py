@@ -28,6 +28,7 @@ from .job_state import JobState
 from .job_steps import JobSteps
 from .job_worker_specs import WorkerSpecs
 from .mesh import Mesh
+from .loss_scaling import loss_scaling
 from .options import TrainingOptions, check_clip, compute_dtype
 from .planning import _no_cycle_collection, compile_directives
 from .runtime.flat import UnitLayout, layout_unit
@@ -104,12 +105,13 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     `worker-died` naming its rank, node and pid within seconds; a stalled one
     is named as `worker-timeout` after `timeout`.
     `precision="bf16"` (or "fp16") computes in 16 bits with float32 master
-    weights, optimizer state and gradient reductions; "fp32" (the default)
+    weights, optimizer state and gradient reductions; "fp16" also scales the
+    loss dynamically (`piper.FP16(...)` sets it); "fp32" (the default)
     computes in the model's own dtype. `clip_grad_norm=1.0` clips the
     gradients by their global norm over the whole model before each update,
     as torch.nn.utils.clip_grad_norm_ on one device.
     """
-    training = TrainingOptions(compute_dtype(precision), check_clip(clip_grad_norm))
+    training = TrainingOptions(compute_dtype(precision), check_clip(clip_grad_norm), loss_scaling(precision))
     if device not in DEVICES:
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
