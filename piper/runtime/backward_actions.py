@@ -30,7 +30,7 @@ class BackwardActions:
         if region.loss:
             loss = outs[-1]
             tensors.append(loss)
-            grads.append(torch.full_like(loss, self.spec.grad_scale))
+            grads.append(torch.full_like(loss, self.spec.grad_scale * getattr(self.clip, "loss_scale", 1.0)))
         return tensors, grads
 
     def _deliver_input_grads(self, node, leaves: dict, grads: dict) -> None:

@@ -49,7 +49,7 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         for region in spec.regions.values():
             region.graph = unpack(region.graph, self.device)
         self.groups = comm.new_groups(spec.groups)
-        from .precision import make_unit
+        from .precision import make_unit, with_loss_scaling
 
         make = make_unit(spec.compute_dtype)
         self.units = {u: make(layout, spec.rank, spec.zero, init[u], spec.optimizer, self.device)
@@ -66,6 +66,7 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self._init_accounting()
         self._init_lanes(spec)
         self.clip = GlobalNormClip(spec.clip_grad_norm) if spec.clip_grad_norm is not None else None
+        self.clip = with_loss_scaling(self.clip, spec.loss_scaling)     # fp16 (`precision.py`)
 
     def shards(self) -> dict:
         out = {u: unit.shards() for u, unit in self.units.items()}
