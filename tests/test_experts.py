@@ -303,9 +303,11 @@ def test_recomputed_moe_regions_train_exactly_as_pieces(schedule, regions):
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_expert_parallel_in_bf16_computes_in_bf16_on_float32_rows():
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_expert_parallel_in_16_bits_computes_on_float32_rows(precision):
+    """16-bit compute over float32 expert rows; fp16's loss scale seeds the pieces' backward too."""
     losses, ref_losses, state, _ = train_both(Tiny(1, moe_layer()), script("use dp() on dp\n" + EP), mesh={"dp": 2},
-                                              batches=tiny_batches(), precision="bf16")
+                                              batches=tiny_batches(), precision=precision)
     assert all(abs(a - b) < 0.05 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
     assert state["layers.0.w1"].dtype == torch.float32
 

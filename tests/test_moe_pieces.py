@@ -45,6 +45,7 @@ class FakeExecutor:
         self.spec = SimpleNamespace(regions={0: spec}, grad_scale=1.0)
         self.params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
         self.units, self.experts, self.device = {0: SimpleNamespace(views=lambda: self.params)}, None, torch.device("cpu")
+        self.clip = None
         self._param_storages, self._lock = set(), threading.Lock()
         self.saved_bytes, self.activations, self.activation_peak = {}, 0, 0
         self.values, self.losses, self.grads, self.timings, self.pending = {}, [], {}, {}, {}

@@ -197,7 +197,9 @@ class Pieces:
             if g is not None and out is not None:
                 _add(run.grads, cut.outputs[i], g)
         if region.loss:
-            _add(run.grads, cut.outputs[-1], torch.full_like(outs[-1], ex.spec.grad_scale))
+            # as `BackwardActions._backward_targets` seeds it (fp16's loss scale included)
+            scale = ex.spec.grad_scale * getattr(ex.clip, "loss_scale", 1.0)
+            _add(run.grads, cut.outputs[-1], torch.full_like(outs[-1], scale))
         if whole:                   # before the first piece writes weight gradients (BW attaches its own)
             ex._grads_for(region)
 
