@@ -19,7 +19,7 @@ import heapq
 from collections import defaultdict, namedtuple
 from collections.abc import Mapping
 from itertools import compress
-from operator import itemgetter
+from operator import itemgetter, not_
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
@@ -123,29 +123,32 @@ def schedule(ir: IR) -> list[Node]:
     each other); the error names the order statements whose edges close it.
     """
     index = ir.index()
-    # Communication (priority (0,)) goes before any compute, so the ready nodes
-    # wait in two heaps: communication by (key, number), computes by one int
-    # that orders as (priority, key) (`_compute_entries`) and holds the number.
-    # Nodes are numbered communication first, so `i < n_comm` says which heap.
-    comm = [n for n in index.values() if n.op not in _COMPUTE]
-    computes = [n for n in index.values() if n.op in _COMPUTE]
-    nodes = comm + computes
-    keys = [n[8] for n in nodes]
-    n_comm, total = len(comm), len(nodes)
-    number = dict(zip(keys, range(total)))
-    entry: list = list(zip(keys, range(n_comm)))
-    entry += _compute_entries(computes, n_comm, total)
-    succ: list[list[int]] = [[] for _ in keys]
-    indeg = [0] * len(keys)
+    if len(index) != len(ir.nodes):       # a key twice: the node it names is scheduled once
+        ir = ir.with_(nodes=tuple(index.values()))
+    nodes = ir.nodes
+    total = len(nodes)
     try:
-        for src, dst in zip(map(number.__getitem__, map(_SRC, ir.edges)), map(number.__getitem__, map(_DST, ir.edges))):
-            succ[src].append(dst)
-            indeg[dst] += 1
+        src_ids, dst_ids = ir.edge_ids()      # nodes are numbered by their position
     except KeyError:
         bad = next(e for e in ir.edges if e.src not in index or e.dst not in index)
         raise AssertionError(f"edge to unknown node {bad}") from None
-    ready_comm = [entry[i] for i in range(n_comm) if indeg[i] == 0]
-    ready_compute = [entry[i] for i in range(n_comm, len(keys)) if indeg[i] == 0]
+    # Communication (priority (0,)) goes before any compute, so the ready nodes
+    # wait in two heaps: communication by (key, number), computes by one int
+    # that orders as (priority, key) (`_compute_entries`) and holds the number.
+    keys = list(map(_KEY, nodes))
+    is_compute = list(map(_COMPUTE.__contains__, map(_OP, nodes)))
+    entry: list = list(zip(keys, range(total)))
+    at = list(compress(range(total), is_compute))
+    for i, e in zip(at, _compute_entries(list(map(nodes.__getitem__, at)), at, total)):
+        entry[i] = e
+    succ: list[list[int]] = [[] for _ in keys]
+    indeg = [0] * total
+    for src, dst in zip(src_ids, dst_ids):
+        succ[src].append(dst)
+        indeg[dst] += 1
+    starts = list(compress(range(total), map(not_, indeg)))
+    ready_comm = [entry[i] for i in starts if not is_compute[i]]
+    ready_compute = [entry[i] for i in starts if is_compute[i]]
     heapq.heapify(ready_comm)
     heapq.heapify(ready_compute)
     pop, push = heapq.heappop, heapq.heappush
@@ -156,7 +159,7 @@ def schedule(ir: IR) -> list[Node]:
         for j in succ[i]:
             indeg[j] -= 1
             if not indeg[j]:
-                push(ready_comm if j < n_comm else ready_compute, entry[j])
+                push(ready_compute if is_compute[j] else ready_comm, entry[j])
     if len(out) != len(keys):
         raise _cycle_error(ir, {keys[i] for i, d in enumerate(indeg) if d > 0})
     return out
@@ -165,8 +168,8 @@ def schedule(ir: IR) -> list[Node]:
 _OP_RANK = {op: rank for rank, op in enumerate(sorted(_PHASE))}     # ops as strings compare
 
 
-def _compute_entries(computes: list[Node], first: int, total: int) -> list[int]:
-    """The heap entry of each compute, numbered from `first`: an int that orders
+def _compute_entries(computes: list[Node], numbers: list[int], total: int) -> list[int]:
+    """The heap entry of each compute, with its number: an int that orders
     as `(_priority(n), n.key)` and then holds the number (`entry % total`).
 
     A compute is one (op, region, mb), so its priority never ties with
@@ -177,7 +180,7 @@ def _compute_entries(computes: list[Node], first: int, total: int) -> list[int]:
     regions = max((n.region for n in computes), default=0) + 1
     span = 2 * regions + 1
     out = []
-    for i, (op, region, mb) in enumerate(map(_OP_REGION_MB, computes), first):
+    for i, (op, region, mb) in zip(numbers, map(_OP_REGION_MB, computes)):
         phase = _PHASE[op] if op != "UPD" else 9
         mb = top if mb is None else mb
         code = ((phase * (top + 1) + mb) * span + (region if op == "F" else -region) + regions) * 5 + _OP_RANK[op]
@@ -186,7 +189,7 @@ def _compute_entries(computes: list[Node], first: int, total: int) -> list[int]:
 
 
 _OP_REGION_MB = itemgetter(0, 1, 2)
-_SRC, _DST = itemgetter(0), itemgetter(1)
+_SRC, _DST, _KEY = itemgetter(0), itemgetter(1), itemgetter(8)
 _OP = itemgetter(0)          # a Node's op, without the attribute lookup
 _AS_SEND = itemgetter(5, 2, 3, 4, 1)     # a RECV's (peer, mb, phase, value, region): its SEND's fields
 
