@@ -147,7 +147,10 @@ class _Run:
     def __init__(self, plans, costs=None, comm_cost=None, *, timeline: bool = True, record_comm: bool = False):
         self.plans = plans
         self.costs = {**UNIT_COSTS, **(costs or {})}
-        self.comm_cost = comm_cost or _free
+        # Whether any cost is a node's own (keyed by its token, which starts with its region's
+        # number): else a compute costs what its pass does, one look-up instead of two.
+        self.keyed = any(k[:1].isdigit() for k in self.costs)
+        self.comm_cost = comm_cost        # None: communication takes no time
         self.pos = dict.fromkeys(plans, 0)
         self.clock = dict.fromkeys(plans, 0.0)
         self.busy = dict.fromkeys(plans, 0.0)
@@ -180,7 +183,8 @@ class _Run:
         # Its clock and position live in locals meanwhile.
         i, end, now, spent = self.pos[rank], len(plan), self.clock[rank], self.busy[rank]
         start = i
-        costs, comm_cost, done, sent, comm = self.costs, self.comm_cost, self.done, self.sent, self.comm
+        costs, comm_cost, done, sent, comm = self.costs, self.comm_cost or _free, self.done, self.sent, self.comm
+        keyed, free = self.keyed, self.comm_cost is None
         line = None if self.timeline is None else _line(self.timeline, rank)
         while i < end:
             a = plan[i]
@@ -210,14 +214,25 @@ class _Run:
                     # never blocks, but its completion must be known for waiters, so
                     # stall this device until the sender reaches its send.
                     break
-                finished = done[(rank, node.key)] = max(now, t_send) + comm_cost(node)
+                finished = done[(rank, node.key)] = (t_send if t_send > now else now) + (
+                    0.0 if free else comm_cost(node))
                 if comm is not None:
                     comm[rank].append((now, finished, node.key))
             elif op in _COMPUTE:
-                t = _ready_time(done, rank, now, a.waits) if a.waits else now
-                if t is None:
-                    break
-                cost = costs.get(node.key, costs.get(op, 1.0))
+                waits = a.waits
+                if not waits:
+                    t = now
+                elif len(waits) == 1:         # the usual case, without a call
+                    t = done.get((rank, waits[0]))
+                    if t is None:
+                        break
+                    if not t > now:
+                        t = now
+                else:
+                    t = _ready_time(done, rank, now, waits)
+                    if t is None:
+                        break
+                cost = costs.get(node.key, costs.get(op, 1.0)) if keyed else costs.get(op, 1.0)
                 if line is not None:
                     line.append((t, t + cost, node.key))
                 now = t + cost
@@ -255,7 +270,8 @@ class _Run:
                 return
         stream = (group, "ep") if node.op == "ALL_TO_ALL" else group   # own process groups
         group_last = self.group_last
-        finish = max(max(members.values()), group_last[stream]) + self.comm_cost(node)
+        finish = max(max(members.values()), group_last[stream]) + (
+            0.0 if self.comm_cost is None else self.comm_cost(node))
         group_last[stream] = finish
         done = self.done
         for member in members_simulated:
