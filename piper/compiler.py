@@ -564,8 +564,13 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
         waits = ()
         feeds = waits_of.get(n.key)
         if feeds:
-            waits = tuple(k for k in feeds if k not in done)
-            done.update(waits)
+            if len(feeds) == 1:           # the usual case, without a generator
+                if feeds[0] not in done:
+                    waits = (feeds[0],)
+                    done.add(feeds[0])
+            else:
+                waits = tuple(k for k in feeds if k not in done)
+                done.update(waits)
         if op in _COMPUTE:
             seq.append(_tuple_new(Action, (n, None, None, None, waits, release.get(n.key, ()))))
         else:
