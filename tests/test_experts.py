@@ -12,6 +12,7 @@ from piper.capture import capture
 from piper.diagnostics import PiperError
 from piper.dsl import load_strategy
 from piper.testing import train_both
+from tests.helpers import assert_same
 
 
 def dense_moe(moe: piper.nn.MoE, x: torch.Tensor) -> torch.Tensor:
@@ -210,14 +211,6 @@ def test_holdings_divide_the_expert_rows():
 
 
 # ---- training against one device (float64, losses and every parameter within 1e-9)
-
-def assert_same(result, tol=1e-9):
-    losses, ref_losses, state, ref_state = result
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=tol)
-    assert state.keys() == ref_state.keys()
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
-
 
 EP = "use expert_parallel() on dp\n"
 

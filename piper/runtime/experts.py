@@ -32,6 +32,13 @@ _thread = threading.local()
 _default: "ExpertGroup | None" = None      # lane 0 (and CUDA's autograd threads, where backward runs)
 
 
+def forget() -> None:
+    """Drop the last job's groups (a kept worker's `reset`): a job without EP must not find them."""
+    global _default, _thread
+    _default = None
+    _thread = threading.local()
+
+
 class ExpertGroup:
     """One lane's process group over the devices that split the experts."""
 

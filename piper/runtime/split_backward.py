@@ -11,17 +11,29 @@ gradients.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-try:  # a private module of torch's pipelining: guard every use
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups, stage_backward_input,
-        stage_backward_weight)
-except ImportError:  # pragma: no cover - older or newer torch
-    stage_backward_input = None
+
+@functools.cache
+def _torch_backward():
+    """torch's pipelining `_backward` module, or None where this torch lacks it.
+
+    Imported on first use: torch.distributed.pipelining pulls in torch._dynamo (about a
+    second of CPU), which a worker whose plan has no BI/BW should not pay at start-up.
+    """
+    try:  # a private module of torch's pipelining: guard every use
+        from torch.distributed.pipelining import _backward
+    except ImportError:  # pragma: no cover - older or newer torch
+        return None
+    return _backward if hasattr(_backward, "stage_backward_input") else None
 
 
 def _covers_every_weight(tensors, inputs, weights) -> bool:
+    tb = _torch_backward()
+    _get_grad_fn_or_grad_acc, construct_reverse_graph = tb._get_grad_fn_or_grad_acc, tb.construct_reverse_graph
+    get_param_groups = tb.get_param_groups
     outs = [f for f in map(_get_grad_fn_or_grad_acc, tensors) if f is not None]
     ins = [f for f in map(_get_grad_fn_or_grad_acc, inputs) if f is not None]
     ws = [f for f in map(_get_grad_fn_or_grad_acc, weights) if f is not None]
@@ -38,7 +50,7 @@ def can_split(tensors, inputs: list[torch.Tensor], weights: list[torch.Tensor]) 
     It walks the autograd graph in Python, so callers ask once per region:
     every microbatch of a region has the same graph.
     """
-    return bool(stage_backward_input is not None and inputs and weights
+    return bool(inputs and weights and _torch_backward() is not None
                 and _covers_every_weight(tensors, inputs, weights))
 
 
@@ -50,7 +62,7 @@ def backward_inputs(tensors, grads, inputs: list[torch.Tensor], weights: list[to
     if split:
         for leaf in inputs:
             leaf.grad = None
-        dinputs, groups = stage_backward_input(list(tensors), list(grads), list(inputs), iter(weights))
+        dinputs, groups = _torch_backward().stage_backward_input(list(tensors), list(grads), list(inputs), iter(weights))
         return list(dinputs), ("groups", groups)
     result = torch.autograd.grad(tensors, inputs, grads, retain_graph=True, allow_unused=True) if inputs else []
     return list(result), ("graph", (tensors, grads))
@@ -60,7 +72,7 @@ def backward_weights(weights: list[torch.Tensor], state) -> None:
     """Accumulate the weights' gradients into their `.grad`."""
     kind, data = state
     if kind == "groups":
-        stage_backward_weight(iter(weights), data)
+        _torch_backward().stage_backward_weight(iter(weights), data)
     else:
         tensors, grads = data
         if tensors and weights:

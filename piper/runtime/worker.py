@@ -8,7 +8,7 @@ import socket
 import ray
 import torch
 
-from . import checkpoint, comm, faults
+from . import comm, faults
 from .executor import Executor
 
 
@@ -93,14 +93,18 @@ class Worker:
     def memory(self):
         return self.executor.memory()
 
-    # -- checkpoints (piper/runtime/checkpoint.py) --
+    # -- checkpoints (piper/runtime/checkpoint.py: imported on use, since torch.distributed.checkpoint
+    # costs a worker about a second of CPU at start-up) --
     def save_checkpoint(self, path: str, extra: dict, aliases: dict, skip=()) -> int:
+        from . import checkpoint
         return checkpoint.save(self.executor, path, extra, aliases, skip)
 
     def optimizer_layout(self, with_state: bool):
+        from . import checkpoint
         return checkpoint.optimizer_layout(self.executor, with_state)
 
     def load_checkpoint(self, path: str, with_state: bool, buffers) -> None:
+        from . import checkpoint
         checkpoint.load(self.executor, path, with_state, buffers)
 
     def timings(self, cpu: bool = False):
@@ -112,6 +116,23 @@ class Worker:
 
         steps = [(t0, list(spans), dict(done), main) for t0, spans, done, main in self.executor.traced]
         return {"clock": (time.perf_counter(), time.time()), "steps": steps}
+
+    def reset(self) -> None:
+        """Forget the job (plan, process groups, store) so the next job of the same shape can
+        use this process (`pool.py`); rank and world stay, as the pool keeps bundles."""
+        import gc
+
+        import torch.distributed as dist
+
+        from . import experts
+
+        self.executor = None
+        self.steps_done = 0
+        self._store = None
+        experts.forget()
+        if dist.is_initialized():
+            dist.destroy_process_group()      # every group of the job, the lanes' and experts' too
+        gc.collect()
 
     def shutdown(self) -> None:
         import torch.distributed as dist

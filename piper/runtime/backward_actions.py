@@ -1,0 +1,114 @@
+"""The backward and update compute actions: B (one autograd pass), BI and BW (input and weight
+gradients apart, `split_backward.py`), and UPD (the optimizer step of a unit).
+
+Mixed into `Executor`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .slots import whole_backwards
+from .specs import RegionSpec
+from .split_backward import backward_inputs, backward_weights, can_split
+
+
+class BackwardActions:
+    """`_b`, `_bi`, `_bw`, `_upd`; needs the units, step state (`saved`, `grads`), `_recomputed`, `_grads_for`
+    and `_release`."""
+
+    def _init_backward(self, spec) -> None:
+        self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
+        self._whole, self._skip = whole_backwards(spec.plan, spec.slots)
+
+    def _backward_targets(self, region: RegionSpec, mb: int, outs):
+        tensors, grads = [], []
+        for v, out in zip(region.outputs, outs):
+            g = self.grads.pop((v, mb), None)
+            if g is not None and out.requires_grad:
+                tensors.append(out)
+                grads.append(g)
+        if region.loss:
+            loss = outs[-1]
+            tensors.append(loss)
+            grads.append(torch.full_like(loss, self.spec.grad_scale * getattr(self.clip, "loss_scale", 1.0)))
+        return tensors, grads
+
+    def _deliver_input_grads(self, node, leaves: dict, grads: dict) -> None:
+        """Route each input value's gradient to its producer: locally or via SEND_B."""
+        for v, leaf in leaves.items():
+            g = grads.get(v)
+            if g is None:
+                g = torch.zeros_like(leaf)
+            producer = self.spec.values[v][0]
+            if producer in self.spec.regions:
+                self._accumulate((v, node.mb), g)
+            else:
+                self.grad_out[(v, node.mb, node.region)] = g
+
+    def _accumulate(self, key, g) -> None:
+        with self._lock:
+            if key in self.grads:
+                self.grads[key] = self.grads[key] + g
+            else:
+                self.grads[key] = g
+
+    def _b(self, action) -> None:
+        node = action.node
+        region = self.spec.regions[node.region]
+        outs, leaves = self.saved.pop((node.region, node.mb))
+        outs = self._recomputed(region, node, outs)
+        tensors, grads = self._backward_targets(region, node.mb, outs)
+        self._grads_for(region)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        with self._lock:
+            self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
+        self._deliver_input_grads(node, leaves, {v: leaf.grad for v, leaf in leaves.items()})
+        self._release(action)
+
+    def _bi(self, action) -> None:
+        if action.key in self._whole:      # the item was a whole `B(...)`: one autograd pass
+            return self._b(action)
+        node = action.node
+        region = self.spec.regions[node.region]
+        outs, leaves = self.saved[(node.region, node.mb)]
+        outs = self._recomputed(region, node, outs)
+        tensors, grads = self._backward_targets(region, node.mb, outs)
+        keys = list(leaves)
+        weights = self._weights(region)
+        if tensors:
+            inputs = [leaves[k] for k in keys]
+            split = self._can_split.get(node.region)
+            if split is None:
+                split = self._can_split[node.region] = can_split(tensors, inputs, weights)
+            result, state = backward_inputs(tensors, grads, inputs, weights, split=split)
+        else:
+            result, state = [], ("graph", ([], []))
+        self.saved[(node.region, node.mb)] = state
+        self._deliver_input_grads(node, leaves, dict(zip(keys, result)))
+        self._release(action)
+
+    def _bw(self, action) -> None:
+        node = action.node
+        if action.key not in self._skip:   # else its BI ran the whole backward
+            region = self.spec.regions[node.region]
+            state = self.saved.pop((node.region, node.mb))
+            self._grads_for(region)
+            backward_weights(self._weights(region), state)
+            with self._lock:
+                self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
+        self._release(action)
+
+    def _weights(self, region: RegionSpec) -> list[torch.Tensor]:
+        weights = [w for u in region.units for w in self.units[u].weights()]
+        if self.experts is not None:
+            weights += [w for u in region.units for w in self.experts.weights(u)]
+        return weights
+
+    def _upd(self, action) -> None:
+        if self.clip is not None and self.clip.defer(action):
+            return
+        self.units[action.node.region].step()
+        if self.experts is not None:
+            self.experts.step(action.node.region)
+        self._sample()
