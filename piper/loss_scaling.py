@@ -67,3 +67,26 @@ def loss_scale(job, *, every_rank: bool = False):
 def _scaler_state(worker):
     scaler = worker.executor.clip
     return scaler.state() if hasattr(scaler, "state") else None
+
+
+def checkpoint_state(job) -> dict | None:
+    """What a checkpoint keeps of an fp16 job's scaler (as GradScaler.state_dict): the scale and
+    the good steps in a row, so a resumed run neither restarts at `init_scale` nor loses its growth."""
+    if job.training.scaling is None:
+        return None
+    state = loss_scale(job)
+    return {"scale": state["scale"], "good_steps": state["good_steps"]}
+
+
+def restore(job, state: dict | None) -> None:
+    """Give every device the scaler state a checkpoint kept (nothing for a non-fp16 job or an
+    fp32 checkpoint: the scale then starts at `init_scale`)."""
+    if job.training.scaling is None or not state:
+        return
+    job._get([a.__ray_call__.remote(_set_scaler_state, float(state["scale"]), int(state["good_steps"]))
+              for a in job.actors], "load")
+
+
+def _set_scaler_state(worker, scale: float, good_steps: int) -> None:
+    scaler = worker.executor.clip
+    scaler.loss_scale, scaler.good_steps = scale, good_steps

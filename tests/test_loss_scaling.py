@@ -132,3 +132,29 @@ def test_fp16_settings_are_checked():
     assert info.value.code == "bad-precision" and "growth_interval" in str(info.value)
     assert piper.FP16() == piper.FP16(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
                                       growth_interval=2000)       # torch.amp.GradScaler's defaults
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_checkpoint_keeps_the_loss_scale_and_the_good_steps(tmp_path):
+    # growth_interval=3 with 2**4: after the two overflows (steps 0 and 1) and two good steps the
+    # scale is 2**4 with 2 good steps in a row; the loaded job must go on from there, not from 2**12.
+    config = piper.FP16(init_scale=2.0 ** 12, backoff_factor=2.0 ** -4, growth_interval=3)
+    model, steps = Overflowing(), batches(5)
+    strategy, mesh = data_parallel(), {"dp": 2}
+    with piper.compile(copy.deepcopy(model), steps[0], strategy=strategy, mesh=mesh, optimizer=ADAMW,
+                       precision=config) as job:
+        for batch in steps[:4]:
+            job.step(*batch)
+        saved = piper.loss_scale(job)
+        job.save(tmp_path / "ck")
+        job.step(*steps[4])
+        went_on = piper.loss_scale(job)
+    assert (saved["scale"], saved["good_steps"]) == (2.0 ** 4, 2)
+    with piper.compile(copy.deepcopy(model), steps[0], strategy=strategy, mesh=mesh, optimizer=ADAMW,
+                       precision=config) as job:
+        job.load(tmp_path / "ck")
+        assert piper.loss_scale(job)["scale"] == saved["scale"]
+        job.step(*steps[4])
+        resumed = piper.loss_scale(job)
+    assert (resumed["scale"], resumed["good_steps"]) == (went_on["scale"], went_on["good_steps"])
+    assert resumed["scale"] == 2.0 ** 5        # the third good step in a row grew it
