@@ -209,6 +209,7 @@ class Edge(tuple):
 
 _IDENTITY = itemgetter(0, 1, 2)
 _NODE_KEY = itemgetter(8)    # a Node's key, without the attribute lookup
+_SRC, _DST = itemgetter(0), itemgetter(1)    # an Edge's ends
 
 
 def distinct_edges(edges) -> tuple[Edge, ...]:
@@ -288,6 +289,30 @@ class IR:
         if found is None:
             found = self._indexes["key"] = dict(zip(map(_NODE_KEY, self.nodes), self.nodes))
         return found
+
+    def numbering(self) -> dict[str, int]:
+        """Node key -> its position in `nodes` (built once per node tuple)."""
+        found = self._indexes.get("number")
+        if found is None:
+            found = self._indexes["number"] = dict(zip(map(_NODE_KEY, self.nodes), range(len(self.nodes))))
+        return found
+
+    def edge_ids(self) -> tuple[list[int], list[int]]:
+        """Each edge's ends as positions in `nodes`: (sources, destinations), parallel
+        to `edges`. Passes walk the graph through these lists rather than looking
+        keys up; a pass that makes an IR and knows them already passes them to
+        `known_edge_ids`. KeyError for an edge to a node not in `nodes`."""
+        found = self._indexes.get("ids")
+        if found is None or found[0] is not self.edges:
+            number = self.numbering()
+            found = self._indexes["ids"] = (self.edges, list(map(number.__getitem__, map(_SRC, self.edges))),
+                                            list(map(number.__getitem__, map(_DST, self.edges))))
+        return found[1], found[2]
+
+    def known_edge_ids(self, sources: list[int], destinations: list[int]) -> "IR":
+        """This IR, with `edge_ids()` set to what its maker computed along the way."""
+        self._indexes["ids"] = (self.edges, sources, destinations)
+        return self
 
     def by_pass(self) -> dict[tuple[str, int], dict]:
         """Compute nodes by (pass, region), then by microbatch."""
