@@ -79,18 +79,21 @@ class TorchWorker:
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, kind: str, *, model_kw: dict, model: str = "gpt", microbatches: int = 1,
               schedule: str | None = None, lr: float = 1e-3, track_activations: bool = False,
-              precision: str = "fp32", checkpoint: bool = False) -> dict:
+              precision: str = "fp32", checkpoint: bool = False, pp: int = 1) -> dict:
         """Build a baseline and return what this rank holds.
 
         kind: 'pipeline' (a torch.distributed.pipelining schedule), 'ddp',
         'fsdp2', or 'eager' (one process, a plain loop over microbatches).
         model: 'gpt' (examples.gpt, `model_kw` for make_model), 'chain'
         (LinearChain, `model_kw` for make_chain) or 'family:NAME'
-        (benchmarks/families.py, `model_kw` = {"cfg": ..., "regions": R}); 'hf' ('fsdp2' only: the
+        (benchmarks/families.py, `model_kw` = {"cfg": ..., "regions": R}); 'hf' ('fsdp2*' only: the
         Hugging Face model of `benchmarks.workloads.make_hf`, `model_kw` = HFWorkload's fields
         and "stages"; its forward returns the loss). For 'fsdp2':
         `precision="bf16"` is `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`,
         and `checkpoint=True` wraps every block in torch.utils.checkpoint (non-reentrant).
+        'fsdp2_pipeline' (model 'gpt' or 'hf'): `pp` stages, each an FSDP2 module over its
+        data-parallel group of world/pp ranks, run by `schedule` (benchmarks/composed.py);
+        `precision` and `checkpoint` as for 'fsdp2'.
         """
         import torch.distributed as dist
 
@@ -112,11 +115,14 @@ class TorchWorker:
         elif model == "hf":
             from .workloads import HFWorkload, make_hf
 
-            if kind != "fsdp2":
-                raise ValueError("the Hugging Face baseline runs under fsdp2 only")
+            if kind not in ("fsdp2", "fsdp2_pipeline"):
+                raise ValueError("the Hugging Face baseline runs under fsdp2 and fsdp2_pipeline only")
+            from .composed import LlamaStage
+
             kw = dict(model_kw)
-            stages = kw.pop("stages", 1)
+            stages = n_stages = kw.pop("stages", 1)
             net = make_hf(HFWorkload(**kw), stages)[0]
+            make_stage, loss_fn = (lambda s: LlamaStage(net, s, stages)), gpt_loss
         else:
             net, cfg = make_gpt(model_kw)
             n_stages = cfg.n_regions
@@ -138,6 +144,23 @@ class TorchWorker:
             self.last = n_stages - 1 in self.stage_ids
             params = [p for m in modules for p in m.parameters()]
             self.model = torch.nn.ModuleList(modules)
+        elif kind == "fsdp2_pipeline":
+            from torch.distributed.pipelining import PipelineStage, schedules
+
+            from .composed import groups, shard_stage
+
+            dp_group, pp_group, _, stage = groups(self.rank, self.world, pp)
+            module = make_stage(stage)
+            blocks = module.layers if model == "hf" else module.blocks
+            module = shard_stage(module, blocks, dp_group, self.device, precision=precision, checkpoint=checkpoint)
+            del net                 # the other stages' modules go with it
+            if self.tracker is not None:
+                self.tracker.wrap_module(module)
+            self.stage_ids, self.first, self.last = [stage], stage == 0, stage == pp - 1
+            self.schedule = getattr(schedules, schedule)(
+                PipelineStage(module, stage, pp, self.device, group=pp_group), microbatches, loss_fn=loss_fn)
+            self.model = module
+            params = list(module.parameters())
         elif kind == "eager":
             if self.world != 1:
                 raise ValueError("the eager baseline runs on one process")
@@ -172,7 +195,7 @@ class TorchWorker:
             params = list(self.model.parameters())
         else:
             raise ValueError(f"unknown baseline {kind!r}")
-        if self.tracker is not None and kind != "pipeline":
+        if self.tracker is not None and kind not in ("pipeline", "fsdp2_pipeline"):
             self.tracker.wrap_module(self.model)
         self.optimizer = torch.optim.AdamW(params, lr=lr)
         dist.barrier()
@@ -187,12 +210,16 @@ class TorchWorker:
     # -- one step -------------------------------------------------------------------------------
     def step(self, x, y):
         """One optimizer step; x/y are this rank's inputs (None where it needs none). Returns (loss|None, seconds)."""
+        probe = getattr(self, "step_probe", None)        # probes.install_step_peak_torch
+        return probe(x, y) if probe is not None else self._step(x, y)
+
+    def _step(self, x, y):
         if self.tracker is not None:
             self.tracker.reset()
         x, y = (None if t is None else t.to(self.device) for t in (x, y))
         t0 = time.perf_counter()
         loss = None
-        if self.kind == "pipeline":
+        if self.kind in ("pipeline", "fsdp2_pipeline"):
             losses: list[torch.Tensor] = []
             args = (x,) if self.first else ()
             kwargs = {"target": y, "losses": losses} if self.last else {}
@@ -250,13 +277,19 @@ class TorchGroup:
         return ray.get(refs, timeout=self.timeout)
 
     def setup(self, kind: str, **kw) -> None:
-        self.kind, self.schedule = kind, kw.get("schedule")
+        self.kind, self.schedule, self.pp = kind, kw.get("schedule"), kw.get("pp", 1)
         self.info = self._get([a.setup.remote(kind, **kw) for a in self.actors])
 
     def inputs_for(self, rank: int, x, y):
         """What rank `rank` needs of the global batch: first/last pipeline stage, or its data-parallel shard."""
         if self.kind == "eager":
             return x, y
+        if self.kind == "fsdp2_pipeline":          # rank = dp index * pp + stage (benchmarks/composed.py)
+            pp = self.pp
+            per = x.shape[0] // (self.world // pp)
+            d, stage = divmod(rank, pp)
+            shard = slice(d * per, (d + 1) * per)
+            return (x[shard].clone() if stage == 0 else None), (y[shard].clone() if stage == pp - 1 else None)
         if self.kind == "pipeline":
             stages = stages_of(self.schedule, rank, self.world)
             last = max(max(i["stages"]) for i in self.info)

@@ -235,3 +235,80 @@ def install(job, **kw) -> list[int]:
 
 def read(job) -> list[dict]:
     return in_workers(job, read_probes)
+
+
+# -- peak bytes in a step, the same probe on both sides (suite 14) ---------------------------------
+
+def _high_water() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) * 1024
+
+
+def _step_peak(step, held):
+    """`step` wrapped so that each call records, in `.peak`, the bytes the process holds between
+    steps (`held()`: parameters, gradients, optimizer state) plus how far its resident memory rose
+    above its state before the step: everything the step allocates at its high-water mark (saved
+    activations, gathered parameters, communication buffers, autograd's temporaries).
+
+    The rise is the kernel's resident high-water mark (VmHWM, reset through
+    /proc/self/clear_refs) less the resident set just before the step, after a full collection
+    and glibc's `malloc_trim`, so memory the allocator kept from earlier steps is not reused
+    unseen. Both systems run on one thread per process here, so nothing else allocates meanwhile.
+    """
+    import ctypes
+    import gc
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        before = resident_bytes()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                     # reset VmHWM to the current resident set
+        out = step(*args, **kwargs)
+        tracked.peak = held() + max(0, _high_water() - before)
+        return out
+    tracked.peak = None
+    return tracked
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t          # an FSDP2 DTensor: this rank's shard
+        storage = t.untyped_storage()
+        if storage.size() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def install_step_peak(worker) -> None:
+    """Into a Piper worker (`__ray_call__`): its next `run_step` records `read_step_peak`."""
+    ex = worker.executor
+    if not hasattr(ex, "_untracked_run_step"):
+        ex._untracked_run_step = ex.run_step
+    ex.run_step = _step_peak(ex._untracked_run_step, lambda: sum(ex.memory()[k] for k in
+                                                                 ("params", "grads", "optimizer")))
+
+
+def install_step_peak_torch(worker) -> None:
+    """Into a torch baseline actor (`__ray_call__`): its next `step` records `read_step_peak`."""
+    def held():
+        params = list(worker.model.parameters())
+        state = [v for s in worker.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        return _bytes(params) + _bytes(p.grad for p in params) + _bytes(state)
+    worker.step_probe = _step_peak(worker._step, held)
+
+
+def read_step_peak(worker) -> int | None:
+    """The peak bytes of the last step since `install_step_peak*`, which this removes."""
+    if hasattr(worker, "executor"):
+        step, worker.executor.run_step = worker.executor.run_step, worker.executor._untracked_run_step
+    else:
+        step, worker.step_probe = getattr(worker, "step_probe", None), None
+    return getattr(step, "peak", None)

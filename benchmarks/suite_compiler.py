@@ -358,7 +358,61 @@ def _cprofile(p: int, m: int, dp: int, top: int) -> Table:
     return table
 
 
-if __name__ == "__main__":
+# -- where `piper check` spends its time, pass by pass --------------------------------------------
+
+def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
+    """CPU seconds (the least of `repeats`, each on the same input) of every step
+    `piper check FILE --regions PP=<regions>` takes after running the script: the
+    statements, each pass of `compile_ir` and the verifier, with the cyclic collector
+    paused as the check pauses it. A pass's input is built once by the passes before it.
+
+        python -m benchmarks.suite_compiler --passes big.pps 64
+    """
+    from piper import compiler, lower
+    from piper.capture import Program
+    from piper.dsl import load_strategy
+    from piper.simulate import verify
+    from piper.statements import apply_all, initial_ir
+
+    mesh, directives = load_strategy(Path(script).read_text(), file=script).build(None)
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        best = None
+        for _ in range(repeats):
+            t0 = time.process_time()
+            out = fn()
+            seconds = time.process_time() - t0
+            best = seconds if best is None else min(best, seconds)
+        spent[name] = best
+        return out
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        ir = timed("statements", lambda: apply_all(initial_ir(Program.chain({"PP": regions}), mesh), directives))
+        placed = timed("resolve_placement", lambda: lower.resolve_placement(ir, []))
+        zero = lower.zero_levels(placed)
+        lowered = timed("add_transfers", lambda: lower.add_transfers(placed))
+        order = timed("schedule", lambda: compiler.schedule(lowered))
+        order, extra, release = timed("add_collectives", lambda: compiler.add_collectives(lowered, order, zero))
+        order, ties = compiler.add_tie_exchanges(lowered, order, compiler._units_used(lowered))
+        final = lowered.with_(nodes=tuple(order), edges=compiler._with_new_edges(lowered, extra + ties))
+        plans = timed("project", lambda: compiler.project(final, order, release))
+        compiled = compiler.Compiled(final, order, plans, zero)
+        timed("verify", lambda: verify(compiled))
+    finally:
+        if collecting:
+            gc.enable()
+    return spent
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--passes"]:
+    times = pass_times(sys.argv[2], int(sys.argv[3]))
+    for name, seconds in times.items():
+        print(f"{name:18s} {seconds:.3f} s CPU")
+    print(f"{'sum':18s} {sum(times.values()):.3f} s CPU")
+elif __name__ == "__main__":
     # One point, for the profiler or a fresh process: python -m benchmarks.suite_compiler P M DP [--json]
     p_, m_, dp_ = (int(x) for x in sys.argv[1:4])
     compiled_, secs, phases, src = compile_point(p_, m_, dp_)

@@ -4,9 +4,12 @@
     step time, alternating the two jobs step by step on the same batches, and
     per-device parameter bytes (`job.memory()[rank]["params"]`).
 (b) DualPipeV x EP (pp=2 x dp=2) with its overlapped slots in lanes, the same
-    with the slots' items in turn (`overlap=False`), and 1F1B x EP: step time,
-    each device's process CPU per step, and its idle time (step minus the
-    computes' own wall time). One job at a time: 4 workers each.
+    with the slots' items in turn in one thread, switching items at each expert
+    exchange (`overlap=False`), and 1F1B x EP: step time, each device's
+    process CPU per step, its idle time (step minus the computes' own wall
+    time), and the time its expert exchanges took from issue to arrival. Every
+    MoE pass runs as pieces with its dispatch/combine exchanges as plan actions
+    (`piper/moe_cut.py`). One job at a time: 4 workers each.
 
     python -m benchmarks --suite experts [--quick]
 """
@@ -92,10 +95,11 @@ def _ep_vs_replicated(result, quick, batches, optimizer, warmup, steps) -> Table
 def _dualpipev_lanes(ctx, result, quick, batches, optimizer, warmup, steps) -> Table:
     table = Table("(b) pp=2 x dp=2 with expert_parallel (one job at a time)",
                   ["schedule", "step ms (median)", "process CPU s / step (sum of 4)", "idle ms / step (mean)",
-                   "ratio"])
+                   "exchanges ms / step (mean)", "ratio"])
     m = 4 if quick else 8
     cases = [("1F1B x EP", f"use one_f_one_b(microbatches={m}) on pp", 2, True),
-             ("DualPipeV x EP, slots in turn", f"use dualpipev(microbatches={m}) on pp", 4, False),
+             ("DualPipeV x EP, slots in turn switching at exchanges", f"use dualpipev(microbatches={m}) on pp", 4,
+              False),
              ("DualPipeV x EP, slots in lanes", f"use dualpipev(microbatches={m}) on pp", 4, True)]
     medians = {}
     for name, schedule, regions, overlap in cases:
@@ -103,7 +107,7 @@ def _dualpipev_lanes(ctx, result, quick, batches, optimizer, warmup, steps) -> T
         try:
             with piper.compile(_model(quick, regions), batches[0], strategy=load_strategy(text),
                                mesh={"dp": 2, "pp": 2}, optimizer=optimizer, overlap=overlap) as job:
-                times, cpu, idle = [], [], []
+                times, cpu, idle, exchanged = [], [], [], []
                 for i, b in enumerate(batches):
                     t0 = time.perf_counter()
                     job.step(*b)
@@ -113,20 +117,27 @@ def _dualpipev_lanes(ctx, result, quick, batches, optimizer, warmup, steps) -> T
                         cpu.append(sum(t["step"] for t in job.timings(cpu=True).values()))
                         walls = job.timings()
                         idle.append(statistics.mean(
-                            dt - sum(v for k, v in w.items() if "&" not in k) for w in walls.values()))
+                            dt - sum(v for k, v in w.items() if "&" not in k and "ALL_TO_ALL" not in k)
+                            for w in walls.values()))
+                        exchanged.append(statistics.mean(
+                            sum(v for k, v in w.items() if "ALL_TO_ALL" in k) for w in walls.values()))
         except Exception as exc:       # one failing schedule still leaves the others' rows
-            table.add(name, None, None, None, None)
+            table.add(name, None, None, None, None, None)
             table.notes.append(f"{name} failed: {short_error(exc)}")
             continue
         medians[name] = statistics.median(times)
         table.add(name, ms(medians[name]), statistics.median(cpu), ms(statistics.median(idle)),
+                  ms(statistics.median(exchanged)),
                   medians[name] / medians["1F1B x EP"] if "1F1B x EP" in medians else None)
-        key = name.split(",")[-1].strip().replace(" ", "_").replace("x_EP", "ep").lower()
+        key = name.split(",")[-1].strip().split(" switching")[0].replace(" ", "_").replace("x_EP", "ep").lower()
         result.metrics[f"{key}.step_ms"] = ms(medians[name])
         result.metrics[f"{key}.cpu_s"] = statistics.median(cpu)
     table.notes.append("ratio: step time over 1F1B x EP's. Idle: wall time of the step minus the computes' wall "
                        "time on each device (with lanes the two items' times overlap, so it can go below the "
                        "true idle time). Process CPU counts every thread of each worker, Gloo's included.")
+    table.notes.append("Exchanges: each dispatch/combine action's time from issue to arrival (forward and "
+                       "backward), on each device; in lanes and in the switching thread the other item computes "
+                       "during part of it, so it is not all idle time.")
     table.notes.append("On CPU each device is one process on 2 shared cores: lanes pay off only where one item "
                        "waits for a message (a pipeline receive, an all-to-all peer) while the other computes; "
                        "DualPipeV's V also sends twice the pipeline messages of 1F1B.")

@@ -1,7 +1,6 @@
 """Suite 14, `training-features`: mixed precision and activation recomputation.
 
-(a) The example GPT under ZeRO-3 x 1F1B on dp=2 x pp=2 (Piper only: torch has
-    no FSDP2 x pipelining composition that runs here): fp32 against
+(a) The example GPT under ZeRO-3 x 1F1B on dp=2 x pp=2, Piper alone: fp32 against
     `precision="bf16"`, and without and with `recompute PP=*`. Step time
     (median wall clock, and the busiest worker's CPU seconds per step, which
     a loaded machine disturbs less) and peak bytes per device (`job.memory()`:
@@ -16,6 +15,13 @@
     cut into stages and blocks by `piper.annotate_modules`); (d) fp32 and bf16
     only, FSDP2 with one unit per decoder block. Skipped, with the reason in the
     table, where `transformers` is not installed.
+(e), (f) ZeRO-3 x 1F1B on dp=2 x pp=2 side by side with FSDP2 x torch pipelining
+    on the same 4 processes (`benchmarks/composed.py`: each stage `fully_shard`
+    over its dp group, `MixedPrecisionPolicy(bf16, reduce fp32)` for bf16,
+    `checkpoint_wrapper` per block for recompute, `Schedule1F1B`), for the GPT
+    and the Llama: step times A/B alternated, and peak bytes per device in one
+    further step measured the same way on both sides (`probes.install_step_peak`:
+    state held between steps plus the rise of the resident high-water mark).
 
 On CPU, bf16 matmuls are not faster than fp32 ones (no AMX on most CPUs, and
 casts cost extra), so the step-time column shows what 16 bits cost here, not
@@ -37,8 +43,9 @@ import torch
 import piper
 from piper.dsl.script import load_strategy
 
+from . import probes
 from .baselines import set_up_group
-from .harness import SuiteResult, Table, head_to_head, mib, ms, ray_cluster, short_error
+from .harness import SuiteResult, Table, alternate, head_to_head, mib, ms, ray_cluster, short_error
 from .workloads import GPTWorkload, HFWorkload, gpt_batches, make_gpt, make_hf
 
 VARIANTS = (("fp32", "fp32", False), ("bf16", "bf16", False), ("fp32 + recompute", "fp32", True),
@@ -74,8 +81,10 @@ def run(ctx) -> SuiteResult:
                                              steps, "pp"))
         result.tables.append(_fsdp_table(ctx, result, "(b)", wl.describe(2), gpt_model, batches, warmup, steps,
                                          "fsdp", {"model_kw": wl.model_kw(2)}))
+        result.tables.append(_composed_table(ctx, result, "(e)", wl.describe(2), gpt_model, batches, warmup, steps,
+                                             "composed", {"model_kw": wl.model_kw(2)}))
         if isinstance(hf, str):
-            result.tables.append(_skipped("(c), (d) Hugging Face Llama", hf))
+            result.tables.append(_skipped("(c), (d), (f) Hugging Face Llama", hf))
         else:
             hwl, hf_batches = hf
             result.tables.append(_pipeline_table(ctx, result, "(c)", hwl.describe(2), lambda: make_hf(hwl, 2),
@@ -84,6 +93,9 @@ def run(ctx) -> SuiteResult:
                                              hf_batches, warmup, steps, "hf_fsdp",
                                              {"model": "hf", "model_kw": {**dataclasses.asdict(hwl), "stages": 2}},
                                              rows=FSDP_ROWS[:2]))
+            result.tables.append(_composed_table(ctx, result, "(f)", hwl.describe(2), lambda: make_hf(hwl, 2),
+                                                 hf_batches, warmup, steps, "hf_composed",
+                                                 {"model": "hf", "model_kw": {**dataclasses.asdict(hwl), "stages": 2}}))
     return result
 
 
@@ -202,3 +214,117 @@ def _fsdp_table(ctx, result, tag, described, make_model, batches, warmup, steps,
     table.notes.append("Piper's last step also reads job.memory() (one round trip to each worker); the median "
                        "step time leaves it out.")
     return table
+
+
+COMPOSED_TORCH = {False: "fully_shard per block + stage", True: "+ checkpoint_wrapper per block"}
+
+
+def _composed_table(ctx, result, tag, described, make_model, batches, warmup, steps, prefix, torch_kw) -> Table:
+    """Piper ZeRO-3 x 1F1B against FSDP2 x Schedule1F1B on dp=2 x pp=2, every variant of VARIANTS."""
+    microbatches = 4
+    text = f"use one_f_one_b(microbatches={microbatches}) on pp\nuse zero3() on dp\n"
+    table = Table(f"{tag} Piper ZeRO-3 x 1F1B vs FSDP2 x torch Schedule1F1B, dp=2 x pp=2, {microbatches} "
+                  f"microbatches; {described}; median of {steps} steps after {warmup} warm-up, A/B alternated; "
+                  "peak: one further step, the largest over the 4 devices",
+                  ["variant", "torch", "torch ms", "Piper ms", "ratio torch/Piper", "paired ratios, middle half",
+                   "max |Δloss|", "torch peak MiB", "Piper peak MiB", "peak torch/Piper",
+                   "Piper step_peak MiB"])
+    model, _ = make_model()
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    group = None
+    unhosted = ctx.cannot_host(4)
+    for label, precision, recompute in VARIANTS:
+        torch_label = ("MixedPrecisionPolicy(bf16, reduce fp32), " if precision == "bf16" else "") + \
+            COMPOSED_TORCH[recompute]
+        if unhosted:
+            table.add(label, torch_label, unhosted, unhosted, *[None] * 7)
+            continue
+        ctx.log(f"training-features: {tag} ZeRO-3 x 1F1B vs FSDP2 x pipelining, {label}")
+        group, torch_error = set_up_group(ctx, group, 4, 180.0, "fsdp2_pipeline", schedule="Schedule1F1B",
+                                          microbatches=microbatches, pp=2, precision=precision,
+                                          checkpoint=recompute, **torch_kw)
+        job = piper_error = None
+        try:
+            job = piper.compile(model, batches[0], strategy=_strategy(text, recompute), mesh={"dp": 2, "pp": 2},
+                                optimizer=optimizer, timeout=180, precision=precision, device=ctx.device)
+        except Exception as exc:
+            ctx.log(traceback.format_exc())
+            piper_error = f"failed: {short_error(exc)}"
+        systems = {}
+        if group is not None:
+            systems["torch"] = group.step
+        if job is not None:
+            systems["piper"] = job.step
+        peaks = {"torch": None, "piper": None}
+        own = timings = None
+        try:
+            timings = alternate(systems, batches[:warmup + steps], warmup=warmup, steps=steps)
+            if "torch" in systems and "torch" not in timings.errors:
+                peaks["torch"] = _torch_peak(group, batches[-1])
+            if "piper" in systems and "piper" not in timings.errors:
+                probes.in_workers(job, probes.install_step_peak)
+                job.step(*batches[-1])
+                peaks["piper"] = max(p for p in probes.in_workers(job, probes.read_step_peak) if p is not None)
+                job.step(*batches[-1])                    # untracked: Piper's own accounting of the same step
+                own = max(m["step_peak"] for m in job.memory().values())
+        except Exception as exc:
+            ctx.log(traceback.format_exc())
+            piper_error = piper_error or f"peak step failed: {short_error(exc)}"
+        finally:
+            if job is not None:
+                job.close()
+        if peaks["torch"] is not None and not isinstance(peaks["torch"], int):     # the torch peak step failed
+            torch_error, peaks["torch"] = f"peak step failed: {short_error(peaks['torch'])}", None
+            group.close()
+            group = None
+        if timings is not None and "torch" in timings.errors and group is not None:
+            torch_error = f"step failed: {short_error(timings.errors['torch'])}"
+            group.close()
+            group = None
+        if timings is not None and "piper" in timings.errors:
+            piper_error = f"step failed: {short_error(timings.errors['piper'])}"
+        t_ms = ms(timings.median("torch")) if timings is not None else None
+        p_ms = ms(timings.median("piper")) if timings is not None else None
+        paired = timings.paired_ratios("torch", "piper") if timings is not None else []
+        q = statistics.quantiles(paired, n=4) if len(paired) >= 2 else None
+        gap = timings.max_loss_gap("torch", "piper") if timings is not None else None
+        ratio = t_ms / p_ms if t_ms and p_ms else None
+        peak_ratio = peaks["torch"] / peaks["piper"] if peaks["torch"] and peaks["piper"] else None
+        table.add(label, torch_label, t_ms if torch_error is None else torch_error,
+                  p_ms if piper_error is None else piper_error, None if ratio is None else f"{ratio:.2f}x",
+                  None if q is None else f"{q[0]:.2f} – {q[2]:.2f}", None if gap is None else f"{gap:.1e}",
+                  mib(peaks["torch"]), mib(peaks["piper"]), None if peak_ratio is None else f"{peak_ratio:.2f}x",
+                  mib(own))
+        key = label.replace(" + ", "_")
+        result.metrics.update({f"{prefix}_{key}_{name}": float(value) for name, value in (
+            ("torch_ms", t_ms), ("piper_ms", p_ms), ("ratio", ratio), ("torch_peak", peaks["torch"]),
+            ("piper_peak", peaks["piper"]), ("peak_ratio", peak_ratio)) if value is not None})
+    if group is not None:
+        group.close()
+    table.notes += [
+        "ratio > 1: Piper's step is faster; peak torch/Piper > 1: Piper's device holds fewer bytes at its peak.",
+        "peak: the same probe on both sides (`benchmarks/probes.py::install_step_peak`): the bytes of "
+        "parameters, gradients and optimizer state a process holds between steps, plus how far its resident "
+        "memory rose in one step (the kernel's VmHWM, reset just before, less the resident set after a "
+        "collection and malloc_trim): saved activations, gathered parameters, communication buffers and "
+        "autograd's temporaries alike. Piper step_peak: Piper's own accounting (job.memory(), sampled between "
+        "actions, so without temporaries inside an op).",
+        "torch: FSDP2 reshard_after_forward=False (torchtitan's default under pipelining: parameters stay "
+        "gathered over a step's microbatches); Piper's zero3 gathers a region's parameters before a run of "
+        "computes that use them and frees them after the run (stdlib/zero3.pps). Both reduce gradients in "
+        "float32 under bf16.",
+    ]
+    return table
+
+
+def _torch_peak(group, batch):
+    """One step of the torch group with the peak probe in every process: the largest peak, or the error."""
+    import ray
+
+    try:
+        ray.get([a.__ray_call__.remote(probes.install_step_peak_torch) for a in group.actors], timeout=group.timeout)
+        group.step(*batch)
+        return max(p for p in ray.get([a.__ray_call__.remote(probes.read_step_peak) for a in group.actors],
+                                      timeout=group.timeout) if p is not None)
+    except Exception as exc:
+        return exc

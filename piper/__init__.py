@@ -8,10 +8,12 @@
 """
 from .annotate import annotate
 from .diagnostics import Diagnostic, PiperError, Span
+from .loss_scaling import FP16, loss_scale
 from .mesh import Mesh
 from .strategy import strategy
 
-__all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span"]
+__all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span",
+           "FP16", "loss_scale"]
 
 
 def compile(*args, **kwargs):

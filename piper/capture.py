@@ -143,13 +143,16 @@ def _user_frame(text: str) -> str | None:
 
 
 def _export(model, example_inputs, names=()):
+    from .exported import python_data_on_cpu
+
     reset_counters()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            if names:
-                return torch.export.export(model, (), dict(zip(names, example_inputs)), strict=True)
-            return torch.export.export(model, tuple(example_inputs), strict=True)
+            with python_data_on_cpu():       # `torch.tensor(data, device=x.device)` keeps its values
+                if names:
+                    return torch.export.export(model, (), dict(zip(names, example_inputs)), strict=True)
+                return torch.export.export(model, tuple(example_inputs), strict=True)
         except Exception as exc:  # Dynamo raises many types; all mean "cannot capture"
             text = str(exc)
             where = _user_frame(text)
@@ -246,8 +249,9 @@ def _cut(exported, model) -> Program:
             raise error("unsupported-model", f"forward uses a {kind.lower().replace('_', ' ')} (`{spec.target}`), "
                         "which Piper cannot place yet",
                         hint="make constant tensors buffers of the module (register_buffer)")
-    from .exported import inline_grad_islands, keep_only_loss, materialise_constants
+    from .exported import inline_autocast, inline_grad_islands, keep_only_loss, materialise_constants
 
+    inline_autocast(gm)
     inline_grad_islands(gm)
     materialise_constants(graph, constant_inputs, exported.constants)
     for n in graph.nodes:

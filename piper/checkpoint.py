@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 
+from . import loss_scaling
 from .diagnostics import error
 
 FORMAT = 1
@@ -77,6 +78,9 @@ def save(job, path) -> str:
     _clear_old_save(path)
     meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
+    scaler = loss_scaling.checkpoint_state(job)
+    if scaler is not None:                  # fp16: a resumed run goes on at the same loss scale
+        meta["loss_scale"] = scaler
     # The buffers are the job's constants, held by the driver: rank 0 writes them with the metadata.
     first = {"model": {k: job._buffers[k] for k in _persistent_buffers(job)}, "piper": meta}
     # A parameter tied across pipeline stages has an identical copy on each: the first unit's is written.
@@ -255,6 +259,7 @@ def load(job, path) -> dict:
     job._get([a.load_checkpoint.remote(path, with_state, buffers) for a in job.actors], "load")
     if buffers:                     # the driver's copy, which new workers would start from
         _read_here({"model": {k: job._buffers[k] for k in buffers}}, path)
+    loss_scaling.restore(job, info.get("loss_scale"))
     job.steps = int(info["step"])
     return info
 

@@ -19,7 +19,7 @@ import heapq
 from collections import defaultdict, namedtuple
 from collections.abc import Mapping
 from itertools import compress
-from operator import itemgetter
+from operator import itemgetter, not_
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
@@ -123,45 +123,74 @@ def schedule(ir: IR) -> list[Node]:
     each other); the error names the order statements whose edges close it.
     """
     index = ir.index()
-    # Communication (priority (0,)) goes before any compute, so the ready nodes
-    # wait in two heaps: communication by key, computes by (priority, key).
-    # Nodes are numbered communication first, so `i < n_comm` says which heap.
-    comm = [n for n in index.values() if n.op not in _COMPUTE]
-    computes = [n for n in index.values() if n.op in _COMPUTE]
-    nodes = comm + computes
-    keys = [n[8] for n in nodes]
-    n_comm = len(comm)
-    number = dict(zip(keys, range(len(keys))))
-    entry = [(n.key, i) for i, n in enumerate(comm)]
-    entry += [(_priority(n), n.key, i) for i, n in enumerate(computes, n_comm)]
-    succ: list[list[int]] = [[] for _ in keys]
-    indeg = [0] * len(keys)
+    if len(index) != len(ir.nodes):       # a key twice: the node it names is scheduled once
+        ir = ir.with_(nodes=tuple(index.values()))
+    nodes = ir.nodes
+    total = len(nodes)
     try:
-        for src, dst in zip(map(number.__getitem__, map(_SRC, ir.edges)), map(number.__getitem__, map(_DST, ir.edges))):
-            succ[src].append(dst)
-            indeg[dst] += 1
+        src_ids, dst_ids = ir.edge_ids()      # nodes are numbered by their position
     except KeyError:
         bad = next(e for e in ir.edges if e.src not in index or e.dst not in index)
         raise AssertionError(f"edge to unknown node {bad}") from None
-    ready_comm = [entry[i] for i in range(n_comm) if indeg[i] == 0]
-    ready_compute = [entry[i] for i in range(n_comm, len(keys)) if indeg[i] == 0]
+    # Communication (priority (0,)) goes before any compute, so the ready nodes
+    # wait in two heaps: communication by (key, number), computes by one int
+    # that orders as (priority, key) (`_compute_entries`) and holds the number.
+    keys = list(map(_KEY, nodes))
+    is_compute = list(map(_COMPUTE.__contains__, map(_OP, nodes)))
+    entry: list = list(zip(keys, range(total)))
+    at = list(compress(range(total), is_compute))
+    for i, e in zip(at, _compute_entries(list(map(nodes.__getitem__, at)), at, total)):
+        entry[i] = e
+    succ: list[list[int]] = [[] for _ in keys]
+    indeg = [0] * total
+    for src, dst in zip(src_ids, dst_ids):
+        succ[src].append(dst)
+        indeg[dst] += 1
+    starts = list(compress(range(total), map(not_, indeg)))
+    ready_comm = [entry[i] for i in starts if not is_compute[i]]
+    ready_compute = [entry[i] for i in starts if is_compute[i]]
     heapq.heapify(ready_comm)
     heapq.heapify(ready_compute)
     pop, push = heapq.heappop, heapq.heappush
     out = []
     while ready_comm or ready_compute:
-        i = pop(ready_comm)[1] if ready_comm else pop(ready_compute)[2]
+        i = pop(ready_comm)[1] if ready_comm else pop(ready_compute) % total
         out.append(nodes[i])
         for j in succ[i]:
             indeg[j] -= 1
             if not indeg[j]:
-                push(ready_comm if j < n_comm else ready_compute, entry[j])
+                push(ready_compute if is_compute[j] else ready_comm, entry[j])
     if len(out) != len(keys):
         raise _cycle_error(ir, {keys[i] for i, d in enumerate(indeg) if d > 0})
     return out
 
 
-_SRC, _DST = itemgetter(0), itemgetter(1)
+_OP_RANK = {op: rank for rank, op in enumerate(sorted(_PHASE))}     # ops as strings compare
+
+
+def _compute_entries(computes: list[Node], numbers: list[int], total: int) -> list[int]:
+    """The heap entry of each compute, with its number: an int that orders
+    as `(_priority(n), n.key)` and then holds the number (`entry % total`).
+
+    A compute is one (op, region, mb), so its priority never ties with
+    another's and the key is never consulted; the fields are packed into one
+    int (an update's missing microbatch as one past the last) so the heap
+    compares ints, not tuples of five."""
+    top = max((n.mb for n in computes if n.mb is not None), default=0) + 1
+    regions = max((n.region for n in computes), default=0) + 1
+    span = 2 * regions + 1
+    out = []
+    for i, (op, region, mb) in zip(numbers, map(_OP_REGION_MB, computes)):
+        phase = _PHASE[op] if op != "UPD" else 9
+        mb = top if mb is None else mb
+        code = ((phase * (top + 1) + mb) * span + (region if op == "F" else -region) + regions) * 5 + _OP_RANK[op]
+        out.append(code * total + i)
+    return out
+
+
+_OP_REGION_MB = itemgetter(0, 1, 2)
+_SRC, _DST, _KEY = itemgetter(0), itemgetter(1), itemgetter(8)
+_OP = itemgetter(0)          # a Node's op, without the attribute lookup
 _AS_SEND = itemgetter(5, 2, 3, 4, 1)     # a RECV's (peer, mb, phase, value, region): its SEND's fields
 
 
@@ -337,7 +366,8 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     edges: list[Edge] = []
     release: dict[str, tuple] = {}
 
-    computes = [(i, n) for i, n in enumerate(order) if n.op in _COMPUTE]
+    at = list(compress(range(len(order)), map(_COMPUTE.__contains__, map(_OP, order))))
+    computes = list(zip(at, map(order.__getitem__, at)))
     grad_ops = ("B", "BW")
     last_grad: dict[int, int] = {}
     grad_producers: dict[int, list[str]] = defaultdict(list)
@@ -376,21 +406,7 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
             edges.append(Edge(upd, gather.key))
 
     if zero == 3:
-        # Per device group, the computes in order: gather a unit when the previous
-        # compute on these devices did not use it; release it when the next will not.
-        for g, seq in by_group.items():
-            for j, (i, n) in enumerate(seq):
-                need = [u for u in units[n.region] if u in shared]
-                prev = set(units[seq[j - 1][1].region]) if j > 0 else set()
-                nxt = set(units[seq[j + 1][1].region]) if j + 1 < len(seq) else set()
-                for u in need:
-                    if u not in prev:
-                        gather = Node("ALL_GATHER", u, n.mb, n.op, devices=groups[u])
-                        # Prefetch: issue before the previous compute on these devices.
-                        where = seq[j - 1][0] if j > 0 else i
-                        before[where].append(gather)
-                        edges.append(Edge(gather.key, n.key))
-                release[n.key] = tuple(u for u in need if u not in nxt)
+        _gathers(by_group, units, shared, groups, before, edges, release)
     out: list[Node] = []
     done = 0
     for i in sorted(before.keys() | after.keys()):
@@ -401,6 +417,43 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
         done = i + 1
     out += order[done:]
     return out, edges, release
+
+
+def _gathers(by_group, units, shared, groups, before, edges, release) -> None:
+    """ZeRO-3: per device group, the computes in order: gather a unit when the
+    previous compute on these devices did not use it; release it when the next will not.
+
+    What a compute gathers depends only on its region and the previous
+    compute's (what it releases, on the next one's): both are worked out once
+    per pair of regions."""
+    need = {r: tuple(u for u in us if u in shared) for r, us in units.items()}
+    gathered: dict[tuple, tuple[int, ...]] = {}     # (region, previous region or None) -> units
+    released: dict[tuple, tuple[int, ...]] = {}     # (region, next region or None) -> units
+    for g, seq in by_group.items():
+        last = len(seq) - 1
+        prev_region = None
+        for j, (i, n) in enumerate(seq):
+            region = n.region
+            next_region = seq[j + 1][1].region if j < last else None
+            pair = (region, prev_region)
+            fresh = gathered.get(pair)
+            if fresh is None:
+                fresh = gathered[pair] = tuple(u for u in need[region] if prev_region is None
+                                               or u not in units[prev_region])
+            if fresh:
+                # Prefetch: issue before the previous compute on these devices.
+                where = before[seq[j - 1][0] if j > 0 else i]
+                for u in fresh:
+                    gather = Node("ALL_GATHER", u, n.mb, n.op, devices=groups[u])
+                    where.append(gather)
+                    edges.append(Edge(gather.key, n.key))
+            pair = (region, next_region)
+            free = released.get(pair)
+            if free is None:
+                free = released[pair] = tuple(u for u in need[region] if next_region is None
+                                              or u not in units[next_region])
+            release[n.key] = free
+            prev_region = region
 
 
 class Plans(Mapping):
@@ -511,8 +564,13 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
         waits = ()
         feeds = waits_of.get(n.key)
         if feeds:
-            waits = tuple(k for k in feeds if k not in done)
-            done.update(waits)
+            if len(feeds) == 1:           # the usual case, without a generator
+                if feeds[0] not in done:
+                    waits = (feeds[0],)
+                    done.add(feeds[0])
+            else:
+                waits = tuple(k for k in feeds if k not in done)
+                done.update(waits)
         if op in _COMPUTE:
             seq.append(_tuple_new(Action, (n, None, None, None, waits, release.get(n.key, ()))))
         else:

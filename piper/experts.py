@@ -185,18 +185,68 @@ def moe_regions(program: Program) -> dict[int, int]:
     return out
 
 
-def add_all_to_alls(compiled, program: Program):
-    """Under `shard experts`: an ALL_TO_ALL node after every pass that moves tokens.
+def exchanges_by_region(program: Program, ir: IR) -> dict[int, int]:
+    """Region -> how many exchanges its passes are cut into (`piper.moe_cut`: two per MoE
+    layer), for the regions the plan cuts: under `shard experts`, on more than one
+    device, with MoE layers that alternate dispatch and combine. 0 for the other MoE
+    regions, whose compute issues its all-to-alls from inside its graph. (A recomputed
+    region is cut too: each piece keeps its inputs and runs again in its backward, so
+    no exchange is repeated.)"""
+    from .moe_cut import count_exchanges
 
-    before: 0F3 0SEND_F3>1.0 ...          after: 0F3 0ALL_TO_ALL_F3 0SEND_F3>1.0 ...
-    A forward of a region with MoE layers exchanges each layer's counts, then
-    dispatches and combines its tokens over the expert group; its backward
-    (B, or BI after `split B`) runs the reverse all-to-alls. The node stands
-    for those exchanges in the IR, the plans, `piper show --what ir`, the
-    collective-order check and the simulator's costs (`comm_cost(node)`,
-    measured as the node's entry in `job.timings()`); the compute issues
-    them from inside its graph, so the executor has nothing left to do at
-    the node. BW moves no tokens.
+    out = {}
+    for region in moe_regions(program):
+        graph = program.regions[region].graph
+        cut = graph is not None and len(ir.devices_of(region)) > 1
+        out[region] = count_exchanges(graph) if cut else 0
+    return out
+
+
+def _cut_pass(n, exchanges: int) -> tuple[list, list]:
+    """The pieces and exchanges of pass `n` in run order, and the data edges between them.
+
+    before: 0F3                         after: 0F3 0ALL_TO_ALL_F3.0 0F3.1 0ALL_TO_ALL_F3.1 0F3.2
+    before: 0B3                         after: 0B3.2 0ALL_TO_ALL_B3.1 0B3.1 0ALL_TO_ALL_B3.0 0B3
+    Piece 0 keeps the pass's token: it is where a forward starts and a backward ends.
+    """
+    from .ir import Edge, Node
+
+    def piece(p):
+        return n if p == 0 else Node(n.op, n.region, n.mb, value=p, devices=n.devices, stream=n.stream)
+
+    def exchange(k):
+        return Node("ALL_TO_ALL", n.region, n.mb, n.op, value=k, devices=n.devices, stream="ep")
+
+    if n.op == "F":
+        seq = [piece(0)]
+        for k in range(exchanges):
+            seq += [exchange(k), piece(k + 1)]
+    else:
+        seq = [piece(exchanges)]
+        for k in reversed(range(exchanges)):
+            seq += [exchange(k), piece(k)]
+    return seq, [Edge(a.key, b.key) for a, b in zip(seq, seq[1:])]
+
+
+def add_all_to_alls(compiled, program: Program):
+    """Under `shard experts`: cut every pass that moves tokens at its all-to-alls.
+
+    before: 0F3 0SEND_F3>1.0            after: 0F3 0ALL_TO_ALL_F3.0 0F3.1 0ALL_TO_ALL_F3.1 0F3.2 0SEND_F3>1.0
+    A forward of a region with MoE layers becomes its pieces (before the first
+    dispatch, each layer's experts, after each combine) with an ALL_TO_ALL
+    action between each two: the layer's dispatch (counts, then rows) and its
+    combine. Its backward (B, or BI after `split B`) is the mirror image; BW
+    moves no tokens and stays one action. The executor issues each exchange
+    on the expert group of the lane that runs it and the next piece waits for
+    it, so work the plan puts between them runs while the tokens travel
+    (`piper.runtime.moe_pieces`). Data edges into a forward keep reaching its
+    first piece and those out of it leave from its last; a backward the other
+    way round. Temporal edges (the `order`) stay on the pass's own token.
+
+    A region that cannot be cut (`exchanges_by_region` gives 0) keeps one
+    ALL_TO_ALL after each such pass, standing for the exchanges its compute
+    issues from inside its graph: a marker for the plans, the collective-order
+    check and the simulator's costs.
     """
     from .compiler import Compiled, project
     from .ir import Edge, Node
@@ -207,14 +257,33 @@ def add_all_to_alls(compiled, program: Program):
     if not regions:
         return compiled
     ir = compiled.ir
+    cuts = exchanges_by_region(program, ir)
     order, edges = [], []
+    moved_src, moved_dst = {}, {}          # a pass's token -> the piece its outgoing / incoming edges move to
+    release = {a.key: a.release for plan in compiled.plans.values() for a in plan
+               if a is not None and a.node.is_compute and a.release}
     for n in compiled.order:
-        order.append(n)
-        if n.op in ("F", "B", "BI") and n.region in regions and len(n.devices) > 1:
+        if n.op not in ("F", "B", "BI") or n.region not in regions or len(n.devices) < 2:
+            order.append(n)
+        elif cuts.get(n.region):
+            seq, inner = _cut_pass(n, cuts[n.region])
+            order += seq
+            edges += inner
+            if n.op == "F":
+                moved_src[n.key] = seq[-1].key
+                if n.key in release:           # the parameters stay until the last piece is done
+                    release[seq[-1].key] = release.pop(n.key)
+            else:
+                moved_dst[n.key] = seq[0].key
+        else:
+            order.append(n)
             a2a = Node("ALL_TO_ALL", n.region, n.mb, n.op, devices=n.devices, stream="ep")
             order.append(a2a)
             edges.append(Edge(n.key, a2a.key))
-    release = {a.key: a.release for plan in compiled.plans.values() for a in plan
-               if a is not None and a.node.is_compute and a.release}
-    ir = ir.with_(nodes=tuple(order), edges=ir.edges + tuple(edges))
+    kept = []
+    for e in ir.edges:
+        if e.kind == "data" and (e.src in moved_src or e.dst in moved_dst):
+            e = Edge(moved_src.get(e.src, e.src), moved_dst.get(e.dst, e.dst), e.kind, e.span)
+        kept.append(e)
+    ir = ir.with_(nodes=tuple(order), edges=tuple(kept) + tuple(edges))
     return Compiled(ir, order, project(ir, order, release), compiled.zero, compiled.warnings)

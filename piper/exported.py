@@ -8,6 +8,14 @@ plain ATen ops, or names it with the module and the workaround:
 - `inline_grad_islands`: `with torch.no_grad():` blocks export as
   `wrap_with_set_grad_enabled` calls of sub-graphs; their ops are inlined and
   each result is detached, which gives the same values and no gradient.
+- `python_data_on_cpu`: while exporting on the meta device, a tensor made
+  from Python data on the input's device (`torch.tensor([...],
+  device=x.device)`, `x.new_tensor(...)`) is made on the CPU and moved, so
+  export keeps its values: a constant the workers get as a buffer, moved to
+  their device by the graph's own `to(device)`.
+- `inline_autocast`: `with torch.autocast(...)` blocks export as
+  `wrap_with_autocast` calls of sub-graphs; each is traced again under the
+  same autocast, so the casts autocast makes become ops of the graph.
 - `materialise_constants`: tensors made in forward (`torch.tensor([])` in a
   KV cache) are lifted as constants; empty ones become a factory op.
 - `keep_only_loss`: a `ModelOutput` / dict / tuple return keeps its `loss`
@@ -24,6 +32,33 @@ from torch.utils import _pytree as pytree
 from .diagnostics import error
 
 _DETACH = torch.ops.aten.detach.default
+_FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
+
+
+def _holds_tensor(data) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(data))
+
+
+class python_data_on_cpu(torch.overrides.TorchFunctionMode):
+    """While capture exports on the meta device: make tensors from Python data on the CPU.
+
+    before: w = torch.tensor([1., 2.], device=x.device)     # x on meta: the values are lost
+    after:  w = torch.tensor([1., 2.]).to(x.device)         # a CPU constant (values kept), then moved
+    Capture sends such constants to the workers as buffers, on their device, where the `to`
+    moves nothing. Empty tensors and tensors made from tensors are left as they are.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FROM_DATA and args and not _holds_tensor(args[0]):
+            positional = func is torch.as_tensor and len(args) > 2
+            device = args[2] if positional else kwargs.get("device")
+            if device is not None and torch.device(device).type == "meta":
+                args = (*args[:2], "cpu", *args[3:]) if positional else args
+                made = func(*args, **{**kwargs, "device": "cpu"} if not positional else kwargs)
+                if made.numel():
+                    return made.to(device)
+        return func(*args, **kwargs)
 
 
 def _source(node: fx.Node) -> str | None:
@@ -35,6 +70,74 @@ def _source(node: fx.Node) -> str | None:
 def _at(node: fx.Node) -> str:
     where = _source(node)
     return f" (at {where})" if where else ""
+
+
+def inline_autocast(gm: fx.GraphModule) -> None:
+    """Inline `torch.autocast` blocks with the casts autocast makes, in place.
+
+    before: out = wrap_with_autocast("cpu", bfloat16, True, None, submod, x, w); y = out[0]
+    after:  a = _to_copy(x, dtype=bfloat16); b = _to_copy(w, dtype=bfloat16); y = mm(a, b)
+    The block's sub-graph is traced again (make_fx, on fake tensors of the block's device type)
+    under the same autocast, so the result is what autocast computes eagerly, with no context
+    manager left for the regions to run under. A CUDA autocast captured where torch has no
+    CUDA is turned off by torch itself (with its warning), as it would be eagerly there: the
+    block is captured without casts.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "__name__", "") != "wrap_with_autocast":
+            continue
+        device_type, dtype, enabled, cache, sub_node, *args = node.args
+        sub = getattr(gm, sub_node.target)
+
+        def run(*xs, sub=sub, device_type=device_type, dtype=dtype, enabled=enabled, cache=cache):
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                return fx.Interpreter(sub).run(*xs)
+        try:
+            with FakeTensorMode():
+                ins = [torch.empty_strided(a.meta["val"].shape, a.meta["val"].stride(), dtype=a.meta["val"].dtype,
+                                           device=device_type) for a in args]
+            with fx_traceback.preserve_node_meta():
+                traced = make_fx(run, tracing_mode="fake")(*ins)
+        except Exception as exc:   # an op of the block that fake tensors of its device type cannot run
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise error("unsupported-model", f"cannot capture the `torch.autocast({device_type!r}, dtype={dtype})` "
+                        f"block{_at(node)}: {why}",
+                        hint="compute in 16 bits with precision='bf16' on piper.compile instead of autocast "
+                             "in forward") from None
+        env: dict[fx.Node, fx.Node] = {}
+        outputs = ()
+        placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+        env.update(zip(placeholders, args))
+        with graph.inserting_before(node):
+            for n in traced.graph.nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    outputs = n.args[0]
+                    break
+                copied = graph.node_copy(n, lambda a: env[a])
+                val = n.meta.get("val")
+                if isinstance(val, torch.Tensor):    # fake tensors of the block's device: as meta, like the rest
+                    copied.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+                for key in ("custom", "stack_trace"):
+                    if not copied.meta.get(key) and node.meta.get(key):
+                        copied.meta[key] = node.meta[key]
+                env[n] = copied
+        results = [env[o] if isinstance(o, fx.Node) else o for o in pytree.tree_leaves(outputs)]
+        for user in list(node.users):
+            assert user.target is __import__("operator").getitem, user.format_node()
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not sub_node.users:
+            graph.erase_node(sub_node)
+            delattr(gm, sub_node.target)
+    graph.lint()
 
 
 def inline_grad_islands(gm: fx.GraphModule) -> None:
@@ -52,8 +155,7 @@ def inline_grad_islands(gm: fx.GraphModule) -> None:
         name = getattr(node.target, "__name__", str(node.target))
         if name != "wrap_with_set_grad_enabled":
             raise error("unsupported-model", f"forward uses `{name}`{_at(node)}, which Piper cannot capture yet",
-                        hint="move that block out of forward, or write it without the context manager "
-                             "(torch.autocast: use precision= on piper.compile instead)")
+                        hint="move that block out of forward, or write it without the context manager")
         enabled, sub_node, *args = node.args
         sub = getattr(gm, sub_node.target)
         custom = node.meta.get("custom")
@@ -113,11 +215,13 @@ def materialise_constants(graph: fx.Graph, constant_inputs: dict[str, str], cons
         module = target.rpartition(".")[0] or "the model"
         user = next(iter(node.users), None)
         if not isinstance(value, torch.Tensor) or value.numel() != 0:
-            raise error("unsupported-model", f"forward of `{module}` makes a constant tensor from Python data "
-                        f"(`{target}`{_at(user) if user is not None else ''}), which Piper cannot place yet",
+            raise error("unsupported-model", f"forward of `{module}` makes a constant tensor "
+                        f"(`{target}`{_at(user) if user is not None else ''}) whose values capture cannot see "
+                        "(made on the meta device by something other than torch.tensor / torch.as_tensor / "
+                        "Tensor.new_tensor)",
                         hint="register it in __init__ with register_buffer(name, tensor, persistent=False), "
-                             "make it without device= (on the CPU, where capture sees its data), or build it "
-                             "with tensor ops (torch.arange, torch.full) from the inputs")
+                             "make it with torch.tensor(data, device=x.device), or build it with tensor ops "
+                             "(torch.arange, torch.full) from the inputs")
         with graph.inserting_before(first):
             made = graph.call_function(torch.ops.aten.empty.memory_format, (list(value.shape),),
                                        {"dtype": value.dtype, "device": torch.device("meta")})

@@ -57,8 +57,8 @@ def compute_slots(compiled: Compiled, rank: int | None = None):
         last = None
         for action in compiled.plans[r]:
             node = action.node
-            if not node.is_compute or node.op == "UPD":
-                continue
+            if not node.is_compute or node.op == "UPD" or node.value:
+                continue          # a later piece of a pass cut at its all-to-alls belongs to the pass's slot
             sig = (frozenset(before[node.key]), frozenset(after[node.key]))
             if slots and sig == last and (sig[0] or sig[1]):
                 slots[-1].append(node.key)

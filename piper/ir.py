@@ -13,6 +13,8 @@ PyTorch's pipelining actions:
     0ALL_REDUCE    gradients of region 0's parameters (REDUCE_SCATTER likewise)
     0ALL_GATHER    parameters of region 0 after the update (ZeRO-1/2)
     0ALL_GATHER_F3 parameters of region 0 before 0F3 (ZeRO-3; _B3, _BI3, _BW3 too)
+    0F3.1          piece 1 of 0F3, a pass cut at its expert all-to-alls (`piper.moe_cut`)
+    0ALL_TO_ALL_F3.0  exchange 0 of 0F3 (a MoE layer's dispatch; .1 its combine; _B3.1 their backward)
 
 `format_ir` prints an IR as text and `parse_ir` reads it back.
 """
@@ -41,14 +43,16 @@ def node_key(op: str, region: int, mb: int | None = None, phase: str | None = No
     Passes that only need a node's name (an edge's end, a transfer's tag) call
     this instead of building the node.
     """
-    if op in _PASSES:
-        return f"{region}{op}{mb}"
+    if op in _PASSES:       # `value`: a piece of a pass cut at its all-to-alls (`piper.moe_cut`), 0F3.1
+        return f"{region}{op}{mb}.{value}" if value else f"{region}{op}{mb}"
     if op == "UPD":
         return f"{region}UPD"
     if op == "SEND":
         return f"{region}SEND_{phase}{mb}>{peer}.{value}"
     if op == "RECV":
         return f"{region}RECV_{phase}{mb}<{peer}.{value}"
+    if value is not None:   # one of a pass's expert exchanges, 0ALL_TO_ALL_F3.1
+        return f"{region}{op}_{phase}{mb}.{value}"
     return f"{region}{op}_{phase}{mb}" if phase else f"{region}{op}"
 
 
@@ -144,10 +148,10 @@ class Node(tuple):
 
 _KEY = re.compile(
     r"(?P<r>\d+)(?:"
-    r"(?P<cop>BI|BW|F|B)(?P<cmb>\d+)"
+    r"(?P<cop>BI|BW|F|B)(?P<cmb>\d+)(?:\.(?P<piece>\d+))?"
     r"|(?P<upd>UPD)"
     r"|(?P<pop>SEND|RECV)_(?P<pph>F|B)(?P<pmb>\d+)[<>](?P<peer>\d+)\.(?P<val>\d+)"
-    r"|(?P<col>ALL_REDUCE|ALL_GATHER|REDUCE_SCATTER|ALL_TO_ALL)(?:_(?P<cph>BI|BW|F|B)(?P<colmb>\d+))?"
+    r"|(?P<col>ALL_REDUCE|ALL_GATHER|REDUCE_SCATTER|ALL_TO_ALL)(?:_(?P<cph>BI|BW|F|B)(?P<colmb>\d+)(?:\.(?P<part>\d+))?)?"
     r")$")
 
 
@@ -159,13 +163,13 @@ def parse_key(token: str) -> Node:
                     hint="tokens look like 2F0, 0UPD, 0SEND_F3>1.0, 1RECV_F3<0.0, 0ALL_GATHER_F3")
     r = int(m["r"])
     if m["cop"]:
-        return Node(m["cop"], r, int(m["cmb"]))
+        return Node(m["cop"], r, int(m["cmb"]), value=int(m["piece"] or 0) or None)
     if m["upd"]:
         return Node("UPD", r)
     if m["pop"]:
         return Node(m["pop"], r, int(m["pmb"]), m["pph"], int(m["val"]), int(m["peer"]))
     mb = int(m["colmb"]) if m["colmb"] is not None else None
-    return Node(m["col"], r, mb, m["cph"])
+    return Node(m["col"], r, mb, m["cph"], int(m["part"]) if m["part"] is not None else None)
 
 
 class Edge(tuple):
@@ -205,6 +209,7 @@ class Edge(tuple):
 
 _IDENTITY = itemgetter(0, 1, 2)
 _NODE_KEY = itemgetter(8)    # a Node's key, without the attribute lookup
+_SRC, _DST = itemgetter(0), itemgetter(1)    # an Edge's ends
 
 
 def distinct_edges(edges) -> tuple[Edge, ...]:
@@ -284,6 +289,30 @@ class IR:
         if found is None:
             found = self._indexes["key"] = dict(zip(map(_NODE_KEY, self.nodes), self.nodes))
         return found
+
+    def numbering(self) -> dict[str, int]:
+        """Node key -> its position in `nodes` (built once per node tuple)."""
+        found = self._indexes.get("number")
+        if found is None:
+            found = self._indexes["number"] = dict(zip(map(_NODE_KEY, self.nodes), range(len(self.nodes))))
+        return found
+
+    def edge_ids(self) -> tuple[list[int], list[int]]:
+        """Each edge's ends as positions in `nodes`: (sources, destinations), parallel
+        to `edges`. Passes walk the graph through these lists rather than looking
+        keys up; a pass that makes an IR and knows them already passes them to
+        `known_edge_ids`. KeyError for an edge to a node not in `nodes`."""
+        found = self._indexes.get("ids")
+        if found is None or found[0] is not self.edges:
+            number = self.numbering()
+            found = self._indexes["ids"] = (self.edges, list(map(number.__getitem__, map(_SRC, self.edges))),
+                                            list(map(number.__getitem__, map(_DST, self.edges))))
+        return found[1], found[2]
+
+    def known_edge_ids(self, sources: list[int], destinations: list[int]) -> "IR":
+        """This IR, with `edge_ids()` set to what its maker computed along the way."""
+        self._indexes["ids"] = (self.edges, sources, destinations)
+        return self
 
     def by_pass(self) -> dict[tuple[str, int], dict]:
         """Compute nodes by (pass, region), then by microbatch."""

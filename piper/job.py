@@ -10,30 +10,30 @@
 from __future__ import annotations
 
 import functools
-import os
-import time
 from collections.abc import Mapping
 
 import torch
 
 from . import checkpoint
 from . import experts
-from .batch_check import check_step_inputs, input_names
-from .capture import BATCH, BUFFER, Program, capture
+from .batch_check import input_names
+from .capture import Program, capture
 from .checkpoint import describe_strategy
 from .compiler import Compiled
-from .diagnostics import PiperError, error
+from .diagnostics import error
 from .directives import Shard, Split
+from .job_inspection import JobInspection
+from .job_startup import JobStartup
+from .job_state import JobState
+from .job_steps import JobSteps
+from .job_worker_specs import WorkerSpecs
 from .mesh import Mesh
-from .experts import expert_spec, expert_state, slots_lanes
+from .loss_scaling import loss_scaling
 from .options import TrainingOptions, check_clip, compute_dtype
 from .planning import _no_cycle_collection, compile_directives
-from .runtime.executor import RegionSpec, WorkerSpec
-from .runtime.graphs import pack
-from .runtime.flat import UnitLayout, flatten, layout_unit, unflatten
+from .runtime.flat import UnitLayout, layout_unit
 from .strategy import as_strategy
-from .tied import state_keys, tie_ids, tied_params, units_used
-
+from .tied import state_keys, tie_ids, tied_params
 
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
     """Build and compile a strategy against a captured (or abstract) program."""
@@ -105,12 +105,13 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     `worker-died` naming its rank, node and pid within seconds; a stalled one
     is named as `worker-timeout` after `timeout`.
     `precision="bf16"` (or "fp16") computes in 16 bits with float32 master
-    weights, optimizer state and gradient reductions; "fp32" (the default)
+    weights, optimizer state and gradient reductions; "fp16" also scales the
+    loss dynamically (`piper.FP16(...)` sets it); "fp32" (the default)
     computes in the model's own dtype. `clip_grad_norm=1.0` clips the
     gradients by their global norm over the whole model before each update,
     as torch.nn.utils.clip_grad_norm_ on one device.
     """
-    training = TrainingOptions(compute_dtype(precision), check_clip(clip_grad_norm))
+    training = TrainingOptions(compute_dtype(precision), check_clip(clip_grad_norm), loss_scaling(precision))
     if device not in DEVICES:
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
@@ -134,7 +135,11 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     return job
 
 
-class Job:
+# The parts share one job's state (actors, plans, layouts), so they are mixins reading `self`,
+# each in the module named for what it holds: job_startup (Ray, placement, set-up),
+# job_worker_specs (what each worker is given), job_steps (`step` and waiting on the workers),
+# job_state (checkpoints, `state_dict`), job_inspection (memory, timings, trace, plans).
+class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
     """A compiled strategy running on Ray actors, one per device."""
 
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
@@ -156,6 +161,8 @@ class Job:
         self.actors = []
         self.where: dict[int, dict] = {}     # rank -> pid, node, ip, device (`placement()`)
         self._owns_ray = False
+        self._broken = False       # a call to the workers failed: close kills them (`runtime/pool.py`)
+        self._pool_key = None
         self._closed = False
         self.steps = 0                                    # optimizer steps taken (checkpoints keep it)
         self.strategy = None                              # its name, for checkpoint metadata
@@ -175,217 +182,9 @@ class Job:
         try:
             self._start(model, optimizer, address, device)
         except BaseException:
+            self._broken = True
             self.close()
             raise
-
-    # -- start-up ----------------------------------------------------------------------------
-    def _start(self, model, optimizer, address, device) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from .runtime.worker import Worker
-
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster needs no token
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=True)
-            self._owns_ray = True
-        world = self.mesh.world_size
-        gpus = ray.cluster_resources().get("GPU", 0)
-        if device == "auto":
-            device = "cuda" if gpus >= world else "cpu"
-        elif device == "cuda" and gpus < world:
-            # Waiting `timeout` for a placement group that can never fit tells the user nothing.
-            raise error("no-resources", f"device='cuda' needs a GPU for each of the {world} devices, and the Ray "
-                        f"cluster has {gpus:g}", hint="shrink the mesh, add GPUs to the cluster, or run on CPU "
-                        "(device='cpu', Gloo)")
-        self.device = device
-        from .cluster import node_capacity, plan_placement
-        from .runtime.health import Watch
-
-        started = time.monotonic()
-        placement = plan_placement(self.mesh.axes, node_capacity(ray.nodes(), device), device)
-        self._progress(f"placing {world} workers ({placement.strategy} over the cluster's nodes)")
-        self._pg = placement_group([dict(b) for b in placement.bundles], strategy=placement.strategy)
-        if not self._pg.wait(timeout_seconds=self.startup_timeout):
-            raise error("no-resources", f"the cluster cannot host {world} workers ({placement.strategy} of "
-                        f"{len(placement.bundles)} bundles of {placement.bundles[0]})",
-                        hint="shrink the mesh or add nodes/GPUs to the Ray cluster")
-        actor = ray.remote(concurrency_groups={"health": 1})(Worker)    # `Worker.status` answers mid-step
-        if os.environ.get("PIPER_FAULT"):      # a test's injected fault (runtime.faults) reaches the workers
-            self.worker_env.setdefault("PIPER_FAULT", os.environ["PIPER_FAULT"])
-        self.actors = [
-            actor.options(**placement.resources(device),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(
-                              self._pg, placement_group_bundle_index=placement.bundle_of[r]),
-                          **({"runtime_env": {"env_vars": {k: str(v) for k, v in self.worker_env.items()}}}
-                             if self.worker_env else {}))
-            .remote(r, world, device)
-            for r in range(world)]
-        self._watch = Watch(self.actors, self.mesh)
-        self.where = dict(enumerate(self._get([a.where.remote() for a in self.actors], "start",
-                                              self.startup_timeout)))
-        self._watch.where = self.where
-        self._progress(f"{world} workers started on {len({w['node'] for w in self.where.values()})} node(s) "
-                       f"({time.monotonic() - started:.1f} s); joining torch.distributed")
-        self.rendezvous = self._get([self.actors[0].rendezvous_address.remote()], "start", self.startup_timeout)[0]
-        self.pids = self._get([a.init.remote(self.rendezvous, self.timeout) for a in self.actors], "join",
-                              self.startup_timeout)
-        params = dict(model.named_parameters())
-        slots = self._multi_slots()
-        refs = [a.setup.remote(*self._spec(rank, params, optimizer, slots.get(rank, ())))
-                for rank, a in enumerate(self.actors)]
-        self._get(refs, "set up", self.startup_timeout)
-        self._progress(f"workers ready ({time.monotonic() - started:.1f} s)")
-
-    def _multi_slots(self) -> dict[int, tuple]:
-        """Per rank, the `order` slots holding several computes (tuples of keys)."""
-        from .interop import compute_slots
-
-        return {rank: tuple(slot for slot in slots if len(slot) > 1)
-                for rank, slots in compute_slots(self.compiled).items()}
-
-    def _spec(self, rank: int, params, optimizer, slots=()):
-        ir, program = self.compiled.ir, self.program
-        mine = [r.index for r in ir.regions if rank in ir.devices_of(r.index)]
-        units_of = units_used(ir)
-        regions = {r: RegionSpec(r, pack(program.regions[r].graph), program.regions[r].inputs, program.regions[r].outputs,
-                                 program.regions[r].loss, units_of[r]) for r in mine}
-        units = {u: self.layouts[u] for u in mine if u in self.layouts}
-        init = {}
-        for u, layout in units.items():
-            index = layout.group.index(rank)
-            flats = []
-            for bucket in layout.buckets:
-                flat = flatten(bucket, params)
-                if self.compiled.zero == 3:
-                    lo, hi = bucket.bounds(index)
-                    flat = flat[lo:hi].clone()    # a ZeRO-3 device never holds the full unit
-                flats.append(flat)
-            init[u] = flats
-        needed = {i.ref for r in mine for i in program.regions[r].inputs if i.kind == BUFFER}
-        values = {v.id: (v.producer, v.index, v.spec.shape, v.spec.dtype, v.differentiable) for v in program.values}
-        groups = sorted({a.group for plan in self.compiled.plans.values() for a in plan if a.group})
-        spec = WorkerSpec(rank, self.mesh.world_size, self.compiled.plans[rank], regions, values, units,
-                          self.compiled.zero, optimizer, 1.0 / (self.microbatches * self.shards),
-                          {k: self._buffers[k] for k in needed}, groups, slots, self.concurrent)
-        if self._expert_weights:
-            spec.experts, init["experts"] = expert_spec(program, ir, rank, params, slots_lanes(self))
-        self.training.configure(spec, ir, program)
-        return spec, init
-
-    # -- running -----------------------------------------------------------------------------
-    def _get(self, refs, what: str, limit: float | None = None):
-        """ray.get with a deadline; a dead, stalled or failing worker closes the job with an error
-        naming it (`runtime.health`)."""
-        ranks = list(range(len(refs))) if len(refs) == len(self.actors) else [0] * len(refs)
-        try:
-            return self._watch.wait(refs, what, self.timeout if limit is None else limit, ranks)
-        except PiperError:
-            self.close()
-            raise
-
-    def placement(self) -> dict[int, dict]:
-        """Where every rank runs: `{rank: {"node": id, "ip": ..., "device": "cpu" | "cuda:N", "pid": ...,
-        "coords": {"dp": 0, "pp": 1}}}` (`cuda:N` is the GPU's physical index on its node)."""
-        return {rank: {**w, "coords": self.mesh.coords(rank)} for rank, w in self.where.items()}
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise error("job-closed", "this job is closed", hint="compile a new job")
-
-    def step(self, *batch, **named) -> float:
-        """One optimizer step on the global batch; returns its mean loss.
-
-        A job compiled with a dict of example inputs takes the batch by the same keywords."""
-        self._check_open()
-        if named:
-            batch = _by_name(batch, named, self.program.input_names)
-        check_step_inputs(batch, self.program.batch, self.batch_size, self.input_names)
-        ir = self.compiled.ir
-        per = self.batch_size // (self.microbatches * self.shards)
-        axes = ir.batch_axes()
-        refs = []
-        for rank, actor in enumerate(self.actors):
-            coords = self.mesh.coords(rank)
-            shard = 0
-            for a in axes:
-                shard = shard * self.mesh.size(a) + coords[a]
-            wanted = {i.ref for r in ir.regions if rank in ir.devices_of(r.index)
-                      for i in self.program.regions[r.index].inputs if i.kind == BATCH}
-            payload = {}
-            for i in wanted:
-                x = self.training.cast(batch[i].detach().cpu())
-                start = shard * per * self.microbatches
-                payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
-            refs.append(actor.step.remote(payload))
-        losses = [loss for result in self._get(refs, "step") for loss in result]
-        self.steps += 1
-        return float(sum(losses) / len(losses))
-
-    def save(self, path) -> str:
-        """Write a checkpoint directory (torch.distributed.checkpoint format) at `path`: every
-        worker writes its own shards; parameters and optimizer state per parameter under
-        model.state_dict() names, the step count, strategy and mesh. See `piper.checkpoint`."""
-        return checkpoint.save(self, path)
-
-    def load(self, path) -> dict:
-        """Load a checkpoint saved by any job of the same model, whatever its strategy and mesh:
-        parameters, optimizer state and step count, resharded. Returns its `piper` metadata."""
-        return checkpoint.load(self, path)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded parameters (and buffers), keyed as model.state_dict(), on CPU."""
-        self._check_open()
-        shards = self._get([a.shards.remote() for a in self.actors], "state_dict")
-        out: dict[str, torch.Tensor] = {}
-        for u, layout in self.layouts.items():
-            for b, bucket in enumerate(layout.buckets):
-                pieces = [shards[rank][u][b] for rank in layout.group]
-                out.update(unflatten(bucket, torch.cat(pieces)))
-        if self._expert_weights:
-            out.update(expert_state(self.compiled.ir, self.program, self._expert_weights, shards))
-        out.update({k: v.clone() for k, v in self._buffers.items()})
-        # model.state_dict()'s keys: a tied weight under each name, no non-persistent buffers.
-        return {k: out[src] for k, src in self._state_keys.items() if src in out}
-
-    def memory(self) -> dict[int, dict[str, int]]:
-        """Per rank: bytes of parameters, gradients and optimizer state held between
-        steps, `activations_peak`, the most bytes saved for backward at once in the last step, and
-        `step_peak`, the most bytes of parameters, gradients, optimizer state and saved activations
-        alive at once in the last step (sampled after every action: gathered parameters, gradient
-        buffers and reduce-scatters in flight count; temporaries inside an action do not)."""
-        self._check_open()
-        return dict(enumerate(self._get([a.memory.remote() for a in self.actors], "memory")))
-
-    def timings(self, cpu: bool = False) -> dict[int, dict[str, float]]:
-        """Per rank: seconds each compute action took in the last step (`0F3`: 0.012, ...).
-
-        An overlapped slot run in lanes also has an entry for the whole slot
-        (`0F7&3BI3&3BW3`). `cpu=True` gives the worker thread's CPU seconds
-        instead of wall-clock ones (CPU devices): the cost of each action on a
-        core of its own, which `simulate(..., cores=N)` shares out when devices
-        outnumber cores; its `step` entry is the whole worker process's CPU
-        seconds in the step, every thread included."""
-        self._check_open()
-        return dict(enumerate(self._get([a.timings.remote(cpu) for a in self.actors], "timings")))
-
-    def grad_norm(self) -> float | None:
-        """The global gradient norm of the last step, before clipping (with `clip_grad_norm=`)."""
-        self._check_open()
-        return self._get([self.actors[0].__ray_call__.remote(_last_grad_norm)], "grad_norm")[0]
-
-    def trace(self, path: str, steps: int | None = None) -> str:
-        """Write the last steps (up to `piper.runtime.executor.TRACE_STEPS`; `steps` to keep fewer) as a
-        Chrome/Perfetto trace: one process per device, a track per lane and one for communication,
-        flow arrows from each send to its receive (`piper/trace.py`). Returns `path`."""
-        self._check_open()
-        from .trace import job_trace
-
-        return job_trace(self, path, steps)
-
-    def show(self) -> str:
-        return self.compiled.show()
 
     def close(self) -> None:
         """Stop the workers (and the Ray cluster, if this job started it)."""
@@ -395,12 +194,16 @@ class Job:
         try:
             import ray
 
-            for a in self.actors:
-                ray.kill(a)
-            if getattr(self, "_pg", None) is not None:
-                from ray.util.placement_group import remove_placement_group
+            from .runtime import pool
 
-                remove_placement_group(self._pg)
+            pg = getattr(self, "_pg", None)
+            if self._broken or self._owns_ray or not pool.give(self._pool_key, pg, self.actors):
+                for a in self.actors:
+                    ray.kill(a)
+                if pg is not None:
+                    from ray.util.placement_group import remove_placement_group
+
+                    remove_placement_group(pg)
             if self._owns_ray:
                 ray.shutdown()
         except Exception:
@@ -417,18 +220,4 @@ class Job:
             self.close()
         except Exception:
             pass
-
-
-def _by_name(batch: tuple, named: dict, names: tuple[str, ...]) -> tuple:
-    """The batch in capture's order from keyword inputs."""
-    if batch or set(named) != set(names):
-        expected = ", ".join(names) if names else "positional inputs"
-        raise error("bad-inputs", f"step got {', '.join(named)} by keyword; this job takes {expected}",
-                    hint="pass the batch the way example_inputs was passed (a dict for keywords)")
-    return tuple(named[n] for n in names)
-
-
-def _last_grad_norm(worker):
-    clip = worker.executor.clip
-    return clip.norm if clip is not None else None
 

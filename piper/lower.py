@@ -16,7 +16,7 @@ from itertools import compress
 from operator import not_
 
 from .diagnostics import Diagnostic, Label, error
-from .ir import _IDENTITY, IR, Edge, Node, data_edge, node_key
+from .ir import _DST, _IDENTITY, _SRC, IR, Edge, Node, data_edge, node_key
 from .tied import share_across_devices
 
 _tuple_new = tuple.__new__
@@ -114,25 +114,37 @@ def add_transfers(ir: IR) -> IR:
     after:  0F0 -> 0SEND_F0>1.0 -> 1RECV_F0<0.0 -> 1F0,
             1B0 -> 1SEND_B0>0.0 -> 0RECV_B0<1.0 -> 0B0
     One transfer per value, microbatch and receiving region.
+
+    The new IR's `edge_ids` come with it: every new edge's ends are known
+    positions (a new node's, or a compute's in the IR before).
     """
     group = {r: ir.devices_of(r) for r in range(len(ir.regions))}
     split = ir.backward_split
     back = "BI" if split else "B"
     by_pass = ir.by_pass()
+    number = ir.numbering()
     microbatches = range(ir.microbatches)
+    known = True        # every edge's ends are nodes of the IR, so their positions are known
 
-    def keys(op: str, region: int) -> list[str]:
-        """The keys of `op` of `region` by microbatch, shared with the nodes' own."""
+    def keys(op: str, region: int) -> tuple[list[str], list[int | None]]:
+        """The keys of `op` of `region` by microbatch (shared with the nodes' own), and their positions."""
+        nonlocal known
         found = by_pass.get((op, region), {})
-        return [found[mb].key if mb in found else node_key(op, region, mb) for mb in microbatches]
+        out = [found[mb].key if mb in found else node_key(op, region, mb) for mb in microbatches]
+        at = list(map(number.get, out))
+        known = known and None not in at
+        return out, at
 
     nodes = list(ir.nodes)
     drop: set[tuple[str, str, str]] = set()     # the data edges the transfers replace
     edges: list[Edge] = []
+    src_ids: list[int] = []                      # the new edges' ends, as positions in `nodes`
+    dst_ids: list[int] = []
     for v in ir.values:
         p = v.producer
         # One activation transfer per receiving group, named after its first consumer.
         first_on: dict[tuple, int] = {}
+        recvs_at: dict[int, list[int]] = {}      # first consumer -> its receives' positions by microbatch
         consumers = tuple(dict.fromkeys(v.consumers))
         for c in consumers:
             first_on.setdefault(group[c], c)
@@ -140,13 +152,16 @@ def add_transfers(ir: IR) -> IR:
             if group[p] == group[c]:
                 continue
             first = first_on[group[c]]
-            forward_p, forward_c, back_c = keys("F", p), keys("F", c), keys(back, c)
-            grads_p = list(zip(*(keys(op, p) for op in (("BI", "BW") if split else ("B",)))))
+            (forward_p, fp_at), (forward_c, fc_at), (back_c, bc_at) = keys("F", p), keys("F", c), keys(back, c)
+            grads = [keys(op, p) for op in (("BI", "BW") if split else ("B",))]
+            grads_p, gp_at = list(zip(*(k for k, _ in grads))), list(zip(*(at for _, at in grads)))
             if c == first:
                 sends = _transfers("SEND", p, "F", v.index, first, group[p], microbatches)
                 recvs = _transfers("RECV", first, "F", v.index, p, group[c], microbatches)
+                recv_at = recvs_at[c] = []
             else:
                 recv_keys = [node_key("RECV", first, mb, "F", v.index, p) for mb in microbatches]
+                recv_at = recvs_at[first]
             if v.differentiable:
                 gsends = _transfers("SEND", c, "B", v.index, p, group[c], microbatches)
                 grecvs = _transfers("RECV", p, "B", v.index, c, group[p], microbatches)
@@ -154,26 +169,45 @@ def add_transfers(ir: IR) -> IR:
                 f_p, f_c = forward_p[mb], forward_c[mb]
                 if c == first:
                     send, recv = sends[mb], recvs[mb]
+                    at = len(nodes)
                     nodes += (send, recv)
                     recv_key = recv[8]
+                    recv_at.append(at + 1)
                     edges += (data_edge(f_p, send[8]), data_edge(send[8], recv_key))
+                    src_ids += (fp_at[mb], at)
+                    dst_ids += (at, at + 1)
                 else:
                     recv_key = recv_keys[mb]
                 drop.add((f_p, f_c, "data"))
                 edges.append(data_edge(recv_key, f_c))
+                src_ids.append(recv_at[mb])
+                dst_ids.append(fc_at[mb])
                 if not v.differentiable:
                     continue
                 gsend, grecv = gsends[mb], grecvs[mb]
+                at = len(nodes)
                 nodes += (gsend, grecv)
                 b_c = back_c[mb]
-                for t in grads_p[mb]:
+                for t, t_at in zip(grads_p[mb], gp_at[mb]):
                     drop.add((b_c, t, "data"))
                     edges.append(data_edge(grecv[8], t))
+                    src_ids.append(at + 1)
+                    dst_ids.append(t_at)
                 edges += (data_edge(b_c, gsend[8]), data_edge(gsend[8], grecv[8]))
-    kept = compress(ir.edges, map(not_, map(drop.__contains__, map(_IDENTITY, ir.edges))))
+                src_ids += (bc_at[mb], at)
+                dst_ids += (at, at + 1)
+    kept = list(compress(ir.edges, map(not_, map(drop.__contains__, map(_IDENTITY, ir.edges)))))
     # Every new edge ends at or starts from a new SEND/RECV, once per (value, consumer,
     # microbatch): none repeats another or one kept, and the IR's own are distinct.
-    return ir.with_(nodes=tuple(nodes), edges=(*kept, *edges))
+    out = ir.with_(nodes=tuple(nodes), edges=(*kept, *edges))
+    if known:
+        try:
+            kept_src = list(map(number.__getitem__, map(_SRC, kept)))
+            kept_dst = list(map(number.__getitem__, map(_DST, kept)))
+        except KeyError:       # an edge to an unknown node: `schedule` reports it
+            return out
+        out.known_edge_ids(kept_src + src_ids, kept_dst + dst_ids)
+    return out
 
 
 def _transfers(op: str, region: int, phase: str, value: int, peer: int, devices: tuple[int, ...],

@@ -464,7 +464,9 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
             if key in pending:
                 reducing.pop(key, None)
                 finish(key)
-        if op == "F":
+        if node.value and node.is_compute:
+            pass                  # a later piece of a pass cut at its all-to-alls: its piece 0 counts the pass
+        elif op == "F":
             activations += held_by(node.region)
         elif op == "B" or (op == "BI" and a.key in whole):
             rerun(a)

@@ -173,7 +173,8 @@ def _grouped(x: Tensor, sizes: list[int], w: Tensor) -> Tensor:
 
 @torch.library.custom_op("piper::expert_mm", mutates_args=())
 def _expert_mm(x: Tensor, counts: Tensor, w: Tensor) -> Tensor:
-    return _grouped(x, counts.tolist(), _local_weight(w, counts.numel()))
+    # In the rows' dtype: under 16-bit compute the expert rows a device holds stay float32 masters.
+    return _grouped(x, counts.tolist(), _local_weight(w, counts.numel()).to(x.dtype))
 
 
 @_expert_mm.register_fake
@@ -192,14 +193,15 @@ def _expert_mm_backward(ctx, grad):
     local = _local_weight(w, len(sizes))
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
-        grad_x = _grouped(grad, sizes, local.transpose(1, 2))
+        grad_x = _grouped(grad, sizes, local.to(grad.dtype).transpose(1, 2))
     if ctx.needs_input_grad[2]:
-        grad_local = torch.zeros_like(local)
+        grad_local = local.new_zeros(local.shape, dtype=grad.dtype)
         start = 0
         for e, n in enumerate(sizes):
             if n:
                 torch.mm(x[start:start + n].t(), grad[start:start + n], out=grad_local[e])
             start += n
+        grad_local = grad_local.to(w.dtype)
         if local.shape[0] == w.shape[0]:
             grad_w = grad_local
         else:    # replicated experts: the other devices' slices get their gradients there

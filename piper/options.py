@@ -2,6 +2,7 @@
 `clip_grad_norm=`, checked before anything is captured or started.
 
     piper.compile(model, batch, strategy=..., precision="bf16", clip_grad_norm=1.0)
+    piper.compile(model, batch, strategy=..., precision=piper.FP16(growth_interval=100))   # `loss_scaling.py`
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import torch
 
 from .diagnostics import did_you_mean, error
+from .loss_scaling import FP16
 
 # precision= -> the dtype computes run in (None: the model's own dtype).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -17,12 +19,14 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def compute_dtype(precision: str) -> torch.dtype | None:
     """The 16-bit dtype `precision` computes in, or None for the model's own dtype ("fp32")."""
+    if isinstance(precision, FP16):
+        return torch.float16
     if not isinstance(precision, str) or precision not in PRECISIONS:
         shown = repr(precision)
         raise error("bad-precision", f"precision={shown} is not one of {', '.join(map(repr, PRECISIONS))}",
                     notes=("'bf16' and 'fp16' compute in 16 bits and keep the master weights, the optimizer "
                            "state and the gradient reductions in float32; 'fp32' computes in the model's own "
-                           "dtype",),
+                           "dtype; 'fp16' scales the loss (dynamic loss scaling, set with piper.FP16(...))",),
                     hint=(did_you_mean(precision, PRECISIONS) if isinstance(precision, str) else None)
                     or "use precision='bf16' (8-bit integer training is not supported)")
     return PRECISIONS[precision]
@@ -42,13 +46,15 @@ class TrainingOptions:
     """What `piper.compile` hands each worker of `precision=`, `clip_grad_norm=` and the
     regions a strategy's `recompute` statements picked."""
 
-    def __init__(self, dtype: torch.dtype | None = None, clip: float | None = None):
+    def __init__(self, dtype: torch.dtype | None = None, clip: float | None = None, scaling: FP16 | None = None):
         self.dtype = dtype
         self.clip = clip
+        self.scaling = scaling        # fp16's loss scaling (`loss_scaling.py`), else None
 
     def configure(self, spec, ir, program) -> None:
         """Set this job's options on one worker's spec."""
         spec.clip_grad_norm = self.clip
+        spec.loss_scaling = self.scaling
         for r, region in spec.regions.items():
             region.recompute = r in ir.recompute
         spec.compute_dtype = self.dtype

@@ -17,7 +17,10 @@ legend (region R, microbatch M, value V, peer region P):
   RREDUCE_SCATTER    reduce-scatter them (ZeRO-2/3); _BM: after microbatch M's backward
   RALL_GATHER    all-gather region R's parameters after the update (ZeRO-1/2);
                  RALL_GATHER_FM before its forward of microbatch M (ZeRO-3)
-  RALL_TO_ALL    exchange tokens between expert shards"""
+  RALL_TO_ALL_FM.K   expert exchange K of a pass cut at its all-to-alls (even K: a MoE layer's
+                 dispatch, odd: its combine; _BM.K / _BIM.K: their backward); RFM.K: piece K of the
+                 pass between them (RFM itself is piece 0). RALL_TO_ALL_FM alone: the all-to-alls
+                 of a pass that is not cut, issued from inside its compute"""
 
 
 def _title(compiled, rank: int) -> str:

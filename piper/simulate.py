@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .compiler import Action
-from .ir import COMPUTE
+from .ir import COMPUTE, node_key
 from .diagnostics import error
 
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "UPD": 0.0}
@@ -33,12 +33,13 @@ class _Overlapped:
     name: str
 
     @property
-    def key(self) -> str:
-        return "&".join(a.key for a in self.members)
+    def key(self) -> str:            # a pass cut into pieces (`piper.moe_cut`) counts once, by its token
+        return "&".join(a.key for a in self.members if a.node.is_compute and not a.node.value)
 
     @property
     def waits(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(k for a in self.members for k in a.waits))
+        inside = {a.key for a in self.members}      # a cut pass's exchanges run inside the unit
+        return tuple(dict.fromkeys(k for a in self.members for k in a.waits if k not in inside))
 
 
 def _unit_name(members: tuple[Action, ...]) -> str:
@@ -47,6 +48,8 @@ def _unit_name(members: tuple[Action, ...]) -> str:
     ops = []
     for a in members:
         n = a.node
+        if n.value is not None:      # a later piece or an exchange of a cut pass: the pass counts once
+            continue
         if (n.region, n.mb) in backward and n.op in ("BI", "BW"):
             if n.op == "BI":
                 ops.append("B")
@@ -71,6 +74,15 @@ def _fuse_overlaps(plan: tuple, groups) -> tuple:
             continue
         at = sorted(index[k] for k in group)
         lo, hi = at[0], at[-1]
+        # A pass cut at its all-to-alls: its pieces and exchanges join the unit (a slot's time, as
+        # `job.timings()` measures it, holds them).
+        pieces = {i for i, a in enumerate(plan) if isinstance(a, Action) and a.node.value is not None
+                  and (a.node.is_compute or a.node.op == "ALL_TO_ALL")
+                  and node_key(a.node.phase if a.node.op == "ALL_TO_ALL" else a.node.op, a.node.region,
+                               a.node.mb) in group}
+        if pieces:
+            at = sorted(set(at) | pieces)
+            lo, hi = at[0], at[-1]
         members = tuple(plan[i] for i in at)
         others = [plan[i] for i in range(lo, hi + 1) if i not in at]
         if any(a.node.is_compute for a in others):
@@ -133,111 +145,173 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     if overlap:
         groups = [tuple(g) for g in overlap]
         plans = {r: _fuse_overlaps(plan, groups) for r, plan in plans.items()}
-    costs = {**UNIT_COSTS, **(costs or {})}
-    comm_cost = comm_cost or (lambda node: 0.0)
-    pos = {r: 0 for r in plans}
-    clock = {r: 0.0 for r in plans}
-    busy = {r: 0.0 for r in plans}
-    timeline: dict[int, list] = {}
-    sent: dict[tuple, float] = {}              # (tag, src, dst) -> issue time
-    done: dict[tuple[int, str], float] = {}    # (rank, key) -> completion of waitable comm
-    issued: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> time
-    group_last: dict[tuple, float] = defaultdict(float)
-    members_of: dict[tuple, int] = {}         # group -> how many of its ranks are simulated
-    comm: dict[int, list] = defaultdict(list) if record_comm else {}
+    return _Run(plans, costs, comm_cost, record_comm=record_comm).run()
 
-    def ready_time(rank: int, t: float, action) -> float | None:
-        """When `action` can start on `rank`, free at `t`: None while a wait is pending."""
-        for key in action.waits:
-            finished = done.get((rank, key))
-            if finished is None:
-                return None
-            if finished > t:
-                t = finished
-        return t
 
-    progress = True
-    while progress:
-        progress = False
-        for rank, plan in plans.items():
-            # Run this device until it blocks; its clock and position live in locals meanwhile.
-            i, end, now, spent = pos[rank], len(plan), clock[rank], busy[rank]
-            start = i
-            while i < end:
-                a = plan[i]
-                if a.__class__ is _Overlapped:
-                    t = ready_time(rank, now, a)
-                    if t is None:
-                        break
-                    cost = costs.get(a.key, costs.get(a.name))   # this slot as timed, else its kind
-                    if cost is None:
-                        cost = sum(costs.get(m.key, costs.get(m.node.op, 1.0)) for m in a.members)
-                    _line(timeline, rank).append((t, t + cost, a.key))
-                    now = t + cost
-                    spent += cost
-                    i += 1
-                    continue
-                node = a.node
-                op = node.op
-                if op == "SEND":
-                    sent[(a.tag, rank, a.peer)] = now
-                    if record_comm:
-                        comm[rank].append((now, now + comm_cost(node), node.key))
-                elif op == "RECV":
-                    t_send = sent.get((a.tag, a.peer, rank))
-                    if t_send is None:
-                        # The receive is posted; it completes when the send arrives. Posting
-                        # never blocks, but its completion must be known for waiters, so
-                        # stall this device until the sender reaches its send.
-                        break
-                    done[(rank, node.key)] = max(now, t_send) + comm_cost(node)
-                    if record_comm:
-                        comm[rank].append((now, done[(rank, node.key)], node.key))
-                elif op in _COMPUTE:
-                    t = ready_time(rank, now, a) if a.waits else now
-                    if t is None:
-                        break
-                    cost = costs.get(node.key, costs.get(op, 1.0))
-                    _line(timeline, rank).append((t, t + cost, node.key))
-                    now = t + cost
-                    spent += cost
-                else:  # collective
-                    group = a.group
-                    if op == "ALL_TO_ALL" and (rank, node.key) in done:
-                        # Expert all-to-alls run inside their compute: the device waits for them.
-                        now = max(now, done[(rank, node.key)])
-                        i += 1
-                        continue
-                    members = issued[(node.key, group)]
-                    members[rank] = now
-                    need = members_of.get(group)
-                    if need is None:
-                        # Only simulated ranks count: a plan set holding one replica per
-                        # data-parallel shard stands for its (identical) peers.
-                        need = members_of[group] = sum(1 for m in group if m in plans)
-                    if len(members) == need:
-                        stream = (group, "ep") if op == "ALL_TO_ALL" else group   # own process groups
-                        start_at = max(max(members.values()), group_last[stream])
-                        finish = start_at + comm_cost(node)
-                        group_last[stream] = finish
-                        for member in group:
-                            done[(member, node.key)] = finish
-                        if record_comm:
-                            for member, at in members.items():
-                                comm[member].append((at, finish, node.key))
-                    if op == "ALL_TO_ALL":
-                        if (rank, node.key) not in done:
-                            break         # until every member of the expert group is there
-                        continue          # taken up again at the top of the loop
+class _Run:
+    """One simulation: every device's position, clock and busy time, and what has completed.
+
+    `run` advances each device in turn until it blocks, round after round,
+    until no device moves. `timeline=False` skips recording each compute's
+    span (the verifier needs only whether the plans finish).
+    """
+
+    def __init__(self, plans, costs=None, comm_cost=None, *, timeline: bool = True, record_comm: bool = False):
+        self.plans = plans
+        self.costs = {**UNIT_COSTS, **(costs or {})}
+        # Whether any cost is a node's own (keyed by its token, which starts with its region's
+        # number): else a compute costs what its pass does, one look-up instead of two.
+        self.keyed = any(k[:1].isdigit() for k in self.costs)
+        self.comm_cost = comm_cost        # None: communication takes no time
+        self.pos = dict.fromkeys(plans, 0)
+        self.clock = dict.fromkeys(plans, 0.0)
+        self.busy = dict.fromkeys(plans, 0.0)
+        self.timeline: dict[int, list] | None = {} if timeline else None
+        self.sent: dict[tuple, float] = {}              # (tag, src, dst) -> issue time
+        self.done: dict[tuple[int, str], float] = {}    # (rank, key) -> completion of waitable comm
+        self.issued: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> time
+        self.group_last: dict[tuple, float] = defaultdict(float)
+        # group -> its ranks that are simulated: a plan set holding one replica per
+        # data-parallel shard stands for its (identical) peers.
+        self.simulated: dict[tuple, tuple[int, ...]] = {}
+        self.comm: dict[int, list] | None = defaultdict(list) if record_comm else None
+
+    def run(self) -> Simulation:
+        plans, pos = self.plans, self.pos
+        progress = True
+        while progress:
+            progress = False
+            for rank, plan in plans.items():
+                if self.advance(rank, plan):
+                    progress = True
+        if any(pos[r] < len(plans[r]) for r in plans):
+            raise deadlock_error(plans, pos, self.done)
+        step = max(list(self.clock.values()) + [t for t in self.group_last.values()] + [0.0])
+        return Simulation(step, self.busy, self.timeline if self.timeline is not None else {},
+                          dict(self.comm or {}))
+
+    def advance(self, rank: int, plan) -> bool:
+        """Run `rank` until it blocks or ends; whether it moved."""
+        # Its clock and position live in locals meanwhile.
+        i, end, now, spent = self.pos[rank], len(plan), self.clock[rank], self.busy[rank]
+        start = i
+        costs, comm_cost, done, sent, comm = self.costs, self.comm_cost or _free, self.done, self.sent, self.comm
+        keyed, free = self.keyed, self.comm_cost is None
+        line = None if self.timeline is None else _line(self.timeline, rank)
+        while i < end:
+            a = plan[i]
+            if a.__class__ is _Overlapped:
+                t = _ready_time(done, rank, now, a.waits)
+                if t is None:
+                    break
+                cost = costs.get(a.key, costs.get(a.name))   # this slot as timed, else its kind
+                if cost is None:          # its computes (a cut pass's exchanges run inside it too)
+                    cost = sum(costs.get(m.key, 0.0 if m.node.value else costs.get(m.node.op, 1.0))
+                               for m in a.members if m.node.is_compute)
+                if line is not None:
+                    line.append((t, t + cost, a.key))
+                now = t + cost
+                spent += cost
                 i += 1
-            if i != start:
-                pos[rank], clock[rank], busy[rank] = i, now, spent
-                progress = True
-    stuck = {r: pos[r] for r in plans if pos[r] < len(plans[r])}
-    if stuck:
-        raise deadlock_error(plans, pos, done)
-    step = max(list(clock.values()) + [t for t in group_last.values()] + [0.0])
-    return Simulation(step, busy, timeline, dict(comm))
+                continue
+            node = a.node
+            op = node.op
+            if op == "SEND":
+                sent[(a.tag, rank, a.peer)] = now
+                if comm is not None:
+                    comm[rank].append((now, now + comm_cost(node), node.key))
+            elif op == "RECV":
+                t_send = sent.get((a.tag, a.peer, rank))
+                if t_send is None:
+                    # The receive is posted; it completes when the send arrives. Posting
+                    # never blocks, but its completion must be known for waiters, so
+                    # stall this device until the sender reaches its send.
+                    break
+                finished = done[(rank, node.key)] = (t_send if t_send > now else now) + (
+                    0.0 if free else comm_cost(node))
+                if comm is not None:
+                    comm[rank].append((now, finished, node.key))
+            elif op in _COMPUTE:
+                waits = a.waits
+                if not waits:
+                    t = now
+                elif len(waits) == 1:         # the usual case, without a call
+                    t = done.get((rank, waits[0]))
+                    if t is None:
+                        break
+                    if not t > now:
+                        t = now
+                else:
+                    t = _ready_time(done, rank, now, waits)
+                    if t is None:
+                        break
+                if node.value:        # a later piece of a cut pass: the pass's cost falls on its piece 0
+                    cost = costs.get(node.key, 0.0)
+                else:
+                    cost = costs.get(node.key, costs.get(op, 1.0)) if keyed else costs.get(op, 1.0)
+                if line is not None:
+                    line.append((t, t + cost, node.key))
+                now = t + cost
+                spent += cost
+            elif op == "ALL_TO_ALL" and node.value is None:
+                if (rank, node.key) not in done:
+                    self.collective(rank, a.group, node, now)
+                    if (rank, node.key) not in done:
+                        break         # until every member of the expert group is there
+                # A marker for the all-to-alls a compute runs inside: the device waits for them.
+                # (An exchange between pieces, `0ALL_TO_ALL_F3.0`, is issued like any collective;
+                # the piece after it waits for it.)
+                now = max(now, done[(rank, node.key)])
+            else:
+                self.collective(rank, a.group, node, now)
+            i += 1
+        if line is not None and not line:
+            del self.timeline[rank]      # a device's line starts with its first compute
+        if i == start:
+            return False
+        self.pos[rank], self.clock[rank], self.busy[rank] = i, now, spent
+        return True
+
+    def collective(self, rank: int, group: tuple[int, ...], node, now: float) -> None:
+        """`rank` issues a collective at `now`; it completes once every simulated member
+        of its group has issued it and the group's previous collective has completed."""
+        key = node.key
+        members_simulated = self.simulated.get(group)
+        if members_simulated is None:
+            members_simulated = self.simulated[group] = tuple(m for m in group if m in self.plans)
+        if len(members_simulated) == 1:      # one replica stands for the group: nothing to wait for
+            members = {rank: now}
+        else:
+            members = self.issued[(key, group)]
+            members[rank] = now
+            if len(members) != len(members_simulated):
+                return
+        stream = (group, "ep") if node.op == "ALL_TO_ALL" else group   # own process groups
+        group_last = self.group_last
+        finish = max(max(members.values()), group_last[stream]) + (
+            0.0 if self.comm_cost is None else self.comm_cost(node))
+        group_last[stream] = finish
+        done = self.done
+        for member in members_simulated:
+            done[(member, key)] = finish
+        if self.comm is not None:
+            for member, at in members.items():
+                self.comm[member].append((at, finish, key))
+
+
+def _free(node) -> float:
+    return 0.0
+
+
+def _ready_time(done: dict, rank: int, t: float, waits) -> float | None:
+    """When an action waiting for `waits` can start on `rank`, free at `t`: None while one is pending."""
+    for key in waits:
+        finished = done.get((rank, key))
+        if finished is None:
+            return None
+        if finished > t:
+            t = finished
+    return t
 
 
 def _line(timeline: dict[int, list], rank: int) -> list:
@@ -306,8 +380,11 @@ def deadlock_error(plans, pos, done):
 
 def verify(compiled) -> Simulation:
     """Simulate one replica per data-parallel shard (the others run identical
-    plans with their own peers): a deadlock is found, and costs nothing per replica."""
-    return simulate(compiled.plans.representatives())
+    plans with their own peers): a deadlock is found, and costs nothing per replica.
+    No timeline is kept: only whether the plans finish matters here."""
+    plans = compiled.plans.representatives()
+    check_collective_order(plans)
+    return _Run(plans, timeline=False).run()
 
 
 SLOT = "&"       # a job.timings() key for an overlapped slot run in lanes: its members' keys joined

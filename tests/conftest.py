@@ -10,6 +10,9 @@ def pytest_addoption(parser):
 
 
 FULL = bool(os.environ.get("PIPER_FULL"))
+# A closed job's workers serve the next job of the same shape (piper/runtime/pool.py): the suite
+# starts worker processes (a torch import each) a few times instead of once per job.
+os.environ.setdefault("PIPER_KEEP_WORKERS", "1")
 
 
 def pytest_collection_modifyitems(items):
@@ -29,6 +32,9 @@ def _ray_session():
     yield
     import ray
 
+    from piper.runtime import pool
+
+    pool.release()
     ray.shutdown()
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.harness import Table, fit_exponent, fmt
 from benchmarks.runner import SUITES, markdown
@@ -220,20 +221,29 @@ for precision, checkpoint in (("fp32", False), ("bf16", False), ("fp32", True)):
     worker.setup("fsdp2", model="hf", model_kw=kw, precision=precision, checkpoint=checkpoint)
     units = [m for m in worker.model.modules() if type(m).__name__.startswith("FSDP")]
     out[(precision, checkpoint)] = (worker.step(x, y)[0], len(units))
+# The FSDP2 x pipelining baseline (benchmarks/composed.py), one stage on this one process.
+composed = {}
+for precision, checkpoint in (("fp32", False), ("bf16", True)):
+    worker.setup("fsdp2_pipeline", model="hf", model_kw={**kw, "stages": 1}, schedule="Schedule1F1B", microbatches=2,
+                 pp=1, precision=precision, checkpoint=checkpoint)
+    composed[(precision, checkpoint)] = worker.step(x, y)[0]
 worker.shutdown()
-print(repr((eager, out)))
+print(repr((eager, out, composed)))
 """
 
 
 def test_fsdp2_baseline_of_the_hf_llama_shards_each_block_and_starts_from_the_same_loss():
-    """Suite 14's FSDP2 Llama baseline, on one process: one FSDP unit per decoder block plus the root,
-    and the first loss of fp32 (with or without per-block checkpointing) is the unsharded model's."""
+    """Suite 14's FSDP2 Llama baselines, on one process: one FSDP unit per decoder block plus the root,
+    and the first loss of fp32 (with or without per-block checkpointing) is the unsharded model's; the
+    FSDP2 x Schedule1F1B baseline (one stage here) too, and with bf16 and checkpointing it runs."""
     pytest.importorskip("transformers")
     import ast
 
     proc = subprocess.run([sys.executable, "-c", HF_FSDP_CHECK], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    eager, out = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    eager, out, composed = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert math.isclose(composed[("fp32", False)], eager, rel_tol=1e-5)
+    assert math.isclose(composed[("bf16", True)], eager, rel_tol=5e-2) and composed[("bf16", True)] != eager
     layers = 4
     for (precision, checkpoint), (loss, units) in out.items():
         assert units == layers + 1
@@ -241,3 +251,20 @@ def test_fsdp2_baseline_of_the_hf_llama_shards_each_block_and_starts_from_the_sa
             assert math.isclose(loss, eager, rel_tol=1e-5)
         else:
             assert math.isclose(loss, eager, rel_tol=5e-2) and loss != eager
+
+
+def test_llama_stages_of_the_composed_baseline_compute_the_library_forward():
+    """Suite 14's FSDP2 x pipelining Llama stages (benchmarks/composed.py) chained give the logits
+    of the library's own LlamaForCausalLM forward (its rotary tables and causal mask)."""
+    pytest.importorskip("transformers")
+    from benchmarks.composed import LlamaStage
+    from benchmarks.suite_training import hf_workload
+    from benchmarks.workloads import make_hf
+    from examples.gpt import training_batches
+
+    model = make_hf(hf_workload(True), 2)[0]
+    x, _ = next(training_batches(2))
+    with torch.no_grad():
+        logits = LlamaStage(model, 1, 2)(LlamaStage(model, 0, 2)(x))
+        torch.testing.assert_close(logits, model.m(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+

@@ -1,12 +1,10 @@
 """Bad input gets a clear error naming the cause and the fix, never a hang."""
-import os
-import time
-
 import pytest
 import torch
 
 import piper
 from piper.capture import capture
+from tests.helpers import wait_gone
 from tests.test_train import SkipModel, data_parallel, gpt, gpt_batches, pipeline
 
 
@@ -164,14 +162,6 @@ def test_a_second_split_or_shard_points_at_the_first():
         assert err.value.diagnostics[0].span.line == first + 1
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @pytest.mark.usefixtures("ray_cluster")
 def test_dead_worker_is_reported_and_the_job_cleaned_up():
     import ray
@@ -184,22 +174,17 @@ def test_dead_worker_is_reported_and_the_job_cleaned_up():
         job.step(*batch)
     assert err.value.code in ("worker-died", "worker-failed")
     assert "compile a new job" in err.value.diagnostics[0].hint
-    deadline = time.monotonic() + 30
-    while not all(_gone(pid) for pid in job.pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert all(_gone(pid) for pid in job.pids), "a worker process outlived its job"
+    assert not wait_gone(job.pids), "a worker process outlived its job"
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_closed_job_leaves_no_workers():
+def test_closed_job_leaves_no_workers(monkeypatch):
+    monkeypatch.delenv("PIPER_KEEP_WORKERS", raising=False)     # the default: workers end with their job
     batch = gpt_batches(1)[0]
     with piper.compile(gpt(2), batch, strategy=data_parallel(), mesh={"dp": 2}) as job:
         job.step(*batch)
         pids = job.pids
-    deadline = time.monotonic() + 30
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert all(_gone(pid) for pid in pids)
+    assert not wait_gone(pids)
 
 
 class BatchNormModel(torch.nn.Module):

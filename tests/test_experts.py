@@ -12,6 +12,7 @@ from piper.capture import capture
 from piper.diagnostics import PiperError
 from piper.dsl import load_strategy
 from piper.testing import train_both
+from tests.helpers import assert_same
 
 
 def dense_moe(moe: piper.nn.MoE, x: torch.Tensor) -> torch.Tensor:
@@ -211,14 +212,6 @@ def test_holdings_divide_the_expert_rows():
 
 # ---- training against one device (float64, losses and every parameter within 1e-9)
 
-def assert_same(result, tol=1e-9):
-    losses, ref_losses, state, ref_state = result
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=tol)
-    assert state.keys() == ref_state.keys()
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
-
-
 EP = "use expert_parallel() on dp\n"
 
 
@@ -247,13 +240,15 @@ def test_expert_parallel_over_dp2_holds_half_the_experts():
         padded = -(-dense // 8 // 2) * 2 * 8
         assert seen["memory"][rank]["params"] == padded + experts // 2
         assert seen["memory"][rank]["step_peak"] > seen["memory"][rank]["params"]
-    # The all-to-alls each compute issued are timed under their ALL_TO_ALL node, and price a simulation.
+    # Each piece and each exchange the executor issued is timed under its own plan node, and prices a simulation.
     from piper.simulate import simulate
 
     timings = seen["timings"][0]
-    assert {"0ALL_TO_ALL_F0", "0ALL_TO_ALL_B0"} <= set(timings) and timings["0ALL_TO_ALL_F0"] > 0
+    pieces = {"0F0", "0F0.1", "0F0.2", "0B0.2", "0B0.1", "0B0"}
+    exchanges = {"0ALL_TO_ALL_F0.0", "0ALL_TO_ALL_F0.1", "0ALL_TO_ALL_B0.1", "0ALL_TO_ALL_B0.0"}
+    assert pieces | exchanges <= set(timings) and all(timings[k] > 0 for k in exchanges)
     sim = simulate(seen["plans"], costs=timings, comm_cost=lambda node: timings.get(node.key, 0.0))
-    assert sim.step_time >= timings["0F0"] + timings["0ALL_TO_ALL_F0"]
+    assert sim.step_time >= sum(timings[k] for k in pieces | exchanges if "B" not in k)
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -294,6 +289,53 @@ def test_dualpipev_pp2_with_expert_parallel_dp2_in_lanes():
     assert seen["slots"], "the overlapped slots ran in lanes"
 
 
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("schedule,regions", [("one_f_one_b", 2), ("dualpipev", 4)])
+def test_recomputed_moe_regions_train_exactly_as_pieces(schedule, regions):
+    """`recompute`: each piece keeps its inputs and runs again in its backward (B, or BI and BW in
+    lanes), so no exchange runs twice."""
+    strategy = script(f"use {schedule}(microbatches=4) on pp\nuse dp() on dp\n" + EP + "recompute PP=*\n")
+    seen = {}
+    assert_same(train_both(Tiny(regions, moe_layer()).double(), strategy, mesh={"dp": 2, "pp": 2},
+                           batches=tiny_batches(batch=16), job_hook=lambda job: seen.update(plan=job.compiled.plans[0])))
+    keys = [a.key for a in seen["plan"]]
+    assert "0F0.2" in keys and keys.count("0ALL_TO_ALL_F0.0") == 1
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_expert_parallel_in_16_bits_computes_on_float32_rows(precision):
+    """16-bit compute over float32 expert rows; fp16's loss scale seeds the pieces' backward too."""
+    losses, ref_losses, state, _ = train_both(Tiny(1, moe_layer()), script("use dp() on dp\n" + EP), mesh={"dp": 2},
+                                              batches=tiny_batches(), precision=precision)
+    assert all(abs(a - b) < 0.05 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert state["layers.0.w1"].dtype == torch.float32
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_dualpipev_in_turn_switches_items_at_their_exchanges(tmp_path):
+    """`overlap=False`: one thread runs an overlapped slot's two items, switching from one to the
+    other after each expert exchange it issues (`piper.runtime.slots.interleaved`)."""
+    import json
+
+    strategy = script("use dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + EP)
+    seen = {}
+
+    def hook(job):
+        events = json.load(open(job.trace(str(tmp_path / "trace.json"), steps=1)))["traceEvents"]
+        computes = sorted((e for e in events if e.get("pid") == 0 and e.get("ph") == "X" and e.get("cat") != "step"
+                           and e["name"][1] in "FB"), key=lambda e: e["ts"])
+        seen["order"] = [e["name"] for e in computes]
+        seen["lanes"] = {e["tid"] for e in computes}
+    assert_same(train_both(Tiny(4, moe_layer()).double(), strategy, mesh={"dp": 2, "pp": 2},
+                           batches=tiny_batches(batch=16), job_hook=hook, overlap=False))
+    order = seen["order"]
+    assert len(seen["lanes"]) == 1                       # one thread
+    # a forward's pieces with another microbatch's backward pieces between them
+    first, last = order.index("0F3"), order.index("0F3.2")
+    assert any(k.startswith("3B") for k in order[first:last]), order
+
+
 def test_all_to_alls_are_nodes_of_the_ir_and_the_plans():
     from piper.ir import format_ir, parse_ir
     from piper.simulate import check_collective_order, simulate
@@ -301,19 +343,86 @@ def test_all_to_alls_are_nodes_of_the_ir_and_the_plans():
     compiled, _ = compile_only(Tiny(4, moe_layer()), script(
         "mesh dp=2, pp=2\nuse dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + EP), None)
     text = format_ir(compiled.ir)
-    assert "node 0ALL_TO_ALL_F3 @" in text and " ep\n" in text
+    assert "node 0ALL_TO_ALL_F3.0 @" in text and "node 0F3.1 @" in text and " ep\n" in text
     assert parse_ir(text) == compiled.ir
     for rank, plan in compiled.plans.items():
         keys = [a.key for a in plan]
         for i, a in enumerate(plan):
-            if a.node.op in ("F", "BI"):
-                assert keys[i + 1] == f"{a.node.region}ALL_TO_ALL_{a.node.op}{a.node.mb}"
-                assert plan[i + 1].group == a.node.devices
+            n = a.node
+            # each pass cut into pieces with the MoE layer's dispatch and combine between them
+            if n.op == "F" and not n.value:
+                assert keys[i:i + 5] == [f"{n.region}F{n.mb}", f"{n.region}ALL_TO_ALL_F{n.mb}.0", f"{n.region}F{n.mb}.1",
+                                         f"{n.region}ALL_TO_ALL_F{n.mb}.1", f"{n.region}F{n.mb}.2"]
+                assert plan[i + 1].group == n.devices and plan[i + 2].waits == (keys[i + 1],)
+            if n.op == "BI" and n.value == 2:
+                assert keys[i:i + 5] == [f"{n.region}BI{n.mb}.2", f"{n.region}ALL_TO_ALL_BI{n.mb}.1",
+                                         f"{n.region}BI{n.mb}.1", f"{n.region}ALL_TO_ALL_BI{n.mb}.0",
+                                         f"{n.region}BI{n.mb}"]
     check_collective_order(dict(compiled.plans))      # every member of every group, not one replica
-    # Priced by the simulator's communication costs like any collective.
+    # Priced by the simulator's communication costs like any collective; a pass's unit cost falls on its
+    # piece 0, so the cut changes no default cost.
     cheap = simulate(dict(compiled.plans)).step_time
     dear = simulate(dict(compiled.plans), comm_cost=lambda n: 0.5 if n.op == "ALL_TO_ALL" else 0.0).step_time
     assert dear > cheap
+    assert sum(end - start for start, end, key in simulate(dict(compiled.plans)).timeline[0]) == \
+        sum(a.node.op in ("F", "BI", "BW") and not a.node.value for a in compiled.plans[0])
+    # An overlapped slot is one unit with its items' pieces and exchanges inside, named by the passes.
+    from piper.interop import overlapped_slots
+
+    fused = simulate(dict(compiled.plans), overlap=overlapped_slots(compiled))
+    units = [key for _, _, key in fused.timeline[0] if "&" in key]
+    assert units and all("." not in key for key in units)
+
+
+def test_an_overlapped_slot_takes_its_items_pieces_and_exchanges_into_their_lanes():
+    from piper.interop import compute_slots
+    from piper.ir import node_key
+    from piper.runtime.slots import interleaved, spans
+
+    compiled, _ = compile_only(Tiny(4, moe_layer()), script(
+        "mesh dp=2, pp=2\nuse dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + EP), None, key="tiny4")
+    plan = compiled.plans[0]
+    slots = [s for s in compute_slots(compiled, 0) if len(s) > 1]
+    found = spans(plan, slots, {r: {r} for r in range(4)}, {r: {r - 1} if r else set() for r in range(4)})
+    assert found, "DualPipeV's main phase has overlapped slots"
+    switched = {"yes": 0, "no": 0}
+    for span in found.values():
+        members = set(span.key.split("&"))
+        for lane in span.lanes:
+            # one item per lane (a B may be its BI and BW): its pieces and its exchanges, then its sends
+            assert len({(a.node.region, a.node.mb) for a in lane}) == 1, lane
+            for a in lane:
+                n = a.node
+                if n.is_compute or n.op == "ALL_TO_ALL":
+                    assert node_key(n.phase if n.op == "ALL_TO_ALL" else n.op, n.region, n.mb) in members
+                else:
+                    assert n.op == "SEND"
+            assert sum("ALL_TO_ALL" in a.key for a in lane) == 2
+        # in turn: the thread switches items after every exchange, unless the second item waits for a
+        # pipeline message (which may need the first item's sends): then the items run as planned
+        order = [a.key for a in interleaved(span)]
+        assert sorted(a.key for lane in span.lanes for a in lane) == sorted(order)
+        switches = [order[i + 1][0] != k[0] for i, k in enumerate(order[:-1]) if "ALL_TO_ALL" in k]
+        if any("RECV" in k for a in span.lanes[1] for k in a.waits):
+            switched["no"] += 1
+            assert order == [a.key for lane in span.lanes for a in lane]
+        else:
+            switched["yes"] += 1
+            assert switches == [True] * 4, order
+    assert switched["yes"] and switched["no"]       # device 0 has slots of both kinds
+
+
+def test_memory_prediction_counts_a_cut_pass_once():
+    from piper.memory_model import predict_memory
+
+    peaks = {}
+    for name, extra in (("replicated", ""), ("ep", EP)):
+        compiled, _ = compile_only(Tiny(4, moe_layer()), script(
+            "mesh dp=2, pp=2\nuse dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + extra), None, key="tiny4")
+        program = next(v for k, v in _captured.items() if k[0] == "tiny4")
+        predicted = predict_memory(compiled, program, saved={r: 1000 for r in range(4)})
+        peaks[name] = {r: p.activations for r, p in predicted.items()}
+    assert any(a.node.value for a in compiled.plans[0]) and peaks["ep"] == peaks["replicated"]
 
 
 def test_no_all_to_alls_when_the_experts_are_replicated():
@@ -330,8 +439,8 @@ def test_expert_parallel_composes_with_every_schedule(schedule, regions, data):
     compiled, _ = compile_only(Tiny(regions, moe_layer()), script(
         f"mesh dp=2, pp=2\nuse {schedule} on pp\nuse {data}() on dp\n" + EP), None, key=f"tiny{regions}")
     a2a = [a for plan in compiled.plans.values() for a in plan if a.node.op == "ALL_TO_ALL"]
-    # each region runs on 2 devices; per microbatch its forward and its backward (B or BI) move tokens
-    assert len(a2a) == regions * 2 * 4 * 2
+    # each region runs on 2 devices; per microbatch its forward and its backward (B or BI) dispatch and combine
+    assert len(a2a) == regions * 2 * 4 * 2 * 2
 
 
 def test_expert_parallel_is_shard_experts():

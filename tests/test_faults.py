@@ -1,29 +1,14 @@
 """Lost and stalled workers are named (rank, mesh position, node, pid, action), nothing
 hangs, and nothing outlives the job; placement plans; the rendezvous address."""
 import os
-import time
 
 import pytest
 
 import piper
 from piper.cluster import describe_rank, interface_of, plan_placement
 from piper.runtime.faults import Fault
+from tests.helpers import wait_gone
 from tests.test_train import gpt, gpt_batches, pipeline
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def _wait_gone(pids, limit=30.0) -> list[int]:
-    deadline = time.monotonic() + limit       # bounds the wait; not a claim about speed
-    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [p for p in pids if not _gone(p)]
 
 
 def test_fault_spec_reads_every_field_and_refuses_typos():
@@ -85,7 +70,7 @@ def test_sigkilled_worker_is_named_not_its_peers():
     assert f"rank 2 (dp=1, pp=0) on node {where[2]['node'][:8]}" in message
     assert f"pid {where[2]['pid']}" in message and "while running 0F1" in message
     assert "rank 0 at" in message       # where the others were
-    assert not _wait_gone(job.pids), "a worker process outlived its job"
+    assert not wait_gone(job.pids), "a worker process outlived its job"
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -102,7 +87,7 @@ def test_stopped_worker_is_named_at_the_timeout():
     assert "does not answer" in message and "last seen while running 1F1" in message
     assert "its process is stopped" in message           # the driver's node: /proc tells
     assert "rank 0 at" in message
-    assert not _wait_gone(job.pids), "a stopped worker outlived its job"
+    assert not wait_gone(job.pids), "a stopped worker outlived its job"
 
 
 @pytest.mark.usefixtures("ray_cluster")

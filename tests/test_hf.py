@@ -19,6 +19,7 @@ import piper.job
 from piper.capture import capture
 from piper.dsl import load_strategy
 from piper.testing import train_both
+from tests.helpers import assert_same
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,11 +135,8 @@ def strategies(family):
 
 
 def assert_exact(result, tol=1e-9):
-    losses, ref_losses, state, ref_state = result
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=tol)
-    assert state.keys() == ref_state.keys()
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    assert_same(result, tol)
+    losses = result[0]
     assert losses[-1] < losses[0]
 
 

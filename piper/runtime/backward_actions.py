@@ -30,7 +30,7 @@ class BackwardActions:
         if region.loss:
             loss = outs[-1]
             tensors.append(loss)
-            grads.append(torch.full_like(loss, self.spec.grad_scale))
+            grads.append(torch.full_like(loss, self.spec.grad_scale * getattr(self.clip, "loss_scale", 1.0)))
         return tensors, grads
 
     def _deliver_input_grads(self, node, leaves: dict, grads: dict) -> None:
@@ -54,6 +54,8 @@ class BackwardActions:
 
     def _b(self, action) -> None:
         node = action.node
+        if node.region in self.moe:       # a piece of a pass cut at its all-to-alls
+            return self.moe.backward(self, action)
         region = self.spec.regions[node.region]
         outs, leaves = self.saved.pop((node.region, node.mb))
         outs = self._recomputed(region, node, outs)
@@ -67,9 +69,11 @@ class BackwardActions:
         self._release(action)
 
     def _bi(self, action) -> None:
+        node = action.node
+        if node.region in self.moe:
+            return self.moe.backward(self, action, inputs_only=self.moe.pass_key(node) not in self._whole)
         if action.key in self._whole:      # the item was a whole `B(...)`: one autograd pass
             return self._b(action)
-        node = action.node
         region = self.spec.regions[node.region]
         outs, leaves = self.saved[(node.region, node.mb)]
         outs = self._recomputed(region, node, outs)
@@ -90,6 +94,8 @@ class BackwardActions:
 
     def _bw(self, action) -> None:
         node = action.node
+        if node.region in self.moe:
+            return self.moe.backward_weights(self, action, skip=action.key in self._skip)
         if action.key not in self._skip:   # else its BI ran the whole backward
             region = self.spec.regions[node.region]
             state = self.saved.pop((node.region, node.mb))

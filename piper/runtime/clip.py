@@ -43,6 +43,11 @@ class GlobalNormClip:
         `experts`: this device's expert-row gradients under `shard experts` (each row lives on one
         device only, so every device counts and scales all of its own).
         Called on every device at the end of the step, once every reduction is done."""
+        self.clip(units, experts)
+        run_deferred(self, run)
+
+    def clip(self, units, experts=()) -> None:
+        """Scale every gradient this device holds by the global-norm factor (one all-reduce)."""
         squares = torch.zeros((), dtype=torch.float64)
         device = None
         experts = [g for g in experts if g is not None]
@@ -60,13 +65,17 @@ class GlobalNormClip:
         factor = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
         for grad in [g for unit in units for g in scaled_gradients(unit)] + experts:
             grad.mul_(factor.to(grad.dtype))
-        actions, self.deferred = self.deferred, []
-        self.flushing = True
-        try:
-            for action in actions:
-                run(action)
-        finally:
-            self.flushing = False
+
+
+def run_deferred(holder, run) -> None:
+    """Run the actions `holder` (a GlobalNormClip or a loss scaler) held back, in plan order."""
+    actions, holder.deferred = holder.deferred, []
+    holder.flushing = True
+    try:
+        for action in actions:
+            run(action)
+    finally:
+        holder.flushing = False
 
 
 def owned_gradients(unit):

@@ -82,7 +82,10 @@ class CommActions:
                 self.units[u].attach_grads()
 
     def _all_to_all(self, action) -> None:
-        """The compute before it issued these all-to-alls from its graph (`piper.experts.add_all_to_alls`)."""
+        """An exchange between the pieces of a cut pass (`moe_pieces`); else a marker: the compute
+        before it issued its all-to-alls from its graph (`piper.experts.add_all_to_alls`)."""
+        if action.node.value is not None:
+            self.moe.exchange(self, action)
 
     def _all_gather(self, action) -> None:
         if not action.node.phase and self.clip is not None and self.clip.defer(action):

@@ -27,6 +27,7 @@ from .forward_actions import ForwardActions
 from .graphs import unpack
 from .lanes import Lanes
 from .memory_accounting import MemoryAccounting
+from .moe_pieces import cut_regions
 from .specs import BATCH, BUFFER, PARAM, VALUE, RegionSpec, WorkerSpec
 from .step_loop import TRACE_STEPS, StepLoop
 from .unit import Unit
@@ -48,13 +49,14 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         for region in spec.regions.values():
             region.graph = unpack(region.graph, self.device)
         self.groups = comm.new_groups(spec.groups)
-        from .precision import make_unit
+        from .precision import make_unit, with_loss_scaling
 
         make = make_unit(spec.compute_dtype)
         self.units = {u: make(layout, spec.rank, spec.zero, init[u], spec.optimizer, self.device)
                       for u, layout in spec.units.items()}
         self.experts = (Experts(spec.experts, spec.rank, init.get("experts", {}), spec.optimizer, self.device)
                         if spec.experts is not None else None)
+        self.moe = cut_regions(spec, self.experts)        # regions run as pieces and exchanges (`moe_pieces`)
         self.buffers = {k: v.to(self.device) for k, v in spec.buffers.items()}
         self.by_value = {(p, i): v for v, (p, i, *_rest) in spec.values.items()}
         self.pending: dict[str, tuple[list, object]] = {}
@@ -64,6 +66,7 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self._init_accounting()
         self._init_lanes(spec)
         self.clip = GlobalNormClip(spec.clip_grad_norm) if spec.clip_grad_norm is not None else None
+        self.clip = with_loss_scaling(self.clip, spec.loss_scaling)     # fp16 (`precision.py`)
 
     def shards(self) -> dict:
         out = {u: unit.shards() for u, unit in self.units.items()}

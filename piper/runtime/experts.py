@@ -32,6 +32,13 @@ _thread = threading.local()
 _default: "ExpertGroup | None" = None      # lane 0 (and CUDA's autograd threads, where backward runs)
 
 
+def forget() -> None:
+    """Drop the last job's groups (a kept worker's `reset`): a job without EP must not find them."""
+    global _default, _thread
+    _default = None
+    _thread = threading.local()
+
+
 class ExpertGroup:
     """One lane's process group over the devices that split the experts."""
 
@@ -57,6 +64,13 @@ class ExpertGroup:
         dist.all_to_all_single(out, rows.contiguous(), outs, ins, group=self.group)
         _thread.seconds = getattr(_thread, "seconds", 0.0) + time.perf_counter() - start
         return out
+
+    def all_to_all_async(self, rows: torch.Tensor, out_splits: torch.Tensor, in_splits: torch.Tensor):
+        """`all_to_all` issued and not waited for: (the buffer it fills, its work handle)."""
+        outs, ins = out_splits.tolist(), in_splits.tolist()
+        out = rows.new_empty(sum(outs), *rows.shape[1:])
+        work = dist.all_to_all_single(out, rows.contiguous(), outs, ins, group=self.group, async_op=True)
+        return out, work
 
 
 def current() -> ExpertGroup | None:

@@ -40,6 +40,8 @@ class ForwardActions:
 
     def _f(self, action) -> None:
         node = action.node
+        if node.region in self.moe:       # a piece of a pass cut at its all-to-alls
+            return self.moe.forward(self, action)
         region = self.spec.regions[node.region]
         args, leaves = self._args(region, node.mb)
         if region.recompute:
@@ -66,6 +68,8 @@ class ForwardActions:
         views = {}
         for u in region.units:             # the parameters as this backward sees them (gathered again)
             views.update(self.units[u].views())
+            if self.experts is not None:   # and the expert rows this device holds
+                views.update(self.experts.views(u))
         outs.args = [views[i.ref] if i.kind == PARAM else a for i, a in zip(region.inputs, outs.args)]
         outs, size = recompute.rerun(region.graph, outs, self.device, self._param_storages)
         with self._lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from .experts import lane_group
-from .slots import spans
+from .slots import exchanges, interleaved, spans
 from .specs import VALUE
 
 
@@ -24,13 +24,17 @@ class Lanes:
         feeds = {r: {spec.values[i.ref][0] for i in region.inputs if i.kind == VALUE}
                  for r, region in spec.regions.items()}
         self._spans = spans(spec.plan, spec.slots, units_of, feeds) if concurrent else {}
+        # In turn on CPU, the items of a slot that exchange tokens switch at each exchange (`interleaved`).
+        self._interleave = not concurrent and self.device.type == "cpu" and bool(self.moe)
+        if self._interleave:
+            self._spans = {i: s for i, s in spans(spec.plan, spec.slots, units_of, feeds).items() if exchanges(s)}
         # Units the compute (or overlapped slot) starting at each plan position reads (`_settle_reductions`).
         self._reads = {i: frozenset(spec.regions[a.node.region].units) for i, a in enumerate(spec.plan)
                        if a.node.is_compute}
         for i, s in self._spans.items():
             self._reads[i] = frozenset(u for lane in s.lanes for a in lane if a.node.is_compute
                                        for u in spec.regions[a.node.region].units)
-        lanes = max((len(s.lanes) for s in self._spans.values()), default=1)
+        lanes = max((len(s.lanes) for s in self._spans.values()), default=1) if concurrent else 1
         self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="piper-lane") if lanes > 1 else None
 
     def _run_lane(self, lane, number: int = 0) -> tuple[float, float]:
@@ -44,6 +48,12 @@ class Lanes:
         """An overlapped slot: its items at once, one per lane (see `slots`)."""
         for action in span.before:
             self._run(action)
+        if self._interleave:              # in turn, switching items at their expert exchanges
+            for action in interleaved(span):
+                self._run(action)
+            for action in span.after:
+                self._run(action)
+            return
         first, *rest = span.lanes
         futures = [self._pool.submit(self._run_lane, lane, k) for k, lane in enumerate(rest, 1)]
         try:

@@ -18,6 +18,7 @@ step (they hold both between steps, as autocast's weight cache does).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 from .executor import Unit
@@ -100,3 +101,95 @@ def make_unit(dtype: torch.dtype | None):
     if dtype is None:
         return Unit
     return lambda *args: LowPrecisionUnit(*args, dtype=dtype)
+
+
+# -- fp16: dynamic loss scaling (`piper/loss_scaling.py`) -----------------------------------------------
+
+class DynamicLossScale:
+    """Per worker: torch.amp.GradScaler's rule over the whole job.
+
+    The backward of each loss starts from `loss_scale` times its usual seed, so
+    every gradient comes out scaled. At the end of the step, once every
+    reduction is done, each device divides the gradients it holds by the scale
+    and notes whether any of them is inf or NaN; one all-reduce (MAX) over all
+    devices makes that one answer for every stage and shard. Then every device
+    either skips its updates (gradients zeroed, the scale times
+    `backoff_factor`) or clips (with `clip_grad_norm=`) and steps, the scale
+    growing by `growth_factor` after `growth_interval` good steps in a row.
+    Like `GlobalNormClip`, it holds the updates back until then (`defer`).
+    """
+
+    def __init__(self, config, clip=None):
+        self.config = config
+        self.clip = clip                      # a GlobalNormClip, or None
+        self.loss_scale = float(config.init_scale)
+        self.good_steps = 0                   # steps in a row without an inf/NaN
+        self.skipped = 0                      # steps skipped since the job started
+        self.last_skipped = False
+        self.deferred: list = []
+        self.flushing = False
+
+    @property
+    def norm(self) -> float | None:
+        """The clip's last global norm (`job.grad_norm()`), of the unscaled gradients."""
+        return self.clip.norm if self.clip is not None else None
+
+    def defer(self, action) -> bool:
+        if self.flushing:
+            return False
+        self.deferred.append(action)
+        return True
+
+    def finish(self, units, run, experts=()) -> None:
+        """Unscale, agree on inf/NaN across every device, then step (or skip) and update the scale."""
+        from .clip import run_deferred, scaled_gradients
+
+        expert_grads = [g for g in experts if g is not None]
+        grads = [g for unit in units for g in scaled_gradients(unit)] + expert_grads
+        device = grads[0].device if grads else next(
+            (full.device for u in units for full in u.full), torch.device("cpu"))
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        # GradScaler's kernel and its reciprocal: 1/scale in float64, then float32.
+        inv = torch.full((1,), self.loss_scale, dtype=torch.float64, device=device).reciprocal().float()
+        by_dtype: dict[torch.dtype, list] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        self.last_skipped = bool(found.item())
+        if self.last_skipped:
+            self.deferred = []                # no update, and so no gather of updated shards
+            for unit in units:
+                drop_gradients(unit)
+            for g in expert_grads:
+                g.zero_()
+            self.skipped += 1
+            self.good_steps = 0
+            self.loss_scale *= self.config.backoff_factor
+            return
+        self.good_steps += 1
+        if self.good_steps == self.config.growth_interval:
+            self.good_steps = 0
+            self.loss_scale *= self.config.growth_factor
+        if self.clip is not None:
+            self.clip.clip(units, experts)
+        run_deferred(self, run)
+
+    def state(self) -> dict:
+        return {"scale": self.loss_scale, "skipped_steps": self.skipped, "last_step_skipped": self.last_skipped,
+                "good_steps": self.good_steps}
+
+
+def drop_gradients(unit) -> None:
+    """A skipped step: zero the unit's gradients as its `step` would after the optimizer."""
+    for i in range(len(unit.layout.buckets)):
+        for grad in (unit.flat_grad[i], unit.grad_shard[i]):
+            if grad is not None:
+                grad.zero_()
+
+
+def with_loss_scaling(clip, config):
+    """What the executor holds back its updates with: `clip` alone, or fp16's loss scaler around it."""
+    return clip if config is None else DynamicLossScale(config, clip)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..ir import node_key
+
 @dataclass(frozen=True)
 class Span:
     """One overlapped slot, regrouped: plan[start:stop] runs as `before`, the lanes at once, then `after`."""
@@ -41,9 +43,18 @@ class Span:
 
 def _pass_of(node) -> tuple[int, int, str]:
     """The item an action belongs to: (region, microbatch, F or B); BI and BW are parts of B."""
-    if node.op in ("SEND", "RECV"):
+    if node.op in ("SEND", "RECV", "ALL_TO_ALL"):
         return node.region, node.mb, "F" if node.phase == "F" else "B"
     return node.region, node.mb, "F" if node.op == "F" else "B"
+
+
+def _member(node, members: set[str]) -> bool:
+    """Whether the action is part of a slot member: the member itself, or a piece or an expert
+    exchange of a pass cut at its all-to-alls (`piper.moe_cut`), which run in the member's lane
+    (an exchange on that lane's own expert group)."""
+    if node.is_compute:
+        return node_key(node.op, node.region, node.mb) in members
+    return node.op == "ALL_TO_ALL" and node.phase is not None and node_key(node.phase, node.region, node.mb) in members
 
 
 def whole_backwards(plan, slots) -> tuple[frozenset, frozenset]:
@@ -95,7 +106,7 @@ def span(plan, members: set[str], units_of: dict[int, set], feeds: dict[int, set
     waits on a collective: collectives stay on one thread, in an order every
     replica shares.
     """
-    at = [i for i, a in enumerate(plan) if a.key in members]
+    at = [i for i, a in enumerate(plan) if _member(a.node, members)]
     if not at:
         return None
     start, stop = at[0], at[-1] + 1
@@ -116,7 +127,7 @@ def span(plan, members: set[str], units_of: dict[int, set], feeds: dict[int, set
     busy: set = set()                 # units those items read
     for a in plan[start:stop]:
         node = a.node
-        if a.key in members:
+        if _member(node, members):
             done.add(_pass_of(node))
             busy |= units_of.get(node.region, set())
             lanes[owner[_pass_of(node)]].append(a)
@@ -149,3 +160,47 @@ def spans(plan, slots, units_of: dict[int, set], feeds: dict[int, set] | None = 
         if s is not None:
             out[s.start] = s
     return out
+
+
+def interleaved(span: Span) -> tuple:
+    """An overlapped slot's lanes as one thread's order, switching lanes after each expert exchange.
+
+        lanes:  F0 X_F0.0 F0.1 X_F0.1 F0.2 SEND_F0 | B1.2 X_B1.1 B1.1 X_B1.0 B1 SEND_B1
+        order:  F0 X_F0.0 B1.2 X_B1.1 F0.1 X_F0.1 B1.1 X_B1.0 F0.2 SEND_F0 B1 SEND_B1
+
+    An exchange is issued and not waited for, so the other item's next piece
+    runs while its tokens travel (DualPipe's overlapped forward and backward,
+    from the plan's pieces). Each lane keeps its own order; every replica
+    derives the same order, so each expert group sees the same collectives in
+    the same sequence on every member. Used where the lanes do not run at once.
+
+    The plan (what the simulator verified) runs the first item whole, sends
+    included, before the second. So a later item that waits for a message from
+    another device (a pipeline receive) keeps its place after the first: that
+    message may need one of the first item's sends, which switching would hold
+    back. Then the lanes run one after another.
+    """
+    first, *later = span.lanes
+    if any("RECV" in k for lane in later for a in lane for k in a.waits):
+        return tuple(a for lane in span.lanes for a in lane)
+    parts: list[list[list]] = []
+    for lane in span.lanes:
+        chunks, chunk = [], []
+        for a in lane:
+            chunk.append(a)
+            if a.node.op == "ALL_TO_ALL" and a.node.value is not None:
+                chunks.append(chunk)
+                chunk = []
+        chunks.append(chunk)
+        parts.append(chunks)
+    out = []
+    for i in range(max(map(len, parts))):
+        for chunks in parts:
+            if i < len(chunks):
+                out += chunks[i]
+    return tuple(out)
+
+
+def exchanges(span: Span) -> bool:
+    """Whether any lane of the slot issues expert exchanges (`interleaved` changes its order)."""
+    return any(a.node.op == "ALL_TO_ALL" and a.node.value is not None for lane in span.lanes for a in lane)

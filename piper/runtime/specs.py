@@ -42,4 +42,5 @@ class WorkerSpec:
     concurrent: bool = True                       # run an overlapped slot's items at once (CPU only, `lanes.py`)
     clip_grad_norm: float | None = None           # clip by the global gradient norm (`clip.py`)
     compute_dtype: torch.dtype | None = None      # 16-bit compute, float32 master (`precision.py`)
+    loss_scaling: object = None                   # fp16's loss scaling (piper.FP16), else None
     experts: object = None                        # runtime.experts.ExpertSpec under `shard experts`

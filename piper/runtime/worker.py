@@ -117,6 +117,23 @@ class Worker:
         steps = [(t0, list(spans), dict(done), main) for t0, spans, done, main in self.executor.traced]
         return {"clock": (time.perf_counter(), time.time()), "steps": steps}
 
+    def reset(self) -> None:
+        """Forget the job (plan, process groups, store) so the next job of the same shape can
+        use this process (`pool.py`); rank and world stay, as the pool keeps bundles."""
+        import gc
+
+        import torch.distributed as dist
+
+        from . import experts
+
+        self.executor = None
+        self.steps_done = 0
+        self._store = None
+        experts.forget()
+        if dist.is_initialized():
+            dist.destroy_process_group()      # every group of the job, the lanes' and experts' too
+        gc.collect()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 

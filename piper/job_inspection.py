@@ -1,0 +1,52 @@
+"""Looking into a running job: memory, timings, the gradient norm, a trace, the plans.
+
+Mixed into `piper.job.Job`.
+"""
+from __future__ import annotations
+
+
+class JobInspection:
+    """`memory`, `timings`, `grad_norm`, `trace`, `show`; needs `_get` and `_check_open`."""
+
+    def memory(self) -> dict[int, dict[str, int]]:
+        """Per rank: bytes of parameters, gradients and optimizer state held between
+        steps, `activations_peak`, the most bytes saved for backward at once in the last step, and
+        `step_peak`, the most bytes of parameters, gradients, optimizer state and saved activations
+        alive at once in the last step (sampled after every action: gathered parameters, gradient
+        buffers and reduce-scatters in flight count; temporaries inside an action do not)."""
+        self._check_open()
+        return dict(enumerate(self._get([a.memory.remote() for a in self.actors], "memory")))
+
+    def timings(self, cpu: bool = False) -> dict[int, dict[str, float]]:
+        """Per rank: seconds each compute action took in the last step (`0F3`: 0.012, ...).
+
+        An overlapped slot run in lanes also has an entry for the whole slot
+        (`0F7&3BI3&3BW3`). `cpu=True` gives the worker thread's CPU seconds
+        instead of wall-clock ones (CPU devices): the cost of each action on a
+        core of its own, which `simulate(..., cores=N)` shares out when devices
+        outnumber cores; its `step` entry is the whole worker process's CPU
+        seconds in the step, every thread included."""
+        self._check_open()
+        return dict(enumerate(self._get([a.timings.remote(cpu) for a in self.actors], "timings")))
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (with `clip_grad_norm=`)."""
+        self._check_open()
+        return self._get([self.actors[0].__ray_call__.remote(_last_grad_norm)], "grad_norm")[0]
+
+    def trace(self, path: str, steps: int | None = None) -> str:
+        """Write the last steps (up to `piper.runtime.executor.TRACE_STEPS`; `steps` to keep fewer) as a
+        Chrome/Perfetto trace: one process per device, a track per lane and one for communication,
+        flow arrows from each send to its receive (`piper/trace.py`). Returns `path`."""
+        self._check_open()
+        from .trace import job_trace
+
+        return job_trace(self, path, steps)
+
+    def show(self) -> str:
+        return self.compiled.show()
+
+
+def _last_grad_norm(worker):
+    clip = worker.executor.clip
+    return clip.norm if clip is not None else None

@@ -1,0 +1,52 @@
+"""What each worker is given at set-up: its plan, regions, units and their initial flat buffers.
+
+Mixed into `piper.job.Job`; builds the `WorkerSpec` (`runtime/specs.py`) that the worker's `Executor` runs.
+"""
+from __future__ import annotations
+
+from .capture import BUFFER
+from .experts import expert_spec, slots_lanes
+from .runtime.flat import flatten
+from .runtime.graphs import pack
+from .runtime.specs import RegionSpec, WorkerSpec
+from .tied import units_used
+
+
+class WorkerSpecs:
+    """`_spec(rank, ...)` -> (WorkerSpec, initial buffers) and `_multi_slots`; needs the compiled plans and layouts."""
+
+    def _multi_slots(self) -> dict[int, tuple]:
+        """Per rank, the `order` slots holding several computes (tuples of keys)."""
+        from .interop import compute_slots
+
+        return {rank: tuple(slot for slot in slots if len(slot) > 1)
+                for rank, slots in compute_slots(self.compiled).items()}
+
+    def _spec(self, rank: int, params, optimizer, slots=()):
+        ir, program = self.compiled.ir, self.program
+        mine = [r.index for r in ir.regions if rank in ir.devices_of(r.index)]
+        units_of = units_used(ir)
+        regions = {r: RegionSpec(r, pack(program.regions[r].graph), program.regions[r].inputs, program.regions[r].outputs,
+                                 program.regions[r].loss, units_of[r]) for r in mine}
+        units = {u: self.layouts[u] for u in mine if u in self.layouts}
+        init = {}
+        for u, layout in units.items():
+            index = layout.group.index(rank)
+            flats = []
+            for bucket in layout.buckets:
+                flat = flatten(bucket, params)
+                if self.compiled.zero == 3:
+                    lo, hi = bucket.bounds(index)
+                    flat = flat[lo:hi].clone()    # a ZeRO-3 device never holds the full unit
+                flats.append(flat)
+            init[u] = flats
+        needed = {i.ref for r in mine for i in program.regions[r].inputs if i.kind == BUFFER}
+        values = {v.id: (v.producer, v.index, v.spec.shape, v.spec.dtype, v.differentiable) for v in program.values}
+        groups = sorted({a.group for plan in self.compiled.plans.values() for a in plan if a.group})
+        spec = WorkerSpec(rank, self.mesh.world_size, self.compiled.plans[rank], regions, values, units,
+                          self.compiled.zero, optimizer, 1.0 / (self.microbatches * self.shards),
+                          {k: self._buffers[k] for k in needed}, groups, slots, self.concurrent)
+        if self._expert_weights:
+            spec.experts, init["experts"] = expert_spec(program, ir, rank, params, slots_lanes(self))
+        self.training.configure(spec, ir, program)
+        return spec, init

@@ -1,0 +1,31 @@
+"""Checks several test files share: training results against a reference, worker processes gone."""
+import os
+import time
+
+import torch
+
+
+def assert_same(result, tol=1e-9):
+    """`(losses, ref_losses, state, ref_state)`: the losses and every parameter equal within `tol`."""
+    losses, ref_losses, state, ref_state = result
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=tol)
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def gone(pid: int) -> bool:
+    """True once no process has this pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def wait_gone(pids, limit=30.0) -> list[int]:
+    """Wait until every process in `pids` has exited; the pids still alive after `limit` seconds."""
+    deadline = time.monotonic() + limit       # bounds the wait; not a claim about speed
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if not gone(p)]

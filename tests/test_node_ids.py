@@ -1,0 +1,68 @@
+"""Integer node ids in the compiler: the positions a pass hands on are those a
+look-up by key finds, the scheduler's packed heap entries order as the
+priorities they replace, and the simulator's bookkeeping for one replica per
+group gives what simulating every device gives."""
+from __future__ import annotations
+
+import pytest
+
+from piper.capture import Program
+from piper.compiler import _compute_entries, _priority, compile_ir, schedule
+from piper.dsl import load_strategy
+from piper.ir import COMPUTE
+from piper.lower import add_transfers, resolve_placement
+from piper.simulate import simulate, verify
+from piper.statements import apply_all, initial_ir
+
+CASES = [
+    ("mesh dp=2, pp=4\nuse one_f_one_b(microbatches=6) on pp\nuse zero3() on dp\n", 4),
+    ("mesh dp=2, pp=2\nuse interleaved_1f1b(microbatches=4) on pp\nuse zero2() on dp\n", 4),
+    ("mesh pp=2\nuse dualpipev(microbatches=4) on pp\n", 4),
+    ("mesh pp=4\nuse zbv(microbatches=4) on pp\n", 8),
+    ("mesh pp=3\nuse zero_bubble(microbatches=5) on pp\n", 3),
+    ("mesh dp=4\nuse zero3() on dp\n", 3),
+]
+
+
+def lowered(text: str, regions: int):
+    mesh, directives = load_strategy(text, file="case.pps").build(None)
+    return resolve_placement(apply_all(initial_ir(Program.chain({"PP": regions}), mesh), directives), [])
+
+
+@pytest.mark.parametrize("text,regions", CASES)
+def test_transfers_hand_on_the_edge_ids_a_look_up_finds(text, regions):
+    ir = add_transfers(lowered(text, regions))
+    handed = ir.edge_ids()
+    ir._indexes.pop("ids")                     # look every end up by key instead
+    assert ir.edge_ids() == handed
+    assert len(handed[0]) == len(ir.edges)
+
+
+@pytest.mark.parametrize("text,regions", CASES)
+def test_packed_heap_entries_order_as_priority_then_key(text, regions):
+    computes = [n for n in add_transfers(lowered(text, regions)).nodes if n.op in COMPUTE]
+    numbers = list(range(7, 7 + len(computes)))
+    entries = _compute_entries(computes, numbers, 10 ** 6)
+    assert [e % 10 ** 6 for e in entries] == numbers
+    by_entry = [n.key for _, n in sorted(zip(entries, computes))]
+    assert by_entry == [n.key for n in sorted(computes, key=lambda n: (_priority(n), n.key))]
+
+
+def test_schedule_reports_an_edge_to_an_unknown_node():
+    ir = add_transfers(lowered(*CASES[0]))
+    from piper.ir import Edge
+
+    broken = ir.with_(edges=ir.edges + (Edge("0F0", "9F9"),))
+    with pytest.raises(AssertionError, match="unknown node"):
+        schedule(broken)
+
+
+@pytest.mark.parametrize("text,regions", CASES)
+def test_one_replica_per_group_simulates_as_every_device(text, regions):
+    compiled = compile_ir(lowered(text, regions))
+    every = simulate(dict(compiled.plans), comm_cost=lambda n: 0.5)
+    replicas = simulate(compiled.plans.representatives(), comm_cost=lambda n: 0.5)
+    assert replicas.step_time == every.step_time
+    assert {r: every.timeline[r] for r in replicas.timeline} == replicas.timeline
+    verified = verify(compiled)
+    assert verified.timeline == {} and verified.busy == simulate(compiled.plans.representatives()).busy
