@@ -27,7 +27,11 @@ The prediction replays each device's plan the way the executor spends memory
 - `shard experts over AXIS` (`piper/experts.py`): expert weights leave the
   flat units; each device holds its `num_experts / size` rows of every expert
   weight, their AdamW state, and their gradients from the unit's first
-  backward until its update.
+  backward until its update. A MoE region's saved activations assume every
+  device receives its share of the routed token copies (the routing decides),
+  and count the region as one forward: a pass cut into pieces at its
+  all-to-alls (`piper/runtime/moe_pieces.py`) saves each piece's tensors on
+  their own, which holds more (the example MoE: 4-9% more per expert group).
 
 The peak is sampled after every action, as `job.memory()[rank]["step_peak"]`
 is, in a steady-state step (optimizer state and gradient shards exist). The
