@@ -29,9 +29,8 @@ The prediction replays each device's plan the way the executor spends memory
   weight, their AdamW state, and their gradients from the unit's first
   backward until its update. A MoE region's saved activations assume every
   device receives its share of the routed token copies (the routing decides),
-  and count the region as one forward: a pass cut into pieces at its
-  all-to-alls (`piper/runtime/moe_pieces.py`) saves each piece's tensors on
-  their own, which holds more (the example MoE: 4-9% more per expert group).
+  and, for a pass the runtime cuts into pieces at its all-to-alls
+  (`piper/runtime/moe_pieces.py`), what each piece saves on its own.
 
 The peak is sampled after every action, as `job.memory()[rank]["step_peak"]`
 is, in a steady-state step (optimizer state and gradient shards exist). The
@@ -140,7 +139,8 @@ class _SavedAndInputs(SavedBytes):
         return super()._pack(t)
 
 
-def run_regions(program: Program, *, backward: bool = False, timer=None, dtype=None) -> dict[int, RegionBytes]:
+def run_regions(program: Program, *, backward: bool = False, timer=None, dtype=None,
+                pieces=frozenset()) -> dict[int, RegionBytes]:
     """Run every region of `program` once on CPU with zero-filled microbatch inputs.
 
     Returns per region what its forward holds for backward (`RegionBytes`: parameters
@@ -150,13 +150,15 @@ def run_regions(program: Program, *, backward: bool = False, timer=None, dtype=N
     (`job.timings(cpu=True)`): wall time would also hold whatever else the cores ran.
     `dtype` (16-bit): the parameters and floating-point inputs in it, as a worker computes
     under `precision=` (the program captured in that dtype, `piper.compile` does so).
+    `pieces`: regions the runtime runs cut at their all-to-alls (`shard experts`): their
+    saved bytes are the pieces' (`_pieces_saved`).
     """
     import time
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_regions(program, backward, timer, time.thread_time, dtype)
+        return _run_regions(program, backward, timer, time.thread_time, dtype, pieces)
     finally:
         torch.set_num_threads(threads)
 
@@ -172,7 +174,50 @@ def _storage_keys(tensors, exclude) -> dict[int, int]:
     return out
 
 
-def _run_regions(program, backward, timer, clock, dtype=None):
+def _pieces_saved(graph, args, exclude) -> int:
+    """What a region run as pieces cut at its all-to-alls saves (`piper/runtime/moe_pieces.py`):
+    each piece on its own, reading earlier pieces' and exchanges' outputs as leaves. The
+    exchanges are local here (a group of one): the rows stay, as new tensors."""
+    from .moe_cut import DISPATCH, Source, cut
+
+    c = cut(graph, 1)
+    values: dict = {}
+    grads: set = set()           # exchange outputs that carry a gradient back
+
+    def exchange(k):
+        kind, sources = c.exchanges[k]
+        rows = values[sources[0]]
+        if rows.requires_grad:
+            grads.add(Source("exchange", k, 0))
+        values[Source("exchange", k, 0)] = rows.detach().clone()
+        if kind == DISPATCH:
+            counts = values[sources[1]]
+            whole = counts.view(1, -1).sum(1)
+            values.update({Source("exchange", k, 1): counts.clone(), Source("exchange", k, 2): whole,
+                           Source("exchange", k, 3): whole.clone()})
+
+    total = 0
+    for piece, gm in enumerate(c.pieces):
+        inputs = []
+        for source in c.inputs[piece]:
+            if source.kind == "arg":
+                inputs.append(args[source.index])
+                continue
+            if source.kind == "exchange" and source not in values:
+                exchange(source.index)
+            value = values[source]
+            if torch.is_tensor(value) and (value.requires_grad or source in grads):
+                value = value.detach().requires_grad_()
+            inputs.append(value)
+        with torch.enable_grad(), SavedBytes(exclude) as counted:
+            outs = gm(*inputs)
+        total += counted.size
+        for j, out in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
+            values[Source("piece", piece, j)] = out
+    return total
+
+
+def _run_regions(program, backward, timer, clock, dtype=None, pieces=frozenset()):
     values = {v.id: v for v in program.values}
     params = {n: _zeros(s, True, dtype) for n, s in program.params.items()}
     buffers = {n: _zeros(s) for n, s in program.buffers.items()}
@@ -201,7 +246,8 @@ def _run_regions(program, backward, timer, clock, dtype=None):
             outs = region.graph(*args)
         if timer is not None:
             timer(region.index, "F", clock() - start)
-        saved[region.index] = RegionBytes(counted.size, sum(inputs.values()), counted.size - counted.of_inputs)
+        size = _pieces_saved(region.graph, args, exclude) if region.index in pieces else counted.size
+        saved[region.index] = RegionBytes(size, sum(inputs.values()), counted.size - counted.of_inputs)
         for v, o in zip(region.outputs, outs):
             out_of[v] = o
         ran.append((region, outs))
@@ -218,12 +264,13 @@ def _run_regions(program, backward, timer, clock, dtype=None):
     return saved
 
 
-def region_bytes(program: Program, precision=None) -> dict[int, RegionBytes]:
-    """Region -> what its forward holds for backward per microbatch (`RegionBytes`, parameters excluded)."""
+def region_bytes(program: Program, precision=None, pieces=frozenset()) -> dict[int, RegionBytes]:
+    """Region -> what its forward holds for backward per microbatch (`RegionBytes`, parameters excluded);
+    `pieces`: the regions run cut at their all-to-alls."""
     if any(r.graph is None for r in program.regions):        # an abstract chain: no graphs to run
         return {r.index: RegionBytes(0) for r in program.regions}
     with torch.random.fork_rng(devices=[]):
-        return run_regions(program, dtype=compute_dtype(precision))
+        return run_regions(program, dtype=compute_dtype(precision), pieces=pieces)
 
 
 def activation_bytes(program: Program, precision=None) -> dict[int, int]:
@@ -345,7 +392,9 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
     from .runtime.slots import spans, whole_backwards
 
     dtype = compute_dtype(precision)
-    saved = region_bytes(program, dtype) if saved is None else saved
+    if saved is None:             # MoE regions the plans run as pieces save as their pieces do
+        cut = {n.region for n in compiled.ir.nodes if n.is_compute and n.value}
+        saved = region_bytes(program, dtype, frozenset(cut))
     saved = {r: RegionBytes.of(b) for r, b in saved.items()}
     states = optimizer_states(optimizer)
     ir = compiled.ir

@@ -142,7 +142,7 @@ def test_precision_recompute_and_experts_are_predicted_within_ten_percent(case, 
         # which the data decides: the prediction is each expert group's mean (every device its
         # share), and the members' measured peaks scatter around it (about +-10% on this tiny MoE).
         # The runtime runs a MoE pass as pieces cut at its all-to-alls, each saving its tensors on
-        # its own; the prediction counts one forward of the region: 4-9% under the group mean here.
+        # its own; the prediction runs the pieces with a local group of one: 2-6% under the means here.
         rows = [(f"{case} (mean of ranks {list(g)})", g[0], predicted[g[0]],
                  sum(measured[r]["step_peak"] for r in g) // len(g)) for g in groups]
         with capsys.disabled():
