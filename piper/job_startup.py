@@ -72,9 +72,17 @@ class JobStartup:
 
         from .runtime.worker import Worker
 
+        from .runtime import pool
+
         pg = placement_group([dict(b) for b in placement.bundles], strategy=placement.strategy)
         self._pg = pg            # removed by `close` if what follows fails
-        if not pg.wait(timeout_seconds=self.startup_timeout):
+        # Kept workers of other shapes (PIPER_KEEP_WORKERS) may hold what this group needs: a group
+        # that does not fit at once lets them go, then waits as long as a start may take.
+        ready = pg.wait(timeout_seconds=min(pool.FIT_S, self.startup_timeout))
+        if not ready:
+            pool.release()
+            ready = pg.wait(timeout_seconds=self.startup_timeout)
+        if not ready:
             raise error("no-resources", f"the cluster cannot host {world} workers ({placement.strategy} of "
                         f"{len(placement.bundles)} bundles of {placement.bundles[0]})",
                         hint="shrink the mesh or add nodes/GPUs to the Ray cluster")

@@ -22,6 +22,7 @@ import threading
 ENV = "PIPER_KEEP_WORKERS"
 RESET_S = 30.0        # a healthy idle worker forgets its job in well under this
 ALIVE_S = 10.0        # an idle worker answers a status request at once
+FIT_S = 5.0           # a placement group that fits is ready well within this
 MAX_IDLE = 8          # idle workers kept at most (each holds a few hundred MB); the oldest go first
 
 _lock = threading.Lock()
