@@ -128,15 +128,8 @@ def inline_autocast(gm: fx.GraphModule) -> None:
                     if not copied.meta.get(key) and node.meta.get(key):
                         copied.meta[key] = node.meta[key]
                 env[n] = copied
-        results = [env[o] if isinstance(o, fx.Node) else o for o in pytree.tree_leaves(outputs)]
-        for user in list(node.users):
-            assert user.target is __import__("operator").getitem, user.format_node()
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        if not sub_node.users:
-            graph.erase_node(sub_node)
-            delattr(gm, sub_node.target)
+        _replace_call(gm, node, sub_node, [env[o] if isinstance(o, fx.Node) else o
+                                           for o in pytree.tree_leaves(outputs)])
     graph.lint()
 
 
@@ -185,16 +178,22 @@ def inline_grad_islands(gm: fx.GraphModule) -> None:
                     detached.meta = dict(value.meta)
                     value = detached
                 results.append(value)
-        for user in list(node.users):
-            # Each result is read as `out[i]`.
-            assert user.target is __import__("operator").getitem, user.format_node()
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        if not sub_node.users:
-            graph.erase_node(sub_node)
-            delattr(gm, sub_node.target)
+        _replace_call(gm, node, sub_node, results)
     graph.lint()
+
+
+def _replace_call(gm: fx.GraphModule, node: fx.Node, sub_node: fx.Node, results: list) -> None:
+    """After inlining a higher-order call's sub-graph: its users (each reads `out[i]`) read the
+    inlined results, and the call (and the sub-module, once nothing else calls it) goes."""
+    graph = gm.graph
+    for user in list(node.users):
+        assert user.target is __import__("operator").getitem, user.format_node()
+        user.replace_all_uses_with(results[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+    if not sub_node.users:
+        graph.erase_node(sub_node)
+        delattr(gm, sub_node.target)
 
 
 def materialise_constants(graph: fx.Graph, constant_inputs: dict[str, str], constants: dict) -> None:

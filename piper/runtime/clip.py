@@ -21,14 +21,12 @@ import torch
 import torch.distributed as dist
 
 
-class GlobalNormClip:
-    """Per worker: holds the step's updates back, then clips and runs them (`finish`)."""
+class Deferring:
+    """Holds a step's updates back until `finish` knows what every device found."""
 
-    def __init__(self, max_norm: float):
-        self.max_norm = float(max_norm)
+    def __init__(self):
         self.deferred: list = []      # UPD and ALL_GATHER-after-UPD actions, in plan order
         self.flushing = False
-        self.norm: float | None = None   # the last step's global gradient norm, before clipping
 
     def defer(self, action) -> bool:
         """True if `action` is held back until `finish` (the executor then skips it for now)."""
@@ -36,6 +34,15 @@ class GlobalNormClip:
             return False
         self.deferred.append(action)
         return True
+
+
+class GlobalNormClip(Deferring):
+    """Per worker: holds the step's updates back, then clips and runs them (`finish`)."""
+
+    def __init__(self, max_norm: float):
+        super().__init__()
+        self.max_norm = float(max_norm)
+        self.norm: float | None = None   # the last step's global gradient norm, before clipping
 
     def finish(self, units, run, experts=()) -> None:
         """Clip every unit's gradients by the global norm, then run the held-back actions with `run`.

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .clip import Deferring
 from .executor import Unit
 
 
@@ -105,7 +106,7 @@ def make_unit(dtype: torch.dtype | None):
 
 # -- fp16: dynamic loss scaling (`piper/loss_scaling.py`) -----------------------------------------------
 
-class DynamicLossScale:
+class DynamicLossScale(Deferring):
     """Per worker: torch.amp.GradScaler's rule over the whole job.
 
     The backward of each loss starts from `loss_scale` times its usual seed, so
@@ -120,25 +121,18 @@ class DynamicLossScale:
     """
 
     def __init__(self, config, clip=None):
+        super().__init__()
         self.config = config
         self.clip = clip                      # a GlobalNormClip, or None
         self.loss_scale = float(config.init_scale)
         self.good_steps = 0                   # steps in a row without an inf/NaN
         self.skipped = 0                      # steps skipped since the job started
         self.last_skipped = False
-        self.deferred: list = []
-        self.flushing = False
 
     @property
     def norm(self) -> float | None:
         """The clip's last global norm (`job.grad_norm()`), of the unscaled gradients."""
         return self.clip.norm if self.clip is not None else None
-
-    def defer(self, action) -> bool:
-        if self.flushing:
-            return False
-        self.deferred.append(action)
-        return True
 
     def finish(self, units, run, experts=()) -> None:
         """Unscale, agree on inf/NaN across every device, then step (or skip) and update the scale."""
