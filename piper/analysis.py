@@ -10,8 +10,9 @@ from .planning import compile_directives
 
 
 def program_for(mesh, directives, *, model_spec: str | None = None, regions=None,
-                batch_size: int | None = None) -> Program:
-    """The regions to plan for: an abstract chain (`PP=8`) or a model captured on meta."""
+                batch_size: int | None = None, precision: str = "fp32") -> Program:
+    """The regions to plan for: an abstract chain (`PP=8`) or a model captured on meta
+    (in the compute dtype of `precision`, with float32 masters, as `piper.compile` captures it)."""
     if regions:
         if len(regions) > 1:
             shown = ",".join(f"{k}={v}" for k, v in regions.items())
@@ -26,10 +27,16 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
     from .job import _microbatch_inputs, split_counts
     from .models import example_batch, load_model
 
+    from .options import TrainingOptions, compute_dtype
+
     model, module = load_model(model_spec)
     micro, shards = split_counts(mesh, directives)
     inputs = example_batch(module, batch_size or micro * shards)
-    return capture(model, _microbatch_inputs(inputs, mesh, directives)[0])
+    training = TrainingOptions(compute_dtype(precision))
+    mb_inputs = _microbatch_inputs(inputs, mesh, directives)[0]
+    program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)))
+    training.master_specs(program, model, mb_inputs)
+    return program
 
 
 def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=None,
@@ -40,10 +47,11 @@ def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=
 
 
 def compile_with_program(script, *, mesh=None, model_spec: str | None = None, regions=None,
-                         batch_size: int | None = None) -> tuple[Compiled, Program]:
+                         batch_size: int | None = None, precision: str = "fp32") -> tuple[Compiled, Program]:
     """`compile_script`, and the program it planned for (for memory prediction)."""
     mesh, directives = script.build(mesh)
-    program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size)
+    program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size,
+                          precision=precision)
     compiled = compile_directives(program, mesh, directives)
     compiled.program = program       # for `piper show --what ir`: where each op went
     return compiled, program

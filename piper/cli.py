@@ -234,17 +234,21 @@ def cmd_simulate(args) -> int:
 
     compiled, program = compile_with_program(
         load_strategy(args.script, overrides=_parse_sets(args.set)), mesh=_parse_mesh(args.mesh),
-        model_spec=args.model, regions=_parse_regions(args.regions), batch_size=getattr(args, "batch_size", None))
+        model_spec=args.model, regions=_parse_regions(args.regions), batch_size=getattr(args, "batch_size", None),
+        precision=args.precision)
     memory = None
     if args.model:                 # a model has parameters and activations to predict
         from .memory_model import predict_memory
 
-        memory = predict_memory(compiled, program, ranks=compiled.plans.representatives())
+        memory = predict_memory(compiled, program, ranks=compiled.plans.representatives(), precision=args.precision)
     timings = {}
     if args.timings:
         with open(args.timings, encoding="utf-8") as f:
             timings = {k: float(v) for k, v in json.load(f).items()}
     costs.update({k: v for k, v in timings.items() if k != STEP})
+    from .step_costs import recompute_costs
+
+    costs = recompute_costs(compiled, costs)     # `recompute` regions: their forward again in B/BI
     plans = compiled.plans.representatives()
     sim = simulate(plans, costs=costs, overlap=timed_slots(timings), cores=args.cores,
                    devices=compiled.ir.mesh.world_size, background=background_seconds(timings),
@@ -329,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the devices share N CPU cores (costs from job.timings(cpu=True))")
     sim.add_argument("--timeline", action="store_true", help="draw each device's timeline")
     sim.add_argument("--trace", metavar="FILE.json", help="write the predicted step as a Chrome/Perfetto trace")
+    sim.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                     help="piper.compile's precision= (memory: 16-bit copies, gathers and activations)")
     sim.set_defaults(func=cmd_simulate)
 
     export = commands.add_parser("export", help="write a script's schedule for torch.distributed.pipelining")

@@ -13,16 +13,35 @@ The prediction replays each device's plan the way the executor spends memory
 - optimizer state: its elements per parameter element (AdamW: 2) times the
   shard the device steps;
 - saved activations: each region's bytes saved for backward per microbatch
-  (`activation_bytes`, one forward per region on this machine's CPU with
-  the microbatch's shapes), added by F and freed by B or BW.
+  (`region_bytes`, one forward per region on this machine's CPU with
+  the microbatch's shapes), added by F and freed by B or BW;
+- `recompute` regions: F keeps only the bytes of its inputs; the first
+  backward pass (B, or BI under a split backward) runs the forward again and
+  adds what that saves beyond the inputs, until B or BW frees both;
+- mixed precision (`precision="bf16"`/`"fp16"`, `piper/runtime/precision.py`):
+  float32 masters, gradients and optimizer state as in full precision, plus
+  a 16-bit copy of each unit's flat parameters (held throughout without
+  ZeRO-3; under ZeRO-3 it is the gathered buffer, half the float32 one, and
+  the float32 full buffer is never allocated); activations are measured with
+  16-bit parameters and inputs;
+- `shard experts over AXIS` (`piper/experts.py`): expert weights leave the
+  flat units; each device holds its `num_experts / size` rows of every expert
+  weight, their AdamW state, and their gradients from the unit's first
+  backward until its update. A MoE region's saved activations assume every
+  device receives its share of the routed token copies (the routing decides),
+  and, for a pass the runtime cuts into pieces at its all-to-alls
+  (`piper/runtime/moe_pieces.py`), what each piece saves on its own.
 
 The peak is sampled after every action, as `job.memory()[rank]["step_peak"]`
 is, in a steady-state step (optimizer state and gradient shards exist). The
-items of an overlapped slot run at once in lanes (CPU): the prediction takes
-the worst case, both items' gradient buffers attached and the forward's
-activations saved before the backward frees its own. The measured peak then
-depends on which lane finishes first (DualPipeV with ZeRO-2 on the test GPT:
-0-9% below the prediction, varying between replicas of one stage).
+items of an overlapped slot run at once in lanes (CPU), so what a step holds
+at the slot depends on how the lanes' threads interleave, which changes from
+step to step and run to run: `peak` is the worst interleaving (both items'
+gradient buffers attached, the forward's activations saved before the
+backward frees its own), `least` the kindest (the backward done before the
+forward saves). A run's measured peak lies between them (DualPipeV with
+ZeRO-2 on the example GPT: one step at `least`, another at `peak`, 8-11% apart);
+`peak` is the number to budget with.
 Point-to-point buffers and temporaries inside an action are not counted
 (neither are they in `step_peak`); `p2p_bytes` gives the largest message a
 device receives, for a margin.
@@ -30,13 +49,14 @@ device receives, for a margin.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .capture import BATCH, BUFFER, PARAM, Program
 from .runtime.flat import layout_unit
 from .runtime.saved import SavedBytes
+from .tied import tie_ids, tied_params
 
 
 @dataclass(frozen=True)
@@ -52,46 +72,159 @@ class MemoryPrediction:
     activations: int
     in_flight: int                 # of `grads`: buffers handed to reduce-scatters still running
     between_steps: dict = field(default_factory=dict)   # params / grads / optimizer held between steps
+    # The peak if every overlapped slot's lanes interleave as favourably as they can (a backward
+    # lane done before a forward lane's activations are counted); `peak` is the worst
+    # interleaving. Equal without lanes. Which one a run sees depends on its threads' timing.
+    least: int | None = None
 
     def as_dict(self) -> dict:
         return {"peak": self.peak, "at": self.at, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "gathered": self.gathered, "activations": self.activations,
-                "in_flight": self.in_flight, "between_steps": dict(self.between_steps)}
+                "in_flight": self.in_flight, "between_steps": dict(self.between_steps),
+                "least": self.peak if self.least is None else self.least}
 
 
-def _zeros(spec, requires_grad=False):
+@dataclass(frozen=True)
+class RegionBytes:
+    """What one region's forward holds for its backward, per microbatch (parameters not counted).
+
+    `saved`: what autograd saves (F to B/BW). A `recompute` region keeps `inputs` (its input
+    tensors' storages) from F, and its rerun in backward saves `rerun` beyond them."""
+
+    saved: int
+    inputs: int = 0
+    rerun: int = 0
+
+    @staticmethod
+    def of(x) -> "RegionBytes":
+        """A `RegionBytes`, or a plain byte count (inputs unknown: a rerun saves it all)."""
+        return x if isinstance(x, RegionBytes) else RegionBytes(int(x), 0, int(x))
+
+    def scaled(self, k: float) -> "RegionBytes":
+        return RegionBytes(int(self.saved * k), int(self.inputs * k), int(self.rerun * k))
+
+
+def compute_dtype(precision) -> torch.dtype | None:
+    """`"bf16"`, `"fp16"`, `"fp32"`, a torch dtype or None -> the 16-bit compute dtype, or None."""
+    if precision is None or isinstance(precision, torch.dtype):
+        return precision
+    from .options import compute_dtype as parse
+
+    return parse(precision)
+
+
+def _zeros(spec, requires_grad=False, dtype=None):
     if spec.dtype.is_floating_point or spec.dtype.is_complex:
-        return torch.zeros(spec.shape, dtype=spec.dtype, requires_grad=requires_grad)
+        return torch.zeros(spec.shape, dtype=dtype if dtype is not None and spec.dtype.is_floating_point
+                           else spec.dtype, requires_grad=requires_grad)
     return torch.zeros(spec.shape, dtype=spec.dtype)
 
 
-def run_regions(program: Program, *, backward: bool = False, timer=None):
+class _SavedAndInputs(SavedBytes):
+    """`SavedBytes`, also counting apart the saved bytes that are the forward's own inputs
+    (what a recomputed region keeps anyway, so its rerun does not count them again)."""
+
+    __slots__ = ("inputs", "of_inputs")
+
+    def __init__(self, exclude, inputs: set[int]):
+        super().__init__(exclude)
+        self.inputs = inputs
+        self.of_inputs = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.inputs and key not in self._seen and key not in self.exclude:
+            self.of_inputs += storage.nbytes()
+        return super()._pack(t)
+
+
+def run_regions(program: Program, *, backward: bool = False, timer=None, dtype=None,
+                pieces=frozenset()) -> dict[int, RegionBytes]:
     """Run every region of `program` once on CPU with zero-filled microbatch inputs.
 
-    Returns per region the bytes autograd saved in its forward (parameters not
-    counted, as the executor counts them) and, with `timer`, calls
+    Returns per region what its forward holds for backward (`RegionBytes`: parameters
+    not counted, as the executor counts them) and, with `timer`, calls
     `timer(region, pass, seconds)` for the forward and (with `backward`) the backward,
     in this thread's CPU seconds on one intra-op thread, as a worker runs them
     (`job.timings(cpu=True)`): wall time would also hold whatever else the cores ran.
+    `dtype` (16-bit): the parameters and floating-point inputs in it, as a worker computes
+    under `precision=` (the program captured in that dtype, `piper.compile` does so).
+    `pieces`: regions the runtime runs cut at their all-to-alls (`shard experts`): their
+    saved bytes are the pieces' (`_pieces_saved`).
     """
     import time
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_regions(program, backward, timer, time.thread_time)
+        return _run_regions(program, backward, timer, time.thread_time, dtype, pieces)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_regions(program, backward, timer, clock):
+def _storage_keys(tensors, exclude) -> dict[int, int]:
+    """Storage `_cdata` -> bytes of the tensors' storages, those in `exclude` left out."""
+    out = {}
+    for t in tensors:
+        if torch.is_tensor(t):
+            storage = t.untyped_storage()
+            if storage._cdata not in exclude:
+                out[storage._cdata] = storage.nbytes()
+    return out
+
+
+def _pieces_saved(graph, args, exclude) -> int:
+    """What a region run as pieces cut at its all-to-alls saves (`piper/runtime/moe_pieces.py`):
+    each piece on its own, reading earlier pieces' and exchanges' outputs as leaves. The
+    exchanges are local here (a group of one): the rows stay, as new tensors."""
+    from .moe_cut import DISPATCH, Source, cut
+
+    c = cut(graph, 1)
+    values: dict = {}
+    grads: set = set()           # exchange outputs that carry a gradient back
+
+    def exchange(k):
+        kind, sources = c.exchanges[k]
+        rows = values[sources[0]]
+        if rows.requires_grad:
+            grads.add(Source("exchange", k, 0))
+        values[Source("exchange", k, 0)] = rows.detach().clone()
+        if kind == DISPATCH:
+            counts = values[sources[1]]
+            whole = counts.view(1, -1).sum(1)
+            values.update({Source("exchange", k, 1): counts.clone(), Source("exchange", k, 2): whole,
+                           Source("exchange", k, 3): whole.clone()})
+
+    total = 0
+    for piece, gm in enumerate(c.pieces):
+        inputs = []
+        for source in c.inputs[piece]:
+            if source.kind == "arg":
+                inputs.append(args[source.index])
+                continue
+            if source.kind == "exchange" and source not in values:
+                exchange(source.index)
+            value = values[source]
+            if torch.is_tensor(value) and (value.requires_grad or source in grads):
+                value = value.detach().requires_grad_()
+            inputs.append(value)
+        with torch.enable_grad(), SavedBytes(exclude) as counted:
+            outs = gm(*inputs)
+        total += counted.size
+        for j, out in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
+            values[Source("piece", piece, j)] = out
+    return total
+
+
+def _run_regions(program, backward, timer, clock, dtype=None, pieces=frozenset()):
     values = {v.id: v for v in program.values}
-    params = {n: _zeros(s, True) for n, s in program.params.items()}
+    params = {n: _zeros(s, True, dtype) for n, s in program.params.items()}
     buffers = {n: _zeros(s) for n, s in program.buffers.items()}
-    batch = [_zeros(s) for s in program.batch]
+    batch = [_zeros(s, dtype=dtype) for s in program.batch]
     exclude = {p.untyped_storage()._cdata for p in params.values()}
     out_of: dict[int, torch.Tensor] = {}
-    saved: dict[int, int] = {}
+    saved: dict[int, RegionBytes] = {}
     ran = []
     for region in sorted(program.regions, key=lambda r: r.index):
         args = []
@@ -107,12 +240,14 @@ def _run_regions(program, backward, timer, clock):
                 if values[i.ref].differentiable:
                     t.requires_grad_()
                 args.append(t)
+        inputs = _storage_keys(args, exclude)        # what `recompute` keeps (runtime/recompute.py)
         start = clock()
-        with torch.enable_grad(), SavedBytes(exclude) as counted:
+        with torch.enable_grad(), _SavedAndInputs(exclude, set(inputs)) as counted:
             outs = region.graph(*args)
         if timer is not None:
             timer(region.index, "F", clock() - start)
-        saved[region.index] = counted.size
+        size = _pieces_saved(region.graph, args, exclude) if region.index in pieces else counted.size
+        saved[region.index] = RegionBytes(size, sum(inputs.values()), counted.size - counted.of_inputs)
         for v, o in zip(region.outputs, outs):
             out_of[v] = o
         ran.append((region, outs))
@@ -129,12 +264,18 @@ def _run_regions(program, backward, timer, clock):
     return saved
 
 
-def activation_bytes(program: Program) -> dict[int, int]:
-    """Region -> bytes its forward saves for backward, per microbatch (parameters excluded)."""
+def region_bytes(program: Program, precision=None, pieces=frozenset()) -> dict[int, RegionBytes]:
+    """Region -> what its forward holds for backward per microbatch (`RegionBytes`, parameters excluded);
+    `pieces`: the regions run cut at their all-to-alls."""
     if any(r.graph is None for r in program.regions):        # an abstract chain: no graphs to run
-        return {r.index: 0 for r in program.regions}
+        return {r.index: RegionBytes(0) for r in program.regions}
     with torch.random.fork_rng(devices=[]):
-        return run_regions(program)
+        return run_regions(program, dtype=compute_dtype(precision), pieces=pieces)
+
+
+def activation_bytes(program: Program, precision=None) -> dict[int, int]:
+    """Region -> bytes its forward saves for backward, per microbatch (parameters excluded)."""
+    return {r: b.saved for r, b in region_bytes(program, precision).items()}
 
 
 @functools.lru_cache(maxsize=32)
@@ -159,30 +300,45 @@ def optimizer_states(optimizer=None) -> float:
 
 
 class _Unit:
-    """The sizes one unit holds on a device, changed as the executor's `Unit` would be."""
+    """The sizes one unit holds on a device, changed as the executor's `Unit` would be.
 
-    __slots__ = ("full", "shard", "zero", "gathered", "flat", "grad_shard", "in_flight", "opt")
+    `low`: its 16-bit compute copy under `precision=` (0 in full precision); `experts`: the
+    bytes of the expert rows it holds under `shard experts` (kept apart from its flat buffers)."""
 
-    def __init__(self, layout, zero: int, states: float):
-        self.full = sum(b.padded * _esize(b.dtype) for b in layout.buckets)
-        self.shard = sum(b.shard_size * _esize(b.dtype) for b in layout.buckets)
+    __slots__ = ("full", "shard", "zero", "gathered", "flat", "grad_shard", "in_flight", "opt", "low",
+                 "experts", "expert_grads", "expert_opt")
+
+    def __init__(self, layout, zero: int, states: float, low_size: int = 0, experts: int = 0):
+        self.full = sum(b.padded * _esize(b.dtype) for b in layout.buckets) if layout else 0
+        self.shard = sum(b.shard_size * _esize(b.dtype) for b in layout.buckets) if layout else 0
+        self.low = sum(b.padded * low_size for b in layout.buckets) if layout and low_size else 0
         self.zero = zero
         self.gathered = False
         self.flat = zero <= 1              # replicated gradients stay allocated
         self.grad_shard = zero >= 2        # steady state: the shard of the last step's sums exists
         self.in_flight: list[int] = []     # bytes per reduce-scatter in flight
         self.opt = int(states * (self.full if zero == 0 else self.shard))
+        self.experts = experts
+        self.expert_grads = False          # from the unit's first backward to its update
+        self.expert_opt = int(states * experts)
 
     def params(self) -> int:
-        if self.zero == 3:
-            return self.shard + (self.full if self.gathered else 0)
-        return self.full
+        if self.zero == 3:                 # under precision= the gather fills the 16-bit buffer only
+            return self.shard + ((self.low or self.full) if self.gathered else 0) + self.experts
+        return self.full + self.low + self.experts
+
+    def gathered_bytes(self) -> int:
+        return (self.low or self.full) if self.zero == 3 and self.gathered else 0
 
     def grads(self) -> int:
-        return (self.full if self.flat else 0) + (self.shard if self.grad_shard else 0) + sum(self.in_flight)
+        return ((self.full if self.flat else 0) + (self.shard if self.grad_shard else 0) + sum(self.in_flight)
+                + (self.experts if self.expert_grads else 0))
+
+    def optimizer(self) -> int:
+        return self.opt + self.expert_opt
 
     def held(self) -> int:
-        return self.params() + self.grads() + self.opt
+        return self.params() + self.grads() + self.optimizer()
 
 
 def _esize(dtype) -> int:
@@ -191,39 +347,72 @@ def _esize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def unit_layouts(compiled, program: Program) -> dict:
+def unit_layouts(compiled, program: Program, exclude=frozenset()) -> dict:
+    """Owner region -> its flat unit's layout, as `Job` lays it out (tied weights in buckets of
+    their own; the names in `exclude`, expert weights under `shard experts`, left out)."""
     ir = compiled.ir
-    return {r.index: layout_unit(r.index, r.owned, program.params, ir.devices_of(r.index))
+    ties, copies = tie_ids(ir), tied_params(ir)
+    return {r.index: layout_unit(r.index, [p for p in r.owned if p not in exclude], program.params,
+                                 ir.devices_of(r.index), ties,
+                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index})
             for r in ir.regions if r.owned}
 
 
-def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict[int, int] | None = None,
-                   ranks=None, lanes: bool = True) -> dict[int, MemoryPrediction]:
+def _expert_bytes(compiled, program: Program, rank: int) -> dict[int, int]:
+    """Unit -> bytes of the expert rows `rank` holds (`shard experts`; {} without it)."""
+    from . import experts
+
+    out: dict[int, int] = {}
+    for unit, names in experts.holdings(program, compiled.ir, rank).items():
+        for name, (lo, hi) in names.items():
+            spec = program.params[name]
+            rest = 1
+            for d in spec.shape[1:]:
+                rest *= d
+            out[unit] = out.get(unit, 0) + (hi - lo) * rest * _esize(spec.dtype)
+    return out
+
+
+def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | None = None,
+                   ranks=None, lanes: bool = True, precision=None) -> dict[int, MemoryPrediction]:
     """Per rank, the predicted peak bytes of a step and its parts (see the module's docstring).
 
-    `saved` (region -> bytes saved per microbatch) defaults to `activation_bytes(program)`;
-    `ranks` defaults to every device (devices of one group share one replay). `lanes`: overlapped
-    slots run in lanes, regrouped as the executor does on CPU (`piper.runtime.slots.spans`);
-    False for a job compiled with `overlap=False` (or on CUDA, where the items run in turn)."""
+    `saved` (region -> `RegionBytes`, or bytes saved per microbatch) defaults to
+    `region_bytes(program, precision)`; `ranks` defaults to every device (devices of one group
+    share one replay). `lanes`: overlapped slots run in lanes, regrouped as the executor does on
+    CPU (`piper.runtime.slots.spans`); False for a job compiled with `overlap=False` (or on
+    CUDA, where the items run in turn). `precision`: the job's `precision=` ("bf16", "fp16",
+    "fp32" or a dtype). The strategy's `recompute` regions and `shard experts` come from the IR.
+
+        predict_memory(job.compiled, job.program, precision="bf16")[0].peak
+    """
     lanes_on = lanes
+    from . import experts
     from .interop import compute_slots
     from .runtime.slots import spans, whole_backwards
 
-    saved = activation_bytes(program) if saved is None else saved
+    dtype = compute_dtype(precision)
+    if saved is None:             # MoE regions the plans run as pieces save as their pieces do
+        cut = {n.region for n in compiled.ir.nodes if n.is_compute and n.value}
+        saved = region_bytes(program, dtype, frozenset(cut))
+    saved = {r: RegionBytes.of(b) for r, b in saved.items()}
     states = optimizer_states(optimizer)
-    layouts = unit_layouts(compiled, program)
     ir = compiled.ir
+    sharded = experts.expert_params(program) if ir.sharded("experts") else {}
+    layouts = unit_layouts(compiled, program, exclude=set(sharded))
     units_of = {r.index: tuple(sorted({program.owner(p) for p in r.params})) for r in ir.regions}
     producer = {v.id: v.producer for v in program.values}
     feeds = {r.index: {producer[i.ref] for i in r.inputs if i.kind == "value"} for r in program.regions}
     world = compiled.ir.mesh.world_size
     ranks = list(range(world)) if ranks is None else list(ranks)
+    recompute = frozenset(ir.recompute)
+    low_size = _esize(dtype) if dtype is not None else 0
     slots = None
     out: dict[int, MemoryPrediction] = {}
     by_group: dict[tuple, MemoryPrediction] = {}
     for rank in ranks:
         group = tuple(r.index for r in ir.regions if rank in ir.devices_of(r.index))
-        if group in by_group:
+        if group in by_group:           # expert rows divide evenly: every member holds as many
             out[rank] = by_group[group]
             continue
         if slots is None:
@@ -233,20 +422,51 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict[in
         whole, skip = whole_backwards(plan, multi)
         lanes = spans(plan, multi, {r: set(units_of[r]) for r in group}, {r: feeds[r] for r in group}) \
             if lanes_on else {}
-        units = {u: _Unit(layouts[u], compiled.zero, states) for u in group if u in layouts}
-        out[rank] = by_group[group] = _replay(plan, units, units_of, saved, whole, skip, lanes)
+        rows = _expert_bytes(compiled, program, rank) if sharded else {}
+        units = {u: _Unit(layouts.get(u), compiled.zero, states, low_size, rows.get(u, 0))
+                 for u in group if u in layouts or u in rows}
+        worst = _replay(plan, units, units_of, saved, whole, skip, lanes, recompute)
+        least = worst.peak
+        if lanes:                       # the same step with each slot's lanes in their kindest order
+            units = {u: _Unit(layouts.get(u), compiled.zero, states, low_size, rows.get(u, 0))
+                     for u in group if u in layouts or u in rows}
+            least = _replay(plan, units, units_of, saved, whole, skip, lanes, recompute, worst=False).peak
+        out[rank] = by_group[group] = replace(worst, least=least)
     return out
 
 
-def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=None) -> MemoryPrediction:
+def predict_job(job, **options) -> dict[int, MemoryPrediction]:
+    """`predict_memory` for a compiled `piper.Job`, with its precision and lanes (nothing runs)."""
+    options.setdefault("precision", job.training.dtype)
+    options.setdefault("lanes", job.concurrent and getattr(job, "device", "cpu") == "cpu")
+    return predict_memory(job.compiled, job.program, **options)
+
+
+def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=None,
+            recompute=frozenset(), worst: bool = True) -> MemoryPrediction:
+    """Replay one device's plan on `units` (changed in place). The items of an overlapped slot's
+    lanes run at once: `worst` takes the interleaving that holds most (every backward's
+    gradient buffers attached and every forward's activations saved before a backward frees
+    its own); else the one that holds least (the backward lanes first, each attaching its
+    buffers as it starts, then the forward lanes)."""
     between = {"params": sum(u.params() for u in units.values()),
                "grads": sum(u.grads() for u in units.values()),
-               "optimizer": sum(u.opt for u in units.values())}
+               "optimizer": sum(u.optimizer() for u in units.values())}
     lanes = lanes or {}
     activations = 0
     pending: dict[str, tuple] = {}        # reduce-scatter key -> (unit, bytes in flight, extra shard)
     reducing: dict[str, list] = {}        # reduce-scatter key -> [computes since, unit]
+    nothing = RegionBytes(0)
     best = None
+
+    def held_by(region) -> int:
+        """What a region's forward leaves held until its backward frees it."""
+        b = saved.get(region, nothing)
+        return b.inputs if region in recompute else b.saved
+
+    def freed_by(region) -> int:
+        b = saved.get(region, nothing)
+        return b.inputs + b.rerun if region in recompute else b.saved
 
     def finish(key):
         u, size, extra = pending.pop(key)
@@ -259,14 +479,25 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
         held = activations + sum(u.held() for u in units.values())
         if best is None or held > best[0]:
             best = (held, key, sum(u.params() for u in units.values()), sum(u.grads() for u in units.values()),
-                    sum(u.opt for u in units.values()),
-                    sum(u.full for u in units.values() if u.zero == 3 and u.gathered), activations,
+                    sum(u.optimizer() for u in units.values()),
+                    sum(u.gathered_bytes() for u in units.values()), activations,
                     sum(sum(u.in_flight) for u in units.values()))
 
     def attach(region):
+        """A backward that writes weight gradients: ZeRO-2/3 buffers and expert rows' `.grad`."""
         for u in units_of[region]:
-            if u in units and units[u].zero >= 2:
-                units[u].flat = True
+            if u in units:
+                if units[u].zero >= 2:
+                    units[u].flat = True
+                if units[u].experts:
+                    units[u].expert_grads = True
+
+    def rerun(a):
+        """A recomputed region's first backward pass runs its forward again (the runtime samples then)."""
+        nonlocal activations
+        if a.node.region in recompute:
+            activations += saved.get(a.node.region, nothing).rerun
+            sample(a.key)
 
     def settle(reads):
         for key in list(reducing):
@@ -289,13 +520,18 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
         if node.value and node.is_compute:
             pass                  # a later piece of a pass cut at its all-to-alls: its piece 0 counts the pass
         elif op == "F":
-            activations += saved.get(node.region, 0)
+            activations += held_by(node.region)
         elif op == "B" or (op == "BI" and a.key in whole):
+            rerun(a)
             attach(node.region)
-            activations -= saved.get(node.region, 0)
+            activations -= freed_by(node.region)
+        elif op == "BI":
+            rerun(a)
         elif op == "BW" and a.key not in skip:
             attach(node.region)
-            activations -= saved.get(node.region, 0)
+            activations -= freed_by(node.region)
+        elif op == "UPD" and node.region in units:
+            units[node.region].expert_grads = False     # the expert optimizer lets go of them
         elif op == "ALL_GATHER" and node.phase and node.region in units:
             units[node.region].gathered = True
         elif op == "REDUCE_SCATTER" and node.region in units:
@@ -310,7 +546,6 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
         for u in a.release:
             if u in units:
                 units[u].gathered = False
-
     i = 0
     while i < len(plan):
         span = lanes.get(i)
@@ -324,13 +559,15 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
             settle({u for lane in span.lanes for a in lane if a.node.is_compute for u in units_of[a.node.region]})
         for a in span.before:
             run(a)
-        # The lanes run at once: a backward's gradient buffers are attached as it starts, and a
-        # forward (the shorter item) saves its activations before the backward frees its own.
-        for lane in span.lanes:
-            for a in lane:
-                if a.node.op in ("B", "BW") or (a.node.op == "BI" and a.key in whole):
-                    attach(a.node.region)
-        ordered = sorted(span.lanes, key=lambda lane: not any(a.node.op == "F" for a in lane))
+        # The lanes run at once. At worst a backward's gradient buffers are attached as it starts,
+        # and a forward (the shorter item) saves its activations before the backward frees its
+        # own; at best the backward is done before the forward saves anything.
+        if worst:
+            for lane in span.lanes:
+                for a in lane:
+                    if a.node.op in ("B", "BW") or (a.node.op == "BI" and a.key in whole):
+                        attach(a.node.region)
+        ordered = sorted(span.lanes, key=lambda lane: any(a.node.op == "F" for a in lane) != worst)
         for a in (*(a for lane in ordered for a in lane), *span.after):
             run(a)
         i = span.stop

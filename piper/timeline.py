@@ -110,7 +110,9 @@ def write(compiled, path: str, *, costs=None, title: str = "") -> str:
 
     world = compiled.ir.mesh.world_size
     plans = {r: compiled.plans[r] for r in range(world)} if world <= 64 else compiled.plans.representatives()
-    sim = simulate(plans, costs=costs, record_comm=True)
+    from .step_costs import recompute_costs
+
+    sim = simulate(plans, costs=recompute_costs(compiled, costs), record_comm=True)   # reruns drawn in B/BI
     picture = svg(sim, title=title, names=_device_names(compiled.ir.mesh, plans))
     with open(path, "w", encoding="utf-8") as f:
         f.write(html(picture, title) if path.lower().endswith((".html", ".htm")) else picture)

@@ -5,8 +5,10 @@
 
 The search covers mesh factorisations (dp x pp), the stdlib pipeline
 schedules the model's regions allow (a schedule with one region per device
-needs p PP regions, a V or interleaved one v*p), microbatch counts, and the
-data-parallel strategies (dp, ZeRO-1/2/3). Each candidate is compiled (so
+needs p PP regions, a V or interleaved one v*p), microbatch counts, the
+data-parallel strategies (dp, ZeRO-1/2/3), and `recompute PP=*` for the
+candidates that do not fit without it (recomputing only adds compute, so it
+never beats the same candidate that fits without). Each candidate is compiled (so
 only strategies that compile and verify are kept), its peak memory per
 device is predicted (`piper.memory_model`), and its step time simulated
 (`piper.simulate`) with costs measured on this machine:
@@ -15,7 +17,8 @@ device is predicted (`piper.memory_model`), and its step time simulated
   few runs, in CPU seconds on one thread, as `job.timings(cpu=True)` reports a
   worker's), scaled linearly to other microbatch sizes,
   as are its saved activations; a split backward's halves cost 0.6 of the
-  whole each (a split backward costs 1.2x on CPU);
+  whole each (a split backward costs 1.2x on CPU); a recomputed region's B
+  (or BI) also costs its forward (`piper.step_costs`);
 - the optimizer's update per parameter element (AdamW's step, timed);
 - communication by its bytes over a measured loopback TCP throughput (what
   Gloo moves between processes on one machine);
@@ -54,6 +57,7 @@ class Candidate:
     microbatches: int
     virtual: int | None = None
     data: str | None = None
+    recompute: bool = False        # `recompute PP=*`: every PP region keeps only its inputs
 
     def script(self) -> str:
         axes = [f"{a}={n}" for a, n in (("dp", self.dp), ("pp", self.pp)) if n > 1]
@@ -65,6 +69,8 @@ class Candidate:
             lines.append(f"use {self.data}() on dp")
         if not self.schedule and self.microbatches > 1:
             lines.append(f"split MB into {self.microbatches}")
+        if self.recompute:
+            lines.append("recompute PP=*")
         return "\n".join(lines) + "\n"
 
     def label(self) -> str:
@@ -74,6 +80,8 @@ class Candidate:
         parts.append(f"m={self.microbatches}")
         if self.data:
             parts.append(self.data)
+        if self.recompute:
+            parts.append("recompute")
         return " · ".join(parts)
 
 
@@ -91,7 +99,8 @@ class Result:
         return {"script": c.script(), "step_s": self.step_s, "peak_bytes": self.peak_bytes,
                 "label": c.label(), "mesh": {"dp": c.dp, "pp": c.pp}, "schedule": c.schedule,
                 "microbatches": c.microbatches, "virtual": c.virtual, "data_parallel": c.data,
-                "bubble": self.bubble, "memory": self.memory, "exact_activations": self.exact}
+                "recompute": c.recompute, "bubble": self.bubble, "memory": self.memory,
+                "exact_activations": self.exact}
 
 
 # ---- measuring this machine ---------------------------------------------------------------------
@@ -107,7 +116,7 @@ def _cached(key: dict, make):
     """A pickled value on disk under a hash of `key` (and this machine and torch), else `make()`."""
     import torch
 
-    full = {**key, "host": socket.gethostname(), "torch": torch.__version__, "version": 1}
+    full = {**key, "host": socket.gethostname(), "torch": torch.__version__, "version": 2}
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = os.path.join(_cache_dir(), f"tune-{digest}.pkl")
     try:
@@ -135,7 +144,7 @@ class Profile:
     program: object
     forward: dict[int, float]
     backward: dict[int, float]
-    saved: dict[int, int]
+    saved: dict    # region -> memory_model.RegionBytes
 
 
 def _graphless(program):
@@ -283,7 +292,7 @@ class Search:
         ref = exact or self.reference
         k = b / ref.microbatch
         return ({r: t * k for r, t in ref.forward.items()}, {r: t * k for r, t in ref.backward.items()},
-                {r: int(s * k) for r, s in ref.saved.items()})
+                {r: s.scaled(k) for r, s in ref.saved.items()})
 
     def evaluate(self, c: Candidate, exact: Profile | None = None) -> Result | None:
         from .dsl import load_strategy
@@ -292,6 +301,7 @@ class Search:
         from .job import plan
         from .memory_model import predict_memory
         from .simulate import simulate
+        from .step_costs import comm_cost, recompute_costs
 
         program = (exact or self.reference).program
         try:
@@ -317,29 +327,28 @@ class Search:
             elif n.op == "UPD":
                 shard = owned.get(n.region, 0) / 4 / (c.dp if c.data in ("zero1", "zero2", "zero3") else 1)
                 costs[n.key] = shard * per_element
-        values = {(v.producer, v.index): v.spec.nbytes * b / (exact or self.reference).microbatch
-                  for v in program.values}
-
-        def comm_cost(node) -> float:
-            if node.op in ("SEND", "RECV"):
-                producer = node.region if (node.op == "SEND") == (node.phase == "F") else node.peer
-                return values.get((producer, node.value), 0.0) / bandwidth
-            n = len(node.devices or ()) or 1
-            size = owned.get(node.region, 0)
-            factor = 2 * (n - 1) / n if node.op == "ALL_REDUCE" else (n - 1) / n
-            return size * factor / bandwidth
-
-        sim = simulate(compiled.plans.representatives(), costs=costs, comm_cost=comm_cost,
+        costs = recompute_costs(compiled, costs, measured=())      # B/BI of `recompute` regions: + their F
+        comm = comm_cost(compiled, program, bandwidth=bandwidth,
+                         value_scale=b / (exact or self.reference).microbatch)
+        sim = simulate(compiled.plans.representatives(), costs=costs, comm_cost=comm,
                        overlap=overlapped_slots(compiled), cores=self.machine["cores"], devices=self.devices)
         return Result(c, sim.step_time, fullest.peak, sim.bubble_fraction, fullest.as_dict(), exact is not None)
 
     def run(self, *, refine: int = 3) -> tuple[list[Result], list[Result]]:
         """(the results that fit, best first; every result) for every candidate."""
         every = []
+        # A recomputing candidate computes more than the same one without, so it can only win
+        # where that one does not fit: it is tried for those that miss the budget (or come
+        # within the refinement's margin of it, where exact activations may still push them out).
+        recomputable = any("PP" in dict(r.tags) for r in self.reference.program.regions)
         for c in candidates(self.devices, self.batch, self.regions):
             r = self.evaluate(c)
             if r is not None:
                 every.append(r)
+            if recomputable and (r is None or r.peak_bytes > self.memory / 1.25):
+                again = self.evaluate(replace(c, recompute=True))
+                if again is not None:
+                    every.append(again)
         # Re-predict the best few that fit, or nearly, with activations measured at their own
         # microbatch size (each size measured once, then cached), until the best few are exact.
         for _ in range(len(every)):     # each round makes at least one result exact

@@ -15,6 +15,17 @@ from piper.tune import Candidate, candidates
 MODEL = "examples/gpt.py:small_gpt"          # 4 PP regions
 
 
+@pytest.fixture(scope="module")
+def _cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def cache(_cache_dir, monkeypatch):
+    """One empty cost cache for this module's searches: the model's regions are timed once."""
+    monkeypatch.setenv("PIPER_CACHE", str(_cache_dir))
+
+
 def test_parse_bytes():
     assert parse_bytes("8MiB") == 8 * 2**20
     assert parse_bytes("2GiB") == 2 * 2**30
@@ -47,8 +58,8 @@ def test_candidate_script_has_its_mesh():
     assert Candidate(4, 1, None, 2, None, "zero2").script() == "mesh dp=4\nuse zero2() on dp\nsplit MB into 2\n"
 
 
-def test_tune_ranks_what_fits_and_writes_the_best(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PIPER_CACHE", str(tmp_path / "cache"))
+@pytest.mark.usefixtures("cache")
+def test_tune_ranks_what_fits_and_writes_the_best(tmp_path, capsys):
     best = tmp_path / "best.pps"
     budget = "3MiB"
     assert main(["tune", "--model", MODEL, "--devices", "4", "--memory", budget, "--format", "json",
@@ -72,3 +83,34 @@ def test_tune_ranks_what_fits_and_writes_the_best(tmp_path, monkeypatch, capsys)
     assert main(["tune", "--model", MODEL, "--devices", "4", "--memory", "64KiB"]) == 1
     err = capsys.readouterr().err
     assert "no-fit" in err and "raise --memory to at least" in err
+
+
+@pytest.mark.usefixtures("cache")
+def test_a_budget_that_only_recompute_fits_picks_recompute(tmp_path, capsys):
+    """Below the smallest peak of every composition without `recompute`, the best that fits
+    recomputes its PP regions; -o writes the statement, and the memory model agrees with the
+    written script's prediction."""
+    from piper.tune import Search
+
+    _, every = Search(MODEL, 4, 2**40, 16).run()
+    assert every and not any(r.candidate.recompute for r in every)    # nothing needed it
+    budget = int(min(r.peak_bytes for r in every) * 0.9)
+    best = tmp_path / "best.pps"
+    assert main(["tune", "--model", MODEL, "--devices", "4", "--memory", str(budget), "--format", "json",
+                 "-o", str(best)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(r["recompute"] and r["peak_bytes"] <= budget for r in rows)
+    assert "recompute PP=*" in rows[0]["script"] and "recompute PP=*\n" in best.read_text()
+    # the same candidate without recompute is predicted over the budget
+    from dataclasses import replace
+
+    from piper.tune import Candidate
+
+    c = rows[0]
+    plain = Candidate(c["mesh"]["dp"], c["mesh"]["pp"], c["schedule"], c["microbatches"], c["virtual"],
+                      c["data_parallel"])
+    search = Search(MODEL, 4, budget, 16)
+    without, recomputing = search.evaluate(plain), search.evaluate(replace(plain, recompute=True))
+    assert without.peak_bytes > budget and recomputing.peak_bytes < without.peak_bytes
+    # and costs less: recomputing adds each region's forward (about a third of F + B) to its backward
+    assert without.step_s < recomputing.step_s < 1.5 * without.step_s

@@ -146,6 +146,10 @@ class Experts:
     def views(self, unit: int) -> dict[str, torch.Tensor]:
         return self.leaves.get(unit, {})
 
+    def storages(self) -> set[int]:
+        """The `_cdata` of the expert rows' storages (parameters, not activations, when autograd saves them)."""
+        return {leaf.untyped_storage()._cdata for leaves in self.leaves.values() for leaf in leaves.values()}
+
     def weights(self, unit: int) -> list[torch.Tensor]:
         return list(self.leaves.get(unit, {}).values())
 

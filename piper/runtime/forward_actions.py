@@ -76,4 +76,5 @@ class ForwardActions:
             self.saved_bytes[(node.region, node.mb)] = self.saved_bytes.get((node.region, node.mb), 0) + size
             self.activations += size
             self.activation_peak = max(self.activation_peak, self.activations)
+        self._sample()                    # the rerun's activations are held now, until this backward ends
         return outs

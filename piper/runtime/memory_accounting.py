@@ -16,6 +16,8 @@ class MemoryAccounting:
         self._unit_list = list(self.units.values())
         self._param_storages = {full.untyped_storage()._cdata for u in self.units.values() for full in u.full}
         self._param_storages |= {s for u in self.units.values() for s in getattr(u, "storages", list)()}
+        if self.experts is not None:      # expert rows are parameters too (expert_mm saves them for backward)
+            self._param_storages |= self.experts.storages()
         self._lock = threading.Lock()             # activation accounting and gradient sums, shared by lanes
 
     def _release(self, action) -> None:
