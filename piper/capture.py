@@ -210,57 +210,23 @@ def _no_kv_cache(model: torch.nn.Module) -> None:
 
 
 def _cut(exported, model) -> Program:
+    """The exported forward -> a Program: its inputs sorted by kind, its ops assigned to
+    regions, each region's ops in a graph of its own (`capture_inputs`, `region_graphs`)."""
+    from .capture_inputs import check_in_place_updates, read_inputs
+    from .region_graphs import region_graph, region_values
+
     gm = exported.graph_module
     graph = gm.graph
-    sig = exported.graph_signature
-    mutated = [s.target for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
+    mutated = [s.target for s in exported.graph_signature.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:
         raise _mutation_error(model, mutated[0])
-    kind_of: dict[str, RegionInput] = {}
-    params: dict[str, TensorSpec] = {}
-    buffers: dict[str, TensorSpec] = {}
-    batch: list[TensorSpec] = []
-    constant_inputs: dict[str, str] = {}
-    constants: dict = {}
-    for spec in sig.input_specs:
-        name = spec.arg.name
-        kind = spec.kind.name
-        node = next(n for n in graph.nodes if n.op == "placeholder" and n.name == name)
-        if kind == "PARAMETER":
-            kind_of[name] = RegionInput(PARAM, spec.target)
-            params[spec.target] = TensorSpec.of(node.meta["val"])
-        elif kind == "BUFFER":
-            kind_of[name] = RegionInput(BUFFER, spec.target)
-            buffers[spec.target] = TensorSpec.of(node.meta["val"])
-        elif kind == "USER_INPUT":
-            kind_of[name] = RegionInput(BATCH, len(batch))
-            batch.append(TensorSpec.of(node.meta["val"]))
-        elif kind == "CONSTANT_TENSOR" and (spec.target or "").rpartition(".")[2].startswith("lifted_tensor"):
-            value = exported.constants.get(spec.target)
-            if isinstance(value, torch.Tensor) and value.device.type != "meta" and value.numel():
-                # Made in forward from Python data on the CPU (`torch.tensor(d ** 0.5)`): its value is
-                # known, so it travels to the workers as a buffer would.
-                kind_of[name] = RegionInput(BUFFER, spec.target)
-                buffers[spec.target] = TensorSpec.of(value)
-                constants[spec.target] = value.detach().clone()
-            else:
-                constant_inputs[name] = spec.target
-        else:
-            raise error("unsupported-model", f"forward uses a {kind.lower().replace('_', ' ')} (`{spec.target}`), "
-                        "which Piper cannot place yet",
-                        hint="make constant tensors buffers of the module (register_buffer)")
+    found = read_inputs(exported)
     from .exported import inline_autocast, inline_grad_islands, keep_only_loss, materialise_constants
 
     inline_autocast(gm)
     inline_grad_islands(gm)
-    materialise_constants(graph, constant_inputs, exported.constants)
-    for n in graph.nodes:
-        # Export keeps in-place updates of parameters and buffers (BatchNorm statistics, counters) in the graph.
-        schema = getattr(n.target, "_schema", None)
-        if n.op == "call_function" and schema is not None and schema.is_mutable and n.args \
-                and isinstance(n.args[0], fx.Node) and kind_of.get(n.args[0].name, RegionInput(BATCH, 0)).kind in (
-                    PARAM, BUFFER):
-            raise _mutation_error(model, kind_of[n.args[0].name].ref, n)
+    materialise_constants(graph, found.constant_inputs, exported.constants)
+    check_in_place_updates(graph, found.kind_of, model)
     loss_node = keep_only_loss(graph, exported.call_spec.out_spec)
 
     compute = [n for n in graph.nodes if n.op == "call_function"]
@@ -274,67 +240,14 @@ def _cut(exported, model) -> Program:
     order, region_of, joined = assign_regions(compute)
     _check_group_order(model, compute)
     tag_of = {n: order[region_of[n]] for n in compute}
-    needs_grad = _needs_grad(graph, kind_of)
-
-    # Values: nodes used by another region.
-    value_ids: dict[fx.Node, int] = {}
-    consumers: dict[fx.Node, list[int]] = {}
-    for n in compute:
-        users = sorted({region_of[u] for u in n.users if u in region_of and region_of[u] != region_of[n]})
-        if users:
-            consumers[n] = users
+    needs_grad = _needs_grad(graph, found.kind_of)
+    value_ids, region_outputs, values = region_values(compute, region_of, tag_of, needs_grad, len(order))
     member = {r: [n for n in compute if region_of[n] == r] for r in range(len(order))}
-    region_outputs: dict[int, list[fx.Node]] = {r: [] for r in range(len(order))}
-    values: list[Value] = []
-    for n in compute:
-        if n in consumers:
-            val = n.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                raise error("unsupported-model", f"region {' '.join(f'{k}={v}' for k, v in tag_of[n])} passes "
-                            f"a non-tensor ({type(val).__name__}) to another region",
-                            hint="pass only tensors between regions")
-            r = region_of[n]
-            value_ids[n] = len(values)
-            values.append(Value(len(values), r, len(region_outputs[r]), tuple(consumers[n]), TensorSpec.of(val),
-                                (val.dtype.is_floating_point or val.dtype.is_complex) and n in needs_grad))
-            region_outputs[r].append(n)
-
-    regions = []
-    for r, tags in enumerate(order):
-        inputs: list[RegionInput] = []
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        external: list[fx.Node] = []
-        for n in member[r]:
-            for a in n.all_input_nodes:
-                if a not in env and (a.op == "placeholder" or region_of.get(a) != r) and a not in external:
-                    external.append(a)
-        # Order the inputs: params, buffers, batch, values.
-        rank = {PARAM: 0, BUFFER: 1, BATCH: 2, VALUE: 3}
-
-        def ref_of(a):
-            return kind_of[a.name] if a.op == "placeholder" else RegionInput(VALUE, value_ids[a])
-
-        external.sort(key=lambda a: (rank[ref_of(a).kind], str(ref_of(a).ref)))
-        for a in external:
-            ph = sub.placeholder(re.sub(r"\W", "_", a.name))
-            ph.meta = dict(a.meta)
-            env[a] = ph
-            inputs.append(ref_of(a))
-        for n in member[r]:
-            env[n] = sub.node_copy(n, lambda a: env[a])
-            if n in joined:
-                env[n].meta["piper_joined"] = joined[n]     # for `piper show --what ir`
-        outs = [env[n] for n in region_outputs[r]]
-        is_loss = region_of[loss_node] == r
-        if is_loss:
-            outs.append(env[loss_node])
-        sub.output(tuple(outs))
-        gm = fx.GraphModule(torch.nn.Module(), sub)
-        regions.append(Region(r, tags, tuple(inputs), tuple(value_ids[n] for n in region_outputs[r]), is_loss, gm,
-                              _stack_line(member[r][0]) if member[r] else None,
-                              tuple((str(n.target), joined[n], _stack_line(n)) for n in member[r] if n in joined)))
-    return Program(tuple(regions), tuple(values), params, buffers, tuple(batch), constants=constants)
+    regions = [region_graph(r, tags, member[r], region_of=region_of, kind_of=found.kind_of, value_ids=value_ids,
+                            outputs=region_outputs[r], joined=joined, loss_node=loss_node)
+               for r, tags in enumerate(order)]
+    return Program(tuple(regions), tuple(values), found.params, found.buffers, tuple(found.batch),
+                   constants=found.constants)
 
 
 def assign_regions(compute: list[fx.Node]):

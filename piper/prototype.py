@@ -24,10 +24,9 @@ import json
 
 from .diagnostics import Diagnostic, PiperError, did_you_mean
 from .mesh import Mesh
+from .prototype_directives import PASSES, TRANSLATE, Script  # noqa: F401 - PASSES stays importable from here
 
 OPS = ("place", "replicate", "shard", "split", "order")
-PASSES = ("F", "B", "BI", "BW", "UPD")
-_SHARDABLE = ("batch", "optimizer", "grads", "params")
 
 
 class _Problems:
@@ -47,38 +46,6 @@ class _Problems:
     @property
     def errors(self) -> list[Diagnostic]:
         return [d for d in self.found if d.severity == "error"]
-
-
-def _selector(filter_, path: str, problems: _Problems) -> str | None:
-    """{"PP": 1, "EP": "*"} -> `PP=1 EP=*`."""
-    if not isinstance(filter_, dict) or not filter_:
-        problems.bad(path, "a filter is an object of region tags, such as {\"PP\": 1} or {\"EP\": \"*\"}")
-        return None
-    parts = []
-    for tag, value in filter_.items():
-        if not str(tag).isidentifier():
-            problems.bad(f"{path}.{tag}", f"`{tag}` is not a region tag")
-            return None
-        if value == "*" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            parts.append(f"{tag}={value}")
-        else:
-            problems.bad(f"{path}.{tag}", f"a tag's value is an index >= 0 or \"*\", not {json.dumps(value)}")
-            return None
-    return " ".join(parts)
-
-
-def _is_all(filter_) -> bool:
-    return filter_ is None or filter_ == {} or (isinstance(filter_, dict) and all(v == "*" for v in filter_.values()))
-
-
-def _devices(value, path: str, problems: _Problems) -> tuple[int, ...] | None:
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
-    if (not isinstance(value, list) or not value
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)):
-        problems.bad(path, f"devices are a non-empty list of device numbers, not {json.dumps(value)}")
-        return None
-    return tuple(sorted(set(value)))
 
 
 def _infer_mesh(directives, problems: _Problems) -> Mesh | None:
@@ -105,95 +72,32 @@ def _infer_mesh(directives, problems: _Problems) -> Mesh | None:
     return Mesh(())
 
 
-def _axis_index(mesh: Mesh, devices: tuple[int, ...]) -> tuple[str, int] | None:
-    """The (axis, index) whose devices are exactly `devices`, if any."""
-    for axis, size in mesh.axes:
-        for i in range(size):
-            if tuple(r for r in range(mesh.world_size) if mesh.coords(r)[axis] == i) == devices:
-                return axis, i
-    return None
-
-
-def _group_axis(mesh: Mesh, devices: tuple[int, ...]) -> str | None:
-    """The data-parallel axis a replicate over `devices` (every device of the mesh) means: `dp`, or the only axis."""
-    if devices != tuple(range(mesh.world_size)):
-        return None
-    if "dp" in mesh.names:
-        return "dp"
-    return mesh.names[0] if len(mesh.names) == 1 else None
-
-
-def _item(item, path: str, problems: _Problems) -> str | None:
-    if isinstance(item, list):
-        if not item:
-            problems.bad(path, "an empty slot")
-            return None
-        parts = [_item(x, f"{path}[{i}]", problems) for i, x in enumerate(item)]
-        if any(p is None or p.startswith("[") for p in parts):
-            if not any(p is None for p in parts):
-                problems.bad(path, "slots do not nest")
-            return None
-        return parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
-    if not isinstance(item, dict) or "PASS" not in item:
-        problems.bad(path, 'a schedule item is {"PASS": "F", "MB": 0, ...} or a list of them (one slot)')
-        return None
-    op = item["PASS"]
-    if op not in PASSES:
-        problems.bad(f"{path}.PASS", f"unknown pass {json.dumps(op)}",
-                       hint=did_you_mean(str(op), PASSES) or "passes are F, B, BI, BW and UPD")
-        return None
-    tags = []
-    for key, value in item.items():
-        if key == "PASS":
-            continue
-        if key == "stream":
-            problems.warning(f"{path}.stream", f"stream {json.dumps(value)} dropped: the runtime runs the items of "
-                             "a slot in lanes of its own", hint="write items meant to overlap as one slot: a list")
-            continue
-        if not str(key).isidentifier() or not (value == "*" or (isinstance(value, int) and not isinstance(value, bool))):
-            problems.bad(f"{path}.{key}", f"a tag is NAME: index, not {json.dumps(key)}: {json.dumps(value)}")
-            return None
-        tags.append(f"{key}={value}")
-    return f"{op}({', '.join(tags)})" if tags else op
-
-
-def _wrap(slots: list[str], indent: str, width: int = 100) -> list[str]:
-    lines, line = [], ""
-    for s in slots:
-        piece = s if not line else "; " + s
-        if line and len(indent) + len(line) + len(piece) > width:
-            lines.append(indent + line)
-            line = s
+def _read_program(data, problems: _Problems) -> tuple[list | None, Mesh | None]:
+    """A program's directives, and the mesh it gives (None: inferred from the directives)."""
+    if not isinstance(data, dict):
+        return data, None
+    mesh = None
+    directives = data.get("directives", data.get("program"))
+    if "mesh" in data:
+        m = data["mesh"]
+        if (isinstance(m, dict) and m and all(str(k).isidentifier() and isinstance(v, int)
+                                              and not isinstance(v, bool) and v > 0 for k, v in m.items())):
+            mesh = Mesh(tuple(m.items()))
         else:
-            line += piece
-    if line:
-        lines.append(indent + line)
-    return lines
+            problems.bad(".mesh", 'the mesh is an object of axis sizes, such as {"dp": 2, "pp": 4}')
+    return directives, mesh
 
 
 def program_to_pps(data, *, file: str = "program.json", name: str | None = None) -> tuple[str, list[Diagnostic]]:
     """A prototype program (parsed JSON) -> (.pps text, warnings); raise `PiperError` with every error."""
     problems = _Problems(file)
-    mesh = None
-    if isinstance(data, dict):
-        directives = data.get("directives", data.get("program"))
-        if "mesh" in data:
-            m = data["mesh"]
-            if (isinstance(m, dict) and m and all(str(k).isidentifier() and isinstance(v, int)
-                                                  and not isinstance(v, bool) and v > 0 for k, v in m.items())):
-                mesh = Mesh(tuple(m.items()))
-            else:
-                problems.bad(".mesh", 'the mesh is an object of axis sizes, such as {"dp": 2, "pp": 4}')
-    else:
-        directives = data
+    directives, mesh = _read_program(data, problems)
     if not isinstance(directives, list):
         problems.bad("(top)", 'a program is a JSON list of directives (or {"mesh": ..., "directives": [...]})')
         raise PiperError(*problems.found)
     if mesh is None and not problems.errors:
         mesh = _infer_mesh(directives, problems)
-    lines: list[str] = []
-    splits: list[str] = []
-    tail: list[str] = []
+    script = Script()
     for i, d in enumerate(directives):
         at = f"[{i}]"
         if not isinstance(d, dict):
@@ -207,103 +111,13 @@ def program_to_pps(data, *, file: str = "program.json", name: str | None = None)
         if "stream" in d:
             problems.warning(f"{at}.stream", f"stream {json.dumps(d['stream'])} dropped: communication and compute "
                              "streams are chosen by the runtime")
-        if op == "split":
-            if "PASS" in d:
-                into = d.get("into")
-                if d["PASS"] != "B" or into != ["BI", "BW"]:
-                    problems.unsupported(f"{at}.into", "only the backward splits, into BI and BW",
-                                   hint='write {"op": "split", "PASS": "B", "into": ["BI", "BW"]}')
-                    continue
-                splits.append("split B into BI, BW")
-                continue
-            dim, parts = d.get("dim", "MB"), d.get("parts", d.get("into"))
-            if dim != "MB":
-                problems.unsupported(f"{at}.dim", f"splitting {json.dumps(dim)} has no equivalent; only the batch "
-                               "splits into microbatches (MB)")
-                continue
-            if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-                problems.bad(f"{at}.parts", f"the number of microbatches is an integer >= 1, not "
-                               f"{json.dumps(parts)}")
-                continue
-            splits.insert(0, f"split MB into {parts}")
-        elif op == "place":
-            sel = _selector(d.get("filter"), f"{at}.filter", problems)
-            devices = _devices(d.get("devices"), f"{at}.devices", problems)
-            if sel is None or devices is None or mesh is None:
-                continue
-            if devices == tuple(range(mesh.world_size)):
-                continue                # on every device: what an unplaced region does
-            where = _axis_index(mesh, devices)
-            if where is None:
-                problems.unsupported(f"{at}.devices", f"devices {list(devices)} are not the devices of one index of an "
-                               f"axis of the mesh {mesh}", hint="place each region on one pipeline stage's devices "
-                               "(a mesh axis index), or give the program a \"mesh\" object that makes them one")
-                continue
-            lines.append(f"place {sel} on {where[0]}[{where[1]}]")
-        elif op == "replicate":
-            if not _is_all(d.get("filter")):
-                problems.unsupported(f"{at}.filter", "replicating some regions only has no equivalent: data parallelism "
-                               "covers the whole model", hint="drop the filter (or use {\"PP\": \"*\"})")
-                continue
-            devices = _devices(d.get("devices", list(range(mesh.world_size)) if mesh else None), f"{at}.devices",
-                               problems)
-            if devices is None or mesh is None:
-                continue
-            axis = d.get("over") or _group_axis(mesh, devices)
-            if not axis or axis not in mesh.names:
-                problems.unsupported(f"{at}.devices", f"devices {list(devices)} are not a data-parallel axis of the mesh "
-                               f"{mesh}", hint='give the program a "mesh" object with a dp axis, or "over": "dp"')
-                continue
-            shard_grads, shard_params = bool(d.get("shard_grads")), bool(d.get("shard_params"))
-            shard_optimizer = bool(d.get("shard_optimizer", shard_grads or shard_params))
-            if shard_params and not shard_grads:
-                problems.unsupported(f"{at}.shard_params", "sharded parameters with full gradients have no equivalent "
-                               "(ZeRO-3 shards the optimizer state, gradients and parameters)",
-                               hint='set "shard_grads": true as well')
-                continue
-            if (shard_grads or shard_params) and not shard_optimizer:
-                problems.unsupported(f"{at}.shard_optimizer", "sharded gradients with full optimizer state have no "
-                               "equivalent (ZeRO-2 shards both)", hint='drop "shard_optimizer": false')
-                continue
-            tail.append(f"shard batch over {axis}")
-            what = [w for w, on in (("optimizer", shard_optimizer), ("grads", shard_grads),
-                                    ("params", shard_params)) if on]
-            if what:
-                tail.append(f"shard {', '.join(what)} over {axis}")
-        elif op == "shard":
-            if d.get("filter"):
-                problems.unsupported(f"{at}.filter", "sharding regions (tensor or expert parallelism) has no "
-                               "equivalent in this version", hint="shard the batch, optimizer state, gradients or "
-                               "parameters over a mesh axis instead")
-                continue
-            what = d.get("what", ["batch"])
-            what = [what] if isinstance(what, str) else what
-            axis = d.get("over")
-            if not isinstance(what, list) or not what or any(w not in _SHARDABLE for w in what):
-                problems.bad(f"{at}.what", f"shard takes a list of {', '.join(_SHARDABLE)}")
-                continue
-            if mesh is None or axis not in mesh.names:
-                problems.unsupported(f"{at}.over", f"{json.dumps(axis)} is not an axis of the mesh {mesh}",
-                               hint=did_you_mean(str(axis), mesh.names) if mesh else None)
-                continue
-            tail.append(f"shard {', '.join(what)} over {axis}")
-        elif op == "order":
-            sel = _selector(d.get("filter"), f"{at}.filter", problems)
-            schedule = d.get("schedule")
-            if not isinstance(schedule, list) or not schedule:
-                problems.bad(f"{at}.schedule", "an order's schedule is a non-empty list of items")
-                continue
-            slots = [_item(x, f"{at}.schedule[{j}]", problems) for j, x in enumerate(schedule)]
-            if sel is None or any(s is None for s in slots):
-                continue
-            lines.append(f"order {sel}:")
-            lines += _wrap(slots, "    ")
+        TRANSLATE[op](d, at, mesh, problems, script)
     if problems.errors:
         raise PiperError(*problems.found)
     head = [f"# imported from {file} (a Piper prototype directive program) by `piper import`"]
     if mesh is not None and mesh.axes:
         head.append("mesh " + ", ".join(f"{a}={n}" for a, n in mesh.axes))
-    text = "\n".join(head + splits + lines + tail) + "\n"
+    text = "\n".join(head + script.splits + script.lines + script.tail) + "\n"
     return text, [d for d in problems.found if d.severity != "error"]
 
 
