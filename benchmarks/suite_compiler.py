@@ -284,8 +284,8 @@ def _pyspy(pyspy: str, p: int, m: int, dp: int, top: int) -> Table | None:
             if stack and count.isdigit():
                 stacks.append((stack.split(";"), int(count)))
     # Only samples inside piper.job.plan: start-up and imports are not the compiler.
-    inside = [(frames[next(i for i, f in enumerate(frames) if f.startswith("plan ") and "piper/job.py" in f):], n)
-              for frames, n in stacks if any(f.startswith("plan ") and "piper/job.py" in f for f in frames)]
+    inside = [(frames[next(i for i, f in enumerate(frames) if f.startswith("plan ") and "piper/job/__init__.py" in f):], n)
+              for frames, n in stacks if any(f.startswith("plan ") and "piper/job/__init__.py" in f for f in frames)]
     total = sum(n for _, n in inside)
     if not total:
         return None
@@ -342,7 +342,7 @@ def _cprofile(p: int, m: int, dp: int, top: int) -> Table:
     compile_point(p, m, dp, profiler=profiler)
     stats = pstats.Stats(profiler)
     entries = stats.stats  # (file, line, func) -> (cc, nc, tottime, cumtime, callers)
-    total = max((v[3] for k, v in entries.items() if k[2] == "plan" and k[0].endswith("job.py")), default=0) or \
+    total = max((v[3] for k, v in entries.items() if k[2] == "plan" and k[0].endswith("job/__init__.py")), default=0) or \
         sum(v[2] for v in entries.values())
     table = Table(f"Profile of the biggest point that ran (p={p}, m={m}, dp={dp}): cProfile, {total:.2f} s in "
                   "piper.job.plan (deterministic profiling slows Python-heavy code)",

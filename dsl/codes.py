@@ -110,7 +110,7 @@ SCHEDULE = {
     "partial-order": "an `order` lists a pass for some microbatches but not all (warning)",
     "bi-without-bw": "an `order` lists BW of a region but not for every microbatch whose BI it lists (warning)",
 }
-# Loading and capturing a model (models.py, capture.py, job.py).
+# Loading and capturing a model (models.py, capture.py, job/).
 MODEL = {
     "model-not-found": "the file of `--model PATH.py:FACTORY` does not exist",
     "bad-model-spec": "`--model` is not PATH.py:FACTORY, or the file has no FACTORY",
@@ -128,7 +128,7 @@ MODEL = {
     "group-order": "`annotate_modules` groups listed in another order than forward runs them",
     "bad-moe": "a piper.nn.MoE with a non-positive size or top_k above num_experts",
 }
-# A running job (job.py).
+# A running job (job/).
 JOBS = {
     "bad-device": "`device=` other than 'auto', 'cpu' or 'cuda'",
     "bad-optimizer": "an optimizer given by name, built already, needing a closure, or not elementwise",

@@ -18,7 +18,7 @@ from piper.dsl.codes import CODES, docs_dir, page
 from piper.dsl.syntax_errors import EXAMPLES
 
 ROOT = Path(__file__).parents[1]
-SOURCES = sorted(p for folder in ("piper", "piper/runtime", "dsl") for p in (ROOT / folder).glob("*.py"))
+SOURCES = sorted(p for folder in ("piper", "dsl") for p in (ROOT / folder).rglob("*.py"))
 MAKERS = {"error", "Diagnostic", "fail", "_note"}
 CODE = re.compile(r"[a-z]+(?:-[a-z]+)*\Z")
 PRINTED = re.compile(r"(?:error|warning|note)\[([a-z]+(?:-[a-z]+)*)\]")

@@ -39,7 +39,7 @@ class JobInspection:
         Chrome/Perfetto trace: one process per device, a track per lane and one for communication,
         flow arrows from each send to its receive (`piper/trace.py`). Returns `path`."""
         self._check_open()
-        from .trace import job_trace
+        from ..trace import job_trace
 
         return job_trace(self, path, steps)
 

@@ -4,9 +4,9 @@ Mixed into `piper.job.Job`.
 """
 from __future__ import annotations
 
-from .batch_check import check_step_inputs
-from .capture import BATCH
-from .diagnostics import PiperError, error
+from ..batch_check import check_step_inputs
+from ..capture import BATCH
+from ..diagnostics import PiperError, error
 
 
 class JobSteps:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 
-from .diagnostics import error
+from ..diagnostics import error
 
 
 class JobStartup:
@@ -18,7 +18,7 @@ class JobStartup:
     def _start(self, model, optimizer, address, device) -> None:
         import ray
 
-        from .runtime import pool
+        from ..runtime import pool
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster needs no token
         if not ray.is_initialized():
@@ -34,8 +34,8 @@ class JobStartup:
                         f"cluster has {gpus:g}", hint="shrink the mesh, add GPUs to the cluster, or run on CPU "
                         "(device='cpu', Gloo)")
         self.device = device
-        from .cluster import node_capacity, plan_placement
-        from .runtime.health import Watch
+        from ..cluster import node_capacity, plan_placement
+        from ..runtime.health import Watch
 
         started = time.monotonic()
         placement = plan_placement(self.mesh.axes, node_capacity(ray.nodes(), device), device)
@@ -70,9 +70,9 @@ class JobStartup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .runtime.worker import Worker
+        from ..runtime.worker import Worker
 
-        from .runtime import pool
+        from ..runtime import pool
 
         pg = placement_group([dict(b) for b in placement.bundles], strategy=placement.strategy)
         self._pg = pg            # removed by `close` if what follows fails

@@ -14,26 +14,26 @@ from collections.abc import Mapping
 
 import torch
 
-from . import checkpoint
-from . import experts
-from .batch_check import input_names
-from .capture import Program, capture
-from .checkpoint import describe_strategy
-from .compiler import Compiled
-from .diagnostics import error
-from .directives import Shard, Split
-from .job_inspection import JobInspection
-from .job_startup import JobStartup
-from .job_state import JobState
-from .job_steps import JobSteps
-from .job_worker_specs import WorkerSpecs
-from .mesh import Mesh
-from .loss_scaling import loss_scaling
-from .options import TrainingOptions, check_clip, compute_dtype
-from .planning import _no_cycle_collection, compile_directives
-from .runtime.flat import UnitLayout, layout_unit
-from .strategy import as_strategy
-from .tied import state_keys, tie_ids, tied_params
+from .. import checkpoint
+from .. import experts
+from ..batch_check import input_names
+from ..capture import Program, capture
+from ..checkpoint import describe_strategy
+from ..compiler import Compiled
+from ..diagnostics import error
+from ..directives import Shard, Split
+from .inspection import JobInspection
+from .startup import JobStartup
+from .state import JobState
+from .steps import JobSteps
+from .worker_specs import WorkerSpecs
+from ..mesh import Mesh
+from ..loss_scaling import loss_scaling
+from ..options import TrainingOptions, check_clip, compute_dtype
+from ..planning import _no_cycle_collection, compile_directives
+from ..runtime.flat import UnitLayout, layout_unit
+from ..strategy import as_strategy
+from ..tied import state_keys, tie_ids, tied_params
 
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
     """Build and compile a strategy against a captured (or abstract) program."""
@@ -116,7 +116,7 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
                          "'auto' picks CUDA when the cluster has a GPU for every device")
-    from .optim_check import check_optimizer
+    from ..optim_check import check_optimizer
 
     check_optimizer(optimizer)    # before capture: a wrong optimizer is a one-line fix
     mesh, directives = build_strategy(strategy, mesh, overrides)
@@ -136,9 +136,9 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
 
 
 # The parts share one job's state (actors, plans, layouts), so they are mixins reading `self`,
-# each in the module named for what it holds: job_startup (Ray, placement, set-up),
-# job_worker_specs (what each worker is given), job_steps (`step` and waiting on the workers),
-# job_state (checkpoints, `state_dict`), job_inspection (memory, timings, trace, plans).
+# each in the module of this package named for what it holds: startup (Ray, placement, set-up),
+# worker_specs (what each worker is given), steps (`step` and waiting on the workers),
+# state (checkpoints, `state_dict`), inspection (memory, timings, trace, plans).
 class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
     """A compiled strategy running on Ray actors, one per device."""
 
@@ -194,7 +194,7 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         try:
             import ray
 
-            from .runtime import pool
+            from ..runtime import pool
 
             pg = getattr(self, "_pg", None)
             if self._broken or self._owns_ray or not pool.give(self._pool_key, pg, self.actors):

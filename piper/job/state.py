@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from . import checkpoint
-from .experts import expert_state
-from .runtime.flat import unflatten
+from .. import checkpoint
+from ..experts import expert_state
+from ..runtime.flat import unflatten
 
 
 class JobState:
