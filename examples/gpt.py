@@ -97,24 +97,10 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
-    """`GPT(cfg)(idx, targets)` is the mean cross-entropy over all B*T tokens. Seed with torch.manual_seed first."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        # Not tied to wte (nanoGPT ties them): Piper does not yet support a parameter used by two regions.
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
-                # GPT-2: scale residual projections so the residual stream's variance does not grow with depth.
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-        self.to(cfg.dtype)  # initialise in float32 so every dtype starts from the same weights
+class StagedLM(nn.Module):
+    """What the example language models share (this GPT, examples/moe.py's MoE transformer): GPT-2's
+    initialisation, and a forward in `cfg.region_blocks` PP regions, the embeddings in the first and
+    the head and loss in the last, each piece its own `L` region with `cfg.layer_regions`."""
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -143,6 +129,26 @@ class GPT(nn.Module):
 
     def _layer(self):
         return piper.annotate("L") if self.cfg.layer_regions else contextlib.nullcontext()
+
+
+class GPT(StagedLM):
+    """`GPT(cfg)(idx, targets)` is the mean cross-entropy over all B*T tokens. Seed with torch.manual_seed first."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        # Not tied to wte (nanoGPT ties them): Piper does not yet support a parameter used by two regions.
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
+                # GPT-2: scale residual projections so the residual stream's variance does not grow with depth.
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.to(cfg.dtype)  # initialise in float32 so every dtype starts from the same weights
 
 
 class CharTokenizer:

@@ -11,16 +11,14 @@ travel to their expert's device and back with all-to-alls.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import piper
 import piper.nn
-from examples.gpt import CausalSelfAttention, _corpus_tokens, batches
+from examples.gpt import CausalSelfAttention, StagedLM, _corpus_tokens, batches
 
 
 @dataclass
@@ -61,7 +59,7 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ln_2(x))
 
 
-class MoETransformer(nn.Module):
+class MoETransformer(StagedLM):
     """`MoETransformer(cfg)(idx, targets)`: the mean cross-entropy over all tokens."""
 
     def __init__(self, cfg: MoEConfig):
@@ -72,31 +70,7 @@ class MoETransformer(nn.Module):
         self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        last = self.cfg.n_regions - 1
-        for region, blocks in enumerate(self.cfg.region_blocks):
-            with piper.annotate("PP"):
-                if region == 0:
-                    with self._layer():
-                        pos = torch.arange(idx.shape[1], device=idx.device)
-                        x = self.wte(idx) + self.wpe(pos)
-                for i in blocks:
-                    with self._layer():
-                        x = self.blocks[i](x)
-                if region == last:
-                    with self._layer():
-                        logits = self.lm_head(self.ln_f(x))
-                        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss
-
-    def _layer(self):
-        return piper.annotate("L") if self.cfg.layer_regions else contextlib.nullcontext()
+        self.apply(self._init_weights)   # the leaves in the same order as a walk of self.modules()
 
 
 def make_model(*, seed: int = 0, dtype=torch.float32, **overrides) -> MoETransformer:
