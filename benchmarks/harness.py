@@ -73,6 +73,18 @@ def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:200]
 
 
+def compile_or_failure(ctx, build):
+    """`build()` (Piper's side of a comparison: a compiled job), or None and the failure for the
+    table cell, its traceback in the log: one side failing leaves the other's numbers standing."""
+    import traceback
+
+    try:
+        return build(), None
+    except Exception as exc:
+        ctx.log(traceback.format_exc())
+        return None, f"failed: {short_error(exc)}"
+
+
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 

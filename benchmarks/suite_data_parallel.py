@@ -9,14 +9,13 @@ and 4 devices. Ratio = PyTorch step time / Piper step time.
 from __future__ import annotations
 
 import functools
-import traceback
 
 import torch
 
 import piper
 
 from .baselines import set_up_group
-from .harness import SuiteResult, Table, head_to_head, ray_cluster, short_error
+from .harness import SuiteResult, Table, compile_or_failure, head_to_head, ray_cluster
 from .workloads import GPTWorkload, gpt_batches, make_gpt, zero_strategy
 
 PAIRS = (("dp", "ddp", "DistributedDataParallel"), ("zero3", "fsdp2", "FSDP2 fully_shard"))
@@ -53,18 +52,12 @@ def run(ctx) -> SuiteResult:
                     table.add(n, level, label, unhosted, unhosted, *[None] * 5)
                     continue
                 ctx.log(f"data-parallel: Piper {level} vs {label} on {n} devices")
-                piper_error = None
                 group, torch_error = set_up_group(ctx, group, n, timeout, baseline, model_kw=kw)
                 strategy, source, _ = zero_strategy(level, dp=n)
                 sources[level] = source
-                job = None
-                try:
-                    model, _ = make_gpt(kw)
-                    job = piper.compile(model, batches[0], strategy=strategy, mesh={"dp": n}, optimizer=optimizer,
-                                        timeout=timeout, device=ctx.device)
-                except Exception as exc:
-                    piper_error = f"failed: {short_error(exc)}"
-                    ctx.log(traceback.format_exc())
+                job, piper_error = compile_or_failure(ctx, lambda: piper.compile(
+                    make_gpt(kw)[0], batches[0], strategy=strategy, mesh={"dp": n}, optimizer=optimizer,
+                    timeout=timeout, device=ctx.device))
                 race = head_to_head(group, job, batches, warmup=warmup, steps=steps, torch_error=torch_error,
                                     piper_error=piper_error)
                 group = race.group

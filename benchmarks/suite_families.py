@@ -38,7 +38,7 @@ import piper
 
 from .baselines import set_up_group
 from .families import FAMILIES
-from .harness import SuiteResult, Table, head_to_head, ray_cluster, short_error
+from .harness import SuiteResult, Table, compile_or_failure, head_to_head, ray_cluster, short_error
 from .workloads import PIPELINE_SCHEDULES, REPO, schedule_strategy
 
 MICROBATCHES = 8
@@ -216,13 +216,9 @@ def run(ctx) -> SuiteResult:
                                                       model_kw={"cfg": cfg, "regions": regions},
                                                       microbatches=MICROBATCHES)
                     strategy, source, _ = schedule_strategy(kind, pp=p, microbatches=MICROBATCHES)
-                    job, piper_error = None, None
-                    try:
-                        job = piper.compile(family.make(cfg, regions=regions), batches[0], strategy=strategy,
-                                            mesh={"pp": p}, optimizer=optimizer, timeout=timeout, device=ctx.device)
-                    except Exception as exc:
-                        piper_error = f"failed: {short_error(exc)}"
-                        ctx.log(traceback.format_exc())
+                    job, piper_error = compile_or_failure(ctx, lambda: piper.compile(
+                        family.make(cfg, regions=regions), batches[0], strategy=strategy, mesh={"pp": p},
+                        optimizer=optimizer, timeout=timeout, device=ctx.device))
                     race = head_to_head(group, job, batches, warmup=warmup, steps=steps, torch_error=torch_error,
                                         piper_error=piper_error)
                     group = race.group

@@ -9,14 +9,13 @@ microbatches. Ratio = PyTorch step time / Piper step time (> 1: Piper faster).
 from __future__ import annotations
 
 import functools
-import traceback
 
 import torch
 
 import piper
 
 from .baselines import set_up_group
-from .harness import SuiteResult, Table, head_to_head, ray_cluster, short_error
+from .harness import SuiteResult, Table, compile_or_failure, head_to_head, ray_cluster
 from .workloads import PIPELINE_SCHEDULES, GPTWorkload, gpt_batches, make_gpt, schedule_strategy
 
 MICROBATCHES = 8
@@ -56,7 +55,6 @@ def run(ctx) -> SuiteResult:
                 regions = p * per_rank
                 kw = wl.model_kw(regions)
                 ctx.log(f"pipelines: {torch_name} vs Piper on {p} devices ({regions} regions)")
-                piper_error = None
                 # -- torch ----------------------------------------------------------------------
                 group, torch_error = set_up_group(ctx, group, p, timeout, "pipeline", schedule=torch_name,
                                                   model_kw=kw, microbatches=MICROBATCHES)
@@ -64,17 +62,12 @@ def run(ctx) -> SuiteResult:
                 strategy, source, note = schedule_strategy(kind, pp=p, microbatches=MICROBATCHES)
                 if note:
                     stdlib_notes[kind] = note
-                job = None
                 if strategy is None:
-                    piper_error = "not yet available"
+                    job, piper_error = None, "not yet available"
                 else:
-                    try:
-                        model, _ = make_gpt(kw)
-                        job = piper.compile(model, batches[0], strategy=strategy, mesh={"pp": p},
-                                            optimizer=optimizer, timeout=timeout, device=ctx.device)
-                    except Exception as exc:
-                        piper_error = f"failed: {short_error(exc)}"
-                        ctx.log(traceback.format_exc())
+                    job, piper_error = compile_or_failure(ctx, lambda: piper.compile(
+                        make_gpt(kw)[0], batches[0], strategy=strategy, mesh={"pp": p}, optimizer=optimizer,
+                        timeout=timeout, device=ctx.device))
                 # -- alternate --------------------------------------------------------------------
                 race = head_to_head(group, job, batches, warmup=warmup, steps=steps, torch_error=torch_error,
                                     piper_error=piper_error)
