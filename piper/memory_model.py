@@ -442,6 +442,9 @@ def predict_job(job, **options) -> dict[int, MemoryPrediction]:
     return predict_memory(job.compiled, job.program, **options)
 
 
+_NOTHING = RegionBytes(0)
+
+
 def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=None,
             recompute=frozenset(), worst: bool = True) -> MemoryPrediction:
     """Replay one device's plan on `units` (changed in place). The items of an overlapped slot's
@@ -452,84 +455,103 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
     between = {"params": sum(u.params() for u in units.values()),
                "grads": sum(u.grads() for u in units.values()),
                "optimizer": sum(u.optimizer() for u in units.values())}
+    state = _Replay(units, units_of, saved, whole, skip, recompute)
     lanes = lanes or {}
-    activations = 0
-    pending: dict[str, tuple] = {}        # reduce-scatter key -> (unit, bytes in flight, extra shard)
-    reducing: dict[str, list] = {}        # reduce-scatter key -> [computes since, unit]
-    nothing = RegionBytes(0)
-    best = None
+    i = 0
+    while i < len(plan):
+        span = lanes.get(i)
+        if span is None:
+            if state.reducing and plan[i].node.is_compute:
+                state.settle(set(units_of[plan[i].node.region]))
+            state.run(plan[i])
+            i += 1
+            continue
+        state.run_span(span, worst)
+        i = span.stop
+    held, key, params, grads, opt, gathered, acts, flight = state.best or (0, "", 0, 0, 0, 0, 0, 0)
+    return MemoryPrediction(held, key, params, grads, opt, gathered, acts, flight, between)
 
-    def held_by(region) -> int:
+
+class _Replay:
+    """What one device holds as `_replay` walks its plan, and the most it has held so far (`best`)."""
+
+    def __init__(self, units: dict, units_of: dict, saved: dict, whole, skip, recompute):
+        self.units, self.units_of, self.saved = units, units_of, saved
+        self.whole, self.skip, self.recompute = whole, skip, recompute
+        self.activations = 0
+        self.pending: dict[str, tuple] = {}     # reduce-scatter key -> (unit, bytes in flight, extra shard)
+        self.reducing: dict[str, list] = {}     # reduce-scatter key -> [computes since, unit]
+        self.best = None
+
+    def held_by(self, region) -> int:
         """What a region's forward leaves held until its backward frees it."""
-        b = saved.get(region, nothing)
-        return b.inputs if region in recompute else b.saved
+        b = self.saved.get(region, _NOTHING)
+        return b.inputs if region in self.recompute else b.saved
 
-    def freed_by(region) -> int:
-        b = saved.get(region, nothing)
-        return b.inputs + b.rerun if region in recompute else b.saved
+    def freed_by(self, region) -> int:
+        b = self.saved.get(region, _NOTHING)
+        return b.inputs + b.rerun if region in self.recompute else b.saved
 
-    def finish(key):
-        u, size, extra = pending.pop(key)
-        units[u].in_flight.remove(size)
+    def finish(self, key):
+        u, size, extra = self.pending.pop(key)
+        self.units[u].in_flight.remove(size)
         if extra:
-            units[u].grad_shard = True
+            self.units[u].grad_shard = True
 
-    def sample(key):
-        nonlocal best
-        held = activations + sum(u.held() for u in units.values())
-        if best is None or held > best[0]:
-            best = (held, key, sum(u.params() for u in units.values()), sum(u.grads() for u in units.values()),
-                    sum(u.optimizer() for u in units.values()),
-                    sum(u.gathered_bytes() for u in units.values()), activations,
-                    sum(sum(u.in_flight) for u in units.values()))
+    def sample(self, key):
+        units = self.units.values()
+        held = self.activations + sum(u.held() for u in units)
+        if self.best is None or held > self.best[0]:
+            self.best = (held, key, sum(u.params() for u in units), sum(u.grads() for u in units),
+                         sum(u.optimizer() for u in units), sum(u.gathered_bytes() for u in units),
+                         self.activations, sum(sum(u.in_flight) for u in units))
 
-    def attach(region):
+    def attach(self, region):
         """A backward that writes weight gradients: ZeRO-2/3 buffers and expert rows' `.grad`."""
-        for u in units_of[region]:
-            if u in units:
-                if units[u].zero >= 2:
-                    units[u].flat = True
-                if units[u].experts:
-                    units[u].expert_grads = True
+        for u in self.units_of[region]:
+            if u in self.units:
+                if self.units[u].zero >= 2:
+                    self.units[u].flat = True
+                if self.units[u].experts:
+                    self.units[u].expert_grads = True
 
-    def rerun(a):
+    def rerun(self, a):
         """A recomputed region's first backward pass runs its forward again (the runtime samples then)."""
-        nonlocal activations
-        if a.node.region in recompute:
-            activations += saved.get(a.node.region, nothing).rerun
-            sample(a.key)
+        if a.node.region in self.recompute:
+            self.activations += self.saved.get(a.node.region, _NOTHING).rerun
+            self.sample(a.key)
 
-    def settle(reads):
-        for key in list(reducing):
-            computes, u = reducing[key]
+    def settle(self, reads):
+        for key in list(self.reducing):
+            computes, u = self.reducing[key]
             if computes >= 1 or u in reads:
-                del reducing[key]
-                if key in pending:
-                    finish(key)
+                del self.reducing[key]
+                if key in self.pending:
+                    self.finish(key)
             else:
-                reducing[key][0] = computes + 1
+                self.reducing[key][0] = computes + 1
 
-    def run(a):
-        nonlocal activations
+    def run(self, a):
         node = a.node
         op = node.op
+        units = self.units
         for key in a.waits:
-            if key in pending:
-                reducing.pop(key, None)
-                finish(key)
+            if key in self.pending:
+                self.reducing.pop(key, None)
+                self.finish(key)
         if node.value and node.is_compute:
             pass                  # a later piece of a pass cut at its all-to-alls: its piece 0 counts the pass
         elif op == "F":
-            activations += held_by(node.region)
-        elif op == "B" or (op == "BI" and a.key in whole):
-            rerun(a)
-            attach(node.region)
-            activations -= freed_by(node.region)
+            self.activations += self.held_by(node.region)
+        elif op == "B" or (op == "BI" and a.key in self.whole):
+            self.rerun(a)
+            self.attach(node.region)
+            self.activations -= self.freed_by(node.region)
         elif op == "BI":
-            rerun(a)
-        elif op == "BW" and a.key not in skip:
-            attach(node.region)
-            activations -= freed_by(node.region)
+            self.rerun(a)
+        elif op == "BW" and a.key not in self.skip:
+            self.attach(node.region)
+            self.activations -= self.freed_by(node.region)
         elif op == "UPD" and node.region in units:
             units[node.region].expert_grads = False     # the expert optimizer lets go of them
         elif op == "ALL_GATHER" and node.phase and node.region in units:
@@ -540,39 +562,31 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
             size = unit.full + (0 if direct else unit.shard)
             unit.flat = False
             unit.in_flight.append(size)
-            pending[a.key] = (node.region, size, not direct)
-            reducing[a.key] = [0, node.region]
-        sample(a.key)
+            self.pending[a.key] = (node.region, size, not direct)
+            self.reducing[a.key] = [0, node.region]
+        self.sample(a.key)
         for u in a.release:
             if u in units:
                 units[u].gathered = False
-    i = 0
-    while i < len(plan):
-        span = lanes.get(i)
-        if span is None:
-            if reducing and plan[i].node.is_compute:
-                settle(set(units_of[plan[i].node.region]))
-            run(plan[i])
-            i += 1
-            continue
-        if reducing:      # the executor settles once, for everything the slot's lanes read
-            settle({u for lane in span.lanes for a in lane if a.node.is_compute for u in units_of[a.node.region]})
+
+    def run_span(self, span, worst: bool):
+        """An overlapped slot: its lanes at once, in the interleaving `worst` asks for."""
+        if self.reducing:      # the executor settles once, for everything the slot's lanes read
+            self.settle({u for lane in span.lanes for a in lane if a.node.is_compute
+                         for u in self.units_of[a.node.region]})
         for a in span.before:
-            run(a)
+            self.run(a)
         # The lanes run at once. At worst a backward's gradient buffers are attached as it starts,
         # and a forward (the shorter item) saves its activations before the backward frees its
         # own; at best the backward is done before the forward saves anything.
         if worst:
             for lane in span.lanes:
                 for a in lane:
-                    if a.node.op in ("B", "BW") or (a.node.op == "BI" and a.key in whole):
-                        attach(a.node.region)
+                    if a.node.op in ("B", "BW") or (a.node.op == "BI" and a.key in self.whole):
+                        self.attach(a.node.region)
         ordered = sorted(span.lanes, key=lambda lane: any(a.node.op == "F" for a in lane) != worst)
         for a in (*(a for lane in ordered for a in lane), *span.after):
-            run(a)
-        i = span.stop
-    held, key, params, grads, opt, gathered, acts, flight = best or (0, "", 0, 0, 0, 0, 0, 0)
-    return MemoryPrediction(held, key, params, grads, opt, gathered, acts, flight, between)
+            self.run(a)
 
 
 def p2p_bytes(compiled, program: Program, rank: int) -> int:
