@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 import piper
+from piper.dispatch_costs import DispatchModel, other_threads
 from piper.report import inflight_peak
 from piper.simulate import SLOT, STEP, actions_seconds, simulate, timed_slots
 
@@ -55,6 +56,9 @@ class Measured:
     run_steps: list[float] = field(default_factory=list)         # slowest worker's run_step seconds
     timings: list[dict[int, dict[str, float]]] = field(default_factory=list)   # job.timings() per step
     cpu_timings: list[dict[int, dict[str, float]]] = field(default_factory=list)   # job.timings(cpu=True)
+    overheads: list[dict[int, dict]] = field(default_factory=list)     # job.overheads(): runtime time outside computes
+    cpu_overheads: list[dict[int, dict]] = field(default_factory=list)     # job.overheads(cpu=True)
+    machine: list[tuple[float, float, float]] = field(default_factory=list)   # (busy core-s, wall s, driver CPU s)
     losses: list[float] = field(default_factory=list)
 
     @property
@@ -85,6 +89,33 @@ class Measured:
         rest = [per_rank[STEP] - actions_seconds(per_rank)
                 for step in self.cpu_timings for per_rank in step.values() if STEP in per_rank]
         return max(0.0, statistics.median(rest)) if rest else 0.0
+
+    def only(self, steps) -> "Measured":
+        """These timed steps alone (indices)."""
+        def pick(xs):
+            return [xs[i] for i in steps] if len(xs) == len(self.times) else []
+        return Measured(pick(self.times), pick(self.run_steps), pick(self.timings), pick(self.cpu_timings),
+                        pick(self.overheads), pick(self.cpu_overheads), pick(self.machine))
+
+    def dispatch(self, cpu: bool = False) -> DispatchModel:
+        """The runtime's own time per action and per step in these steps, wall-clock (less blocking
+        waits) or CPU seconds (`piper.dispatch_costs`)."""
+        return DispatchModel.measured(self.cpu_overheads if cpu else self.overheads)
+
+    def other_threads(self) -> float:
+        """`background` less the step thread's runtime work (which `dispatch(cpu=True)` puts into the costs)."""
+        return other_threads(self.cpu_timings, self.cpu_overheads)
+
+    def external_cores(self, steps=None) -> float | None:
+        """Cores other processes kept busy on average during the timed steps (`steps`: their
+        indices, default all): the machine's busy CPU seconds (`machine_busy`) less the workers'
+        (`step`) and the driver's, over the wall time. Ray's own daemons count as other processes."""
+        if not self.machine or len(self.machine) != len(self.cpu_timings):
+            return None
+        steps = range(len(self.machine)) if steps is None else steps
+        busy = sum(self.machine[i][0] - self.machine[i][2] -
+                   sum(r.get(STEP, 0.0) for r in self.cpu_timings[i].values()) for i in steps)
+        return max(0.0, busy / sum(self.machine[i][1] for i in steps))
 
     def compute(self, cpu: bool = False) -> float:
         """The busiest rank's compute seconds per step (median over steps; CPU seconds with `cpu`).
@@ -121,9 +152,11 @@ class Recorder:
             probes.install(job)          # wraps run_step only (no compute probes)
 
     def step(self, *batch) -> float:
+        b0, c0 = machine_busy(), time.process_time()
         t0 = time.perf_counter()
         loss = self.job.step(*batch)
         self._last = time.perf_counter() - t0
+        self._machine = (machine_busy() - b0, self._last, time.process_time() - c0)
         return loss
 
     def record(self) -> None:
@@ -131,6 +164,9 @@ class Recorder:
         self.data.times.append(self._last)
         self.data.timings.append(self.job.timings())
         self.data.cpu_timings.append(self.job.timings(cpu=True))
+        self.data.overheads.append(self.job.overheads())
+        self.data.cpu_overheads.append(self.job.overheads(cpu=True))
+        self.data.machine.append(self._machine)
         if self.worker_probe:
             self.data.run_steps.append(max(r["run_step"] for r in probes.read(self.job)))
 
@@ -151,23 +187,42 @@ def run_steps(recorders: dict[str, Recorder], batches, *, warmup: int, steps: in
     return errors
 
 
+def machine_busy() -> float:
+    """CPU seconds all of this machine's tasks have run: the root cpuacct cgroup's usage (ns), else
+    /proc/stat's busy ticks (10 ms each); 0 where neither exists."""
+    try:
+        with open("/sys/fs/cgroup/cpuacct/cpuacct.usage") as f:
+            return int(f.read()) / 1e9
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:8]]
+    except OSError:
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")      # less idle and iowait
+
+
 def missing_costs(plans, costs: dict[str, float]) -> list[str]:
     return sorted({a.key for plan in plans.values() for a in plan
                    if getattr(a, "node", None) is not None and a.node.is_compute and a.key not in costs})
 
 
-def predict(job, costs: dict[str, float], comm_cost=None, overlap=None, cores: int | None = None,
-            background: float = 0.0):
+def predict(job, costs: dict[str, float], comm_cost=None, overlap=None, cores: float | None = None,
+            background: float = 0.0, dispatch: DispatchModel | None = None):
     """The simulator's step on the plans (one replica per data-parallel shard), with `costs` per key.
 
     Keys the runtime did not time cost 0 (reported by `missing_costs`). `overlap`
     defaults to the slots the runtime ran in lanes, each costing the span it was
     timed at. `cores`: the job's devices share this many cores (costs in CPU seconds), each
-    also spending `background` CPU seconds per step outside its actions."""
+    also spending `background` CPU seconds per step outside its actions. `dispatch`: the runtime's
+    own work per action and step, added to the computes (`DispatchModel.fold`)."""
     plans = job.compiled.plans.representatives()
     full = {**{k: 0.0 for k in missing_costs(plans, costs)}, **costs}
     if overlap is None:
         overlap = timed_slots(costs)
+    if dispatch is not None:
+        full = dispatch.fold(plans, full, overlap)
     return simulate(plans, costs=full, comm_cost=comm_cost, overlap=overlap, cores=cores,
                     devices=job.mesh.world_size, background=background)
 

@@ -29,6 +29,17 @@ class JobInspection:
         self._check_open()
         return dict(enumerate(self._get([a.timings.remote(cpu) for a in self.actors], "timings")))
 
+    def overheads(self, cpu: bool = False) -> dict[int, dict]:
+        """Per rank: the worker thread's seconds in the last step outside its computes and its blocking
+        waits for communication, `start` (before the first action), `end` (after the last) and per op of
+        the plan (seconds, actions) (`piper/runtime/dispatch.py`); `cpu=True`: the thread's CPU seconds
+        outside its computes. `piper.dispatch_costs.DispatchModel` makes a cost model of them."""
+        self._check_open()
+        from ..runtime.dispatch import read_overheads
+
+        return dict(enumerate(self._get([a.__ray_call__.remote(read_overheads, cpu) for a in self.actors],
+                                        "overheads")))
+
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (with `clip_grad_norm=`)."""
         self._check_open()

@@ -12,6 +12,8 @@ from collections import deque
 
 import torch
 
+from .dispatch import StepMarks
+
 TRACE_STEPS = 2      # steps whose action spans `job.trace` can show (piper/trace.py)
 
 
@@ -31,12 +33,15 @@ class StepLoop:
         self._done_at: dict[str, float] = {}
         self.current: str | None = None           # the action running now (`Worker.status`, health checks)
         self.fault = None                         # a test's injected fault (`faults.Trigger`), else None
+        self._marks = StepMarks()                 # the thread's clocks per plan entry (`dispatch`)
 
     def run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
         cpu = time.process_time()
+        self._marks.begin()
         try:
             return self._run_step(batch)
         finally:
+            self._marks.done()
             # The whole process, every thread (lanes, communication): with the actions'
             # own CPU seconds this gives what the step costs outside them.
             self.cpu_timings["step"] = time.process_time() - cpu      # piper.simulate.STEP
@@ -60,7 +65,9 @@ class StepLoop:
         if self._events:                              # left by a step that failed
             self._events.clear()
         plan, i = self.spec.plan, 0
+        mark = self._marks.mark
         while i < len(plan):
+            mark(i)
             span = self._spans.get(i)
             if self._reducing and i in self._reads:
                 self._settle_reductions(self._reads[i])
@@ -72,6 +79,7 @@ class StepLoop:
             else:
                 self._run_span(span)
                 i = span.stop
+        self._marks.loop_done()
         for key in list(self.pending):
             self._wait(key)
         for work in self.sends:
@@ -92,8 +100,11 @@ class StepLoop:
         self.current = action.key
         if self.fault is not None:
             self.fault(action.key)
-        for key in action.waits:
-            self._wait(key)
+        if action.waits:
+            waiting = time.perf_counter()
+            for key in action.waits:
+                self._wait(key)
+            self._marks.waited += time.perf_counter() - waiting
         compute = action.node.is_compute
         cpu = time.thread_time() if compute else 0.0     # a system call: only where it is kept
         start = time.perf_counter()
