@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 import piper
-from piper.dispatch_costs import DispatchModel, other_threads
+from piper.runtime_costs import RuntimeModel, other_threads
 from piper.report import inflight_peak
 from piper.simulate import SLOT, STEP, actions_seconds, simulate, timed_slots
 
@@ -58,6 +58,7 @@ class Measured:
     cpu_timings: list[dict[int, dict[str, float]]] = field(default_factory=list)   # job.timings(cpu=True)
     overheads: list[dict[int, dict]] = field(default_factory=list)     # job.overheads(): runtime time outside computes
     cpu_overheads: list[dict[int, dict]] = field(default_factory=list)     # job.overheads(cpu=True)
+    traced: list[dict] = field(default_factory=list)     # {"recorded": job.traced() (last step), "plans": ...}
     machine: list[tuple[float, float, float]] = field(default_factory=list)   # (busy core-s, wall s, driver CPU s)
     losses: list[float] = field(default_factory=list)
 
@@ -95,15 +96,15 @@ class Measured:
         def pick(xs):
             return [xs[i] for i in steps] if len(xs) == len(self.times) else []
         return Measured(pick(self.times), pick(self.run_steps), pick(self.timings), pick(self.cpu_timings),
-                        pick(self.overheads), pick(self.cpu_overheads), pick(self.machine))
+                        pick(self.overheads), pick(self.cpu_overheads), pick(self.traced), pick(self.machine))
 
-    def dispatch(self, cpu: bool = False) -> DispatchModel:
-        """The runtime's own time per action and per step in these steps, wall-clock (less blocking
-        waits) or CPU seconds (`piper.dispatch_costs`)."""
-        return DispatchModel.measured(self.cpu_overheads if cpu else self.overheads)
+    def runtime(self, cpu: bool = False) -> RuntimeModel:
+        """The runtime's own costs in these steps (`piper.runtime_costs`): its time per action and
+        per step, wall-clock (less blocking waits) or CPU seconds, start skews and message latency."""
+        return RuntimeModel.measured(self.cpu_overheads if cpu else self.overheads, self.traced)
 
     def other_threads(self) -> float:
-        """`background` less the step thread's runtime work (which `dispatch(cpu=True)` puts into the costs)."""
+        """`background` less the step thread's runtime work (which `runtime(cpu=True)` puts into the costs)."""
         return other_threads(self.cpu_timings, self.cpu_overheads)
 
     def external_cores(self, steps=None) -> float | None:
@@ -116,6 +117,13 @@ class Measured:
         busy = sum(self.machine[i][0] - self.machine[i][2] -
                    sum(r.get(STEP, 0.0) for r in self.cpu_timings[i].values()) for i in steps)
         return max(0.0, busy / sum(self.machine[i][1] for i in steps))
+
+    def stretch(self) -> float | None:
+        """The timed actions' wall seconds over their CPU seconds (every rank and step): 1 where every
+        device had a core to itself while computing."""
+        cpu = sum(actions_seconds(r) for step in self.cpu_timings for r in step.values())
+        wall = sum(actions_seconds(r) for step in self.timings for r in step.values())
+        return wall / cpu if cpu else None
 
     def compute(self, cpu: bool = False) -> float:
         """The busiest rank's compute seconds per step (median over steps; CPU seconds with `cpu`).
@@ -166,6 +174,8 @@ class Recorder:
         self.data.cpu_timings.append(self.job.timings(cpu=True))
         self.data.overheads.append(self.job.overheads())
         self.data.cpu_overheads.append(self.job.overheads(cpu=True))
+        recorded = [{**r, "steps": r["steps"][-1:]} for r in self.job.traced()]
+        self.data.traced.append({"recorded": recorded, "plans": self.job.compiled.plans})
         self.data.machine.append(self._machine)
         if self.worker_probe:
             self.data.run_steps.append(max(r["run_step"] for r in probes.read(self.job)))
@@ -209,20 +219,21 @@ def missing_costs(plans, costs: dict[str, float]) -> list[str]:
 
 
 def predict(job, costs: dict[str, float], comm_cost=None, overlap=None, cores: float | None = None,
-            background: float = 0.0, dispatch: DispatchModel | None = None):
+            background: float = 0.0, runtime: RuntimeModel | None = None):
     """The simulator's step on the plans (one replica per data-parallel shard), with `costs` per key.
 
     Keys the runtime did not time cost 0 (reported by `missing_costs`). `overlap`
     defaults to the slots the runtime ran in lanes, each costing the span it was
     timed at. `cores`: the job's devices share this many cores (costs in CPU seconds), each
-    also spending `background` CPU seconds per step outside its actions. `dispatch`: the runtime's
-    own work per action and step, added to the computes (`DispatchModel.fold`)."""
+    also spending `background` CPU seconds per step outside its actions. `runtime`: the runtime's
+    own costs (`RuntimeModel.apply`; its message latency prices receives, `comm_cost` the rest)."""
     plans = job.compiled.plans.representatives()
     full = {**{k: 0.0 for k in missing_costs(plans, costs)}, **costs}
     if overlap is None:
         overlap = timed_slots(costs)
-    if dispatch is not None:
-        full = dispatch.fold(plans, full, overlap)
+    if runtime is not None:
+        plans, full = runtime.apply(plans, full, overlap)
+        comm_cost = runtime.comm_cost(comm_cost)
     return simulate(plans, costs=full, comm_cost=comm_cost, overlap=overlap, cores=cores,
                     devices=job.mesh.world_size, background=background)
 

@@ -114,8 +114,22 @@ def region_vs_eager(family, cfg: dict, reps: int) -> dict:
 
 # -- (c) the cost model --------------------------------------------------------------------------------
 
-def cost_model_point(job, batches, *, warmup: int, steps: int) -> dict:
-    """Predicted vs measured step of `job` (CPU costs on the machine's shared cores, as suite 8)."""
+COST_SCHEDULES = ("1f1b", "gpipe", "interleaved")     # the runtime's overheads measured on the first
+
+
+def cost_model_point(job, batches, *, warmup: int, steps: int, reference=None) -> dict:
+    """Predicted vs measured step of `job` (see the suite's cost table notes):
+
+    - `cpu`: per-action CPU costs on the machine's shared cores, as suite 8 (the runtime's own work
+      only as background CPU competing for the cores);
+    - `cpu_runtime`: the same plus the runtime's own costs (`piper.runtime_costs.RuntimeModel`: its
+      CPU time per action and per step, the devices' start skews, the latency of a message);
+    - `cpu_runtime_free`: that on the cores other processes left the job (the machine's cores less
+      `external_cores`, at least 1);
+    - `wall_runtime`: per-action wall-clock costs plus the runtime's own wall-clock costs.
+
+    `reference`: (wall, cpu) `RuntimeModel`s measured on another job (another schedule) to use instead
+    of this job's own; the models used come back as `models`."""
     from .suite_cost_model import CORES, Recorder, predict, run_steps
 
     rec = Recorder(job)
@@ -123,9 +137,89 @@ def cost_model_point(job, batches, *, warmup: int, steps: int) -> dict:
     if errors:
         raise errors["piper"]
     data = rec.data
-    sim = predict(job, data.costs(cpu=True), cores=CORES, background=data.background())
-    return {"measured_ms": data.step * 1e3, "run_step_ms": data.worker * 1e3, "predicted_ms": sim.step_time * 1e3,
-            "error": sim.step_time / data.worker - 1}
+    wall_model, cpu_model = reference or (data.runtime(), data.runtime(cpu=True))
+    cpu_costs, other = data.costs(cpu=True), data.external_cores() or 0.0
+    out = {"measured_ms": data.step * 1e3, "run_step_ms": data.worker * 1e3, "models": (wall_model, cpu_model),
+           "external_cores": other, "stretch": data.stretch()}
+    sims = {"cpu": predict(job, cpu_costs, cores=CORES, background=data.background()),
+            "cpu_runtime": predict(job, cpu_costs, cores=CORES, background=data.other_threads(), runtime=cpu_model),
+            "cpu_runtime_free": predict(job, cpu_costs, cores=max(1.0, CORES - other),
+                                        background=data.other_threads(), runtime=cpu_model),
+            "wall_runtime": predict(job, data.costs(), runtime=wall_model)}
+    for name, sim in sims.items():
+        out[f"{name}_ms"] = sim.step_time * 1e3
+        out[f"{name}_error"] = sim.step_time / data.worker - 1
+    return out
+
+
+def describe_models(wall, cpu) -> str:
+    """One line on the runtime models measured on 1F1B (wall / CPU)."""
+    ops = sorted(set(wall.per_op) | set(cpu.per_op))
+    return ("the runtime's own costs measured on 1F1B (wall / CPU), µs per action: "
+            + ", ".join(f"{op} {wall.per_action(op) * 1e6:.0f} / {cpu.per_action(op) * 1e6:.0f}" for op in ops)
+            + f"; per step: start {wall.start * 1e6:.0f} / {cpu.start * 1e6:.0f}, end {wall.end * 1e6:.0f} / "
+            f"{cpu.end * 1e6:.0f}; devices' start after the first: "
+            + ", ".join(f"{cpu.skew[r] * 1e6:.0f}" for r in sorted(cpu.skew))
+            + f"; a message's arrival once both sides were ready: {cpu.latency * 1e6:.0f}.")
+
+
+def cost_table(families, *, quick: bool, devices: int = 2, log=print, metrics: dict | None = None,
+               device: str = "cpu") -> Table:
+    """(c) for each family: `cost_model_point` of 1F1B, GPipe and interleaved jobs on `devices`, the
+    runtime's own time measured on the 1F1B job and carried to the others. Needs a Ray cluster."""
+    metrics = {} if metrics is None else metrics
+    warmup, steps = (2, 6) if quick else (2, 8)
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    costs = Table(f"Cost model: predicted vs measured step on {devices} devices (median of {steps} steps after "
+                  f"{warmup} warm-up); the runtime's own time measured on the 1F1B job; target within 10%",
+                  ["family", "schedule", "worker run_step ms", "CPU costs, shared cores", "error",
+                   "+ runtime", "error", "+ runtime, cores left", "error", "wall costs + runtime", "error",
+                   "other load (cores)", "compute wall/CPU"])
+    for family in families:
+        cfg = family.quick if quick else family.full
+        batches = family.batches(cfg, 4)
+        batches = [batches[i % len(batches)] for i in range(warmup + steps)]
+        reference = None
+        for kind in COST_SCHEDULES:
+            log(f"families: {family.name} cost model ({kind}, {devices} devices)")
+            try:
+                strategy, _, _ = schedule_strategy(kind, pp=devices, microbatches=MICROBATCHES)
+                regions = devices * PIPELINE_SCHEDULES[kind][1]
+                with piper.compile(family.make(cfg, regions=regions), batches[0], strategy=strategy,
+                                   mesh={"pp": devices}, optimizer=optimizer, timeout=120.0, device=device) as job:
+                    c = cost_model_point(job, batches, warmup=warmup, steps=steps, reference=reference)
+            except Exception as exc:
+                costs.add(family.name, kind, f"failed: {short_error(exc)}", *[None] * 10)
+                log(traceback.format_exc())
+                continue
+            reference = reference or c["models"]
+            costs.add(family.name, kind, c["run_step_ms"],
+                      *[cell for name in ("cpu", "cpu_runtime", "cpu_runtime_free", "wall_runtime")
+                        for cell in (c[f"{name}_ms"], f"{c[f'{name}_error']:+.1%}")],
+                      c["external_cores"], c["stretch"])
+            for name in ("cpu", "cpu_runtime", "cpu_runtime_free", "wall_runtime"):
+                metrics[f"{family.name}.cost_model.{kind}.{name}_error"] = c[f"{name}_error"]
+            metrics[f"{family.name}.cost_model.{kind}.external_cores"] = c["external_cores"]
+            if kind == "1f1b":
+                metrics[f"{family.name}.cost_model.error"] = c["cpu_runtime_error"]
+                costs.notes.append(f"{family.name}: " + describe_models(*c["models"]))
+    costs.notes += [
+        "error = predicted / the slowest worker's run_step - 1. 'CPU costs, shared cores': simulate with each "
+        "action's CPU seconds (job.timings(cpu=True)) on the machine's cores (as suite 8), the runtime's own work "
+        "counted only as background CPU. '+ runtime': plus the runtime's own costs as piper.runtime_costs."
+        "RuntimeModel measures them: its CPU time per action of each op outside the computes and per step "
+        "(job.overheads(cpu=True)) on the compute next to it, each device's start after the first's "
+        "(job.traced()) on a leading action, and the median time a message took to arrive once both sides were "
+        "ready as the cost of each receive. ', cores left': the same on the cores other processes left the job "
+        "(the machine's cores less 'other load', at least 1). 'wall costs + runtime': each action's wall seconds "
+        "(job.timings()) and the runtime's wall time outside computes and blocking waits (job.overheads()). "
+        "The 1F1B row uses its own runtime model; GPipe and interleaved use the one measured on 1F1B (a "
+        "cross-check: per-op costs carried to another plan).",
+        "other load: cores other processes kept busy during the timed steps (the machine's busy CPU less the "
+        "job's workers and driver; Ray's daemons count here); compute wall/CPU: the actions' wall over CPU "
+        "seconds, above 1 where a device waited for a core.",
+    ]
+    return costs
 
 
 # -- (d) piper check start-up ----------------------------------------------------------------------
@@ -198,9 +292,6 @@ def run(ctx) -> SuiteResult:
                   ["family", "devices", "torch schedule", "Piper strategy", "torch ms", "Piper ms",
                    "ratio torch/Piper", "paired ratios, middle half", "spread torch", "spread Piper",
                    "max |Δloss|"])
-    costs = Table(f"Cost model: predicted vs measured step of the 1F1B job on {devices[0]} devices "
-                  "(per-action CPU costs from job.timings(cpu=True), the machine's cores shared); target within 10%",
-                  ["family", "measured ms (driver)", "worker run_step ms", "predicted ms", "error vs run_step"])
     with ray_cluster():
         for family in families:
             cfg = family.quick if quick else family.full
@@ -227,18 +318,8 @@ def run(ctx) -> SuiteResult:
                         result.metrics[f"{family.name}.{kind}.pp{p}.{name}"] = value
                 if group is not None:
                     group.close()
-            ctx.log(f"families: {family.name} cost model (1F1B, {devices[0]} devices)")
-            try:
-                strategy, _, _ = schedule_strategy("1f1b", pp=devices[0], microbatches=MICROBATCHES)
-                with piper.compile(family.make(cfg, regions=devices[0]), batches[0], strategy=strategy,
-                                   mesh={"pp": devices[0]}, optimizer=optimizer, timeout=timeout,
-                                   device=ctx.device) as job:
-                    c = cost_model_point(job, batches, warmup=warmup, steps=steps)
-                costs.add(family.name, c["measured_ms"], c["run_step_ms"], c["predicted_ms"], f"{c['error']:+.1%}")
-                result.metrics[f"{family.name}.cost_model.error"] = c["error"]
-            except Exception as exc:
-                costs.add(family.name, f"failed: {short_error(exc)}", None, None, None)
-                ctx.log(traceback.format_exc())
+        costs = cost_table(families, quick=quick, devices=devices[0], log=ctx.log, metrics=result.metrics,
+                           device=ctx.device)
     pipes.notes.append("torch: PipelineStage per stage module (families.Stage: the model's own region code and "
                        "submodules), loss_fn the family's loss; Piper: the same model captured with its "
                        "piper.annotate regions, the stdlib schedule named in the row.")
@@ -268,3 +349,21 @@ def run(ctx) -> SuiteResult:
                        "CPU time is the steadier measure on a shared machine.")
     result.tables.append(check)
     return result
+
+
+if __name__ == "__main__":
+    # The cost-model part alone: python -m benchmarks.suite_families --cost-model [--quick] [FAMILY ...]
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite_families")
+    parser.add_argument("--cost-model", action="store_true", required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("families", nargs="*", default=sorted(FAMILIES))
+    args = parser.parse_args()
+    with ray_cluster():
+        table = cost_table([FAMILIES[n] for n in args.families], quick=args.quick,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"**{table.title}**\n\n| " + " | ".join(table.columns) + " |\n|" + "---|" * len(table.columns))
+    for row in table.rows:
+        print("| " + " | ".join(row) + " |")
+    print("\n" + "\n".join(f"- {n}" for n in table.notes))

@@ -33,12 +33,18 @@ class JobInspection:
         """Per rank: the worker thread's seconds in the last step outside its computes and its blocking
         waits for communication, `start` (before the first action), `end` (after the last) and per op of
         the plan (seconds, actions) (`piper/runtime/dispatch.py`); `cpu=True`: the thread's CPU seconds
-        outside its computes. `piper.dispatch_costs.DispatchModel` makes a cost model of them."""
+        outside its computes. `piper.runtime_costs.RuntimeModel` makes a cost model of them."""
         self._check_open()
         from ..runtime.dispatch import read_overheads
 
         return dict(enumerate(self._get([a.__ray_call__.remote(read_overheads, cpu) for a in self.actors],
                                         "overheads")))
+
+    def traced(self) -> list[dict]:
+        """Per rank, the last steps' action spans, communication completions and the worker's clocks
+        (what `trace` draws), as data: `piper.runtime_costs.start_skews` and `receive_latencies` read it."""
+        self._check_open()
+        return self._get([a.trace.remote() for a in self.actors], "trace")
 
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (with `clip_grad_norm=`)."""

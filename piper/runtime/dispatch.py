@@ -18,7 +18,7 @@ seconds, less the time blocked waiting for communication (the simulator's own
 business): what is left is routing, issuing, the loop, and (wall) stalls inside
 communication calls. An overlapped slot run in lanes counts as one entry, op
 `SLOT` (its other lanes run in other threads). CPU devices: on a GPU the wall
-times of computes are the device's, not the host's. `piper.dispatch_costs`
+times of computes are the device's, not the host's. `piper.runtime_costs`
 makes these a per-action cost for the simulator.
 """
 from __future__ import annotations
