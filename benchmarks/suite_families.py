@@ -160,7 +160,7 @@ def describe_models(wall, cpu) -> str:
             + f"; per step: start {wall.start * 1e6:.0f} / {cpu.start * 1e6:.0f}, end {wall.end * 1e6:.0f} / "
             f"{cpu.end * 1e6:.0f}; devices' start after the first: "
             + ", ".join(f"{cpu.skew[r] * 1e6:.0f}" for r in sorted(cpu.skew))
-            + f"; a message's arrival once both sides were ready: {cpu.latency * 1e6:.0f}.")
+            + f"; a message's arrival once both sides were ready (mean): {cpu.latency * 1e6:.0f}.")
 
 
 def cost_table(families, *, quick: bool, devices: int = 2, log=print, metrics: dict | None = None,
@@ -209,7 +209,7 @@ def cost_table(families, *, quick: bool, devices: int = 2, log=print, metrics: d
         "counted only as background CPU. '+ runtime': plus the runtime's own costs as piper.runtime_costs."
         "RuntimeModel measures them: its CPU time per action of each op outside the computes and per step "
         "(job.overheads(cpu=True)) on the compute next to it, each device's start after the first's "
-        "(job.traced()) on a leading action, and the median time a message took to arrive once both sides were "
+        "(job.traced()) on a leading action, and the mean time a message took to arrive once both sides were "
         "ready as the cost of each receive. ', cores left': the same on the cores other processes left the job "
         "(the machine's cores less 'other load', at least 1). 'wall costs + runtime': each action's wall seconds "
         "(job.timings()) and the runtime's wall time outside computes and blocking waits (job.overheads()). "

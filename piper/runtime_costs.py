@@ -52,8 +52,8 @@ class RuntimeModel:
     def measured(cls, overheads, traced=()) -> "RuntimeModel":
         """From `job.overheads()` results (one per step; or single ranks' dicts): per op, the median
         over ranks and steps of its mean per action; `start`, `end` the medians. From `job.traced()`
-        results of the same steps: each rank's median `start_skews`, and the median of every
-        message's `receive_latencies`."""
+        results of the same steps: each rank's median `start_skews`, and the mean of every
+        message's `receive_latencies` (the mean: a step's delays add up, and their spread is wide)."""
         per: dict[str, list[float]] = {}
         starts, ends = [], []
         for record in _rank_records(overheads):
@@ -73,7 +73,7 @@ class RuntimeModel:
         return cls({op: statistics.median(v) for op, v in per.items()},
                    statistics.median(starts) if starts else 0.0, statistics.median(ends) if ends else 0.0,
                    {r: statistics.median(v) for r, v in skews.items()},
-                   statistics.median(latencies) if latencies else 0.0)
+                   statistics.fmean(latencies) if latencies else 0.0)
 
     def per_action(self, op: str) -> float:
         """Seconds per action of `op`: measured, else its kin's, else the mean over compute ops (a
