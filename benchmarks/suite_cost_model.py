@@ -347,7 +347,8 @@ def run(ctx) -> SuiteResult:
                       "error (comm 0)", "predicted ms (+ Gloo model)", "error (+ Gloo model)",
                       "error vs run_step", "error + overhead model", "error + runtime model",
                       f"predicted ms (CPU costs, {CORES} cores shared)", "error (CPU, shared)",
-                      "error (CPU, shared) + overhead model", "error (CPU, shared) + runtime model", "spread"])
+                      "error (CPU, shared) + overhead model", "error (CPU, cores left) + runtime model", "other load (cores)",
+                      "spread"])
     shape = Table("What the simulator predicts about each schedule (measured per-action costs, Gloo model)",
                   ["mesh", "strategy", "compute actions / device", "busiest device compute ms",
                    "predicted bubble fraction", "in-flight peak per device (microbatches)"])
@@ -381,7 +382,7 @@ def run(ctx) -> SuiteResult:
                 kw, batches = dp_wl.model_kw(dp_regions), dp_batches
             name = f"{kind} ({source})"
             if strategy is None:
-                accuracy.add(mesh_label, name, f"not available: {note}", *[None] * 13)
+                accuracy.add(mesh_label, name, f"not available: {note}", *[None] * 14)
                 continue
             try:
                 with piper.compile(make_gpt(kw)[0], batches[0], strategy=strategy, mesh=mesh, optimizer=optimizer,
@@ -401,10 +402,11 @@ def run(ctx) -> SuiteResult:
                     # The runtime's own costs, measured in these steps (piper.runtime_costs): wall and CPU.
                     simrt = predict(job, costs, comm_cost=link.for_job(job) if link else None, runtime=data.runtime())
                     simcpurt = predict(job, data.costs(cpu=True), comm_cost=link.for_job(job) if link else None,
-                                       cores=CORES, background=data.other_threads(), runtime=data.runtime(cpu=True))
+                                       cores=max(1.0, CORES - (data.external_cores() or 0.0)),
+                                       background=data.other_threads(), runtime=data.runtime(cpu=True))
                     n_compute = {r: len(job.compiled.compute_order(r)) for r in plans}
             except Exception as exc:
-                accuracy.add(mesh_label, name, f"failed: {short_error(exc)}", *[None] * 13)
+                accuracy.add(mesh_label, name, f"failed: {short_error(exc)}", *[None] * 14)
                 ctx.log(traceback.format_exc())
                 continue
             measured = data.step
@@ -424,7 +426,7 @@ def run(ctx) -> SuiteResult:
             accuracy.add(mesh_label, name, ms(measured), ms(data.worker), ms(sim0.step_time), _pct(err0),
                          ms(simc.step_time) if simc else None, _pct(errc), _pct(err_worker), _pct(err_fixed),
                          _pct(err_rt), ms(simcpu.step_time), _pct(err_cpu), _pct(err_cpu_fixed), _pct(err_cpu_rt),
-                         data.spread)
+                         data.external_cores(), data.spread)
             sim = simc or sim0
             shape.add(mesh_label, name, "/".join(str(n_compute[r]) for r in sorted(n_compute)),
                       ms(data.compute()), f"{sim.bubble_fraction:.3f}",
@@ -459,8 +461,10 @@ def run(ctx) -> SuiteResult:
         "device's plan) to the prediction. 'error + runtime model': instead, the runtime's own costs measured "
         "in the same steps (piper.runtime_costs.RuntimeModel: its time per action of each op outside computes "
         "and blocking waits and per step, job.overheads(); each device's start after the first's and the time a "
-        "message took to arrive once both sides were ready, job.traced()); '(CPU, shared) + runtime model' the "
-        "same in CPU seconds (job.overheads(cpu=True)) with the background less the step thread's runtime work.",
+        "message took to arrive once both sides were ready, job.traced()); '(CPU, cores left) + runtime model' the "
+        "same in CPU seconds (job.overheads(cpu=True)) with the background less the step thread's runtime work, on "
+        "the cores other processes left the job (the machine's cores less 'other load': the machine's busy CPU "
+        "during the timed steps less the job's workers and driver, Ray's daemons included; at least 1).",
         "overlapped slots (dualpipev's [F, B]) run in two lanes at once on the CPU runtime; the simulator "
         "runs each as one unit costing the span the runtime timed it at (first lane's start to last lane's "
         "end, job.timings()'s `a&b` entries).",
@@ -507,7 +511,7 @@ def run(ctx) -> SuiteResult:
             line += (f"; CPU costs on shared cores (+ overhead model) {sum(1 for e in errors_cpu if abs(e) <= TARGET)}"
                      f" of {len(errors_cpu)}, median |error| {statistics.median(abs(e) for e in errors_cpu):.1%}")
         if errors_runtime:
-            line += (f"; CPU costs on shared cores + the runtime model (measured, nothing fitted) "
+            line += (f"; CPU costs on the cores left + the runtime model (measured, nothing fitted) "
                      f"{sum(1 for e in errors_runtime if abs(e) <= TARGET)} of {len(errors_runtime)}, median |error| "
                      f"{statistics.median(abs(e) for e in errors_runtime):.1%}")
         result.notes.append(line + ". With wall-clock costs predictions are low, more so on 4 devices, where 4 "
