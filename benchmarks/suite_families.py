@@ -13,9 +13,11 @@ For each family (the nn.MultiheadAttention GPT, an MLP-Mixer, and whatever
   (b) pipeline schedules against torch.distributed.pipelining on 2 and 4
       devices (one region per stage, two per device for interleaved and V
       schedules), alternated step by step, with the paired ratios' middle half;
-  (c) the cost model: `simulate` of the 1F1B job's plans with the per-action
-      CPU costs its workers recorded, against the slowest worker's measured
-      `run_step` (target within 10%);
+  (c) the cost model: `simulate` of the 1F1B, GPipe and interleaved jobs' plans
+      with the per-action costs their workers recorded and the runtime's own
+      costs (`piper.runtime_costs`) measured on the 1F1B job, against the
+      slowest worker's measured `run_step` (target within 10%); the part alone:
+      `python -m benchmarks.suite_families --cost-model [--quick] [FAMILY ...]`;
   (d) `piper check` start-up from the command line: a script alone, and 64
       stages x 512 microbatches x dp 8 with ZeRO-3 (`--regions PP=64`).
 
