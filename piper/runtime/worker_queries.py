@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 class WorkerQueries:
+    """Mixed into `Worker`; each call reads the job's `Executor`."""
 
     def shards(self):
         return self.executor.shards()
