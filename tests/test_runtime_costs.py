@@ -147,3 +147,33 @@ def test_the_runtime_reports_its_time_per_op_of_the_plan(ray_cluster):
         model_ = RuntimeModel.measured([job.overheads(cpu=True)], [traced])
         assert set(model_.per_op) == {"F", "B", "UPD", "SEND", "RECV"}
         assert set(model_.skew) == {0, 1} and min(model_.skew.values()) == 0.0 and model_.latency >= 0.0
+
+
+def test_overheads_take_each_entry_less_its_compute_and_its_blocked_waits():
+    """Stamps made by hand: entries 0F0 (compute 2 wall / 1.5 CPU), 0SEND, 0RECV, 0B0 (blocked 3 in its
+    wait, compute 4 wall / 4 CPU); CPU seconds share the loop's CPU outside computes by wall time."""
+    from types import SimpleNamespace
+
+    from piper.runtime.dispatch import StepMarks, overheads
+
+    plan = _plans()[0]
+    keys = [a.key for a in plan[:6]]          # 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0
+    m = StepMarks()
+    m.start, m.first_cpu = (10.0, 100.0), 10.25
+    walls = [100.5, 103.0, 103.5, 106.0, 106.5, 107.0]
+    m.marks = list(zip(range(6), walls))
+    m.waits = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]   # the wait before each stamp's entry ended (0B0: 3)
+    m.loop_end, m.end = (19.75, 114.5), (20.0, 115.0)
+    timings = {keys[0]: 2.0, keys[2]: 2.0, keys[5]: 4.0}
+    cpu_timings = {keys[0]: 1.5, keys[2]: 2.0, keys[5]: 4.0}
+    ex = SimpleNamespace(_marks=m, spec=SimpleNamespace(plan=plan), _spans={}, timings=timings,
+                         cpu_timings=cpu_timings, _interleave=False)
+    wall = overheads(ex)
+    assert wall["start"] == 0.5 and wall["end"] == 0.5
+    assert wall["F"] == (0.5 + 0.5, 2) and wall["SEND"] == (1.0, 2) and wall["RECV"] == (0.5, 1)
+    assert wall["B"] == (0.5, 1)               # 7.5 from its stamp to the loop's end, less 4 compute, 3 waiting
+    cpu = overheads(ex, cpu=True)
+    assert cpu["start"] == 0.25 and cpu["end"] == 0.25
+    # the loop's CPU outside computes: 19.75 - 10.25 - 7.5 = 2; its wall there: 3 -> each op gets 2/3
+    assert cpu["SEND"] == pytest.approx((2 / 3, 2)) and cpu["B"] == pytest.approx((1 / 3, 1))
+    assert sum(v[0] for k, v in cpu.items() if k not in ("start", "end")) == pytest.approx(2.0)
