@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from .diagnostics import Diagnostic, Label, error
 from .ir import COLLECTIVES, COMPUTE, IR, Edge, Node, _not_same, distinct_edges
 from .lower import add_transfers, check_orders, resolve_placement, temporal_edges, zero_levels
+from .plan_waits import Feeds, waits_after_lowering
 from .tied import add_tie_exchanges, units_used
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
@@ -520,8 +521,11 @@ class _Transfers:
     peer_groups: list[tuple] = field(default_factory=list)
 
 
-def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
-    """Each device's actions in global order, with peers, tags and waits."""
+def project(ir: IR, order: list[Node], release: dict[str, tuple], lowered: IR | None = None) -> Plans:
+    """Each device's actions in global order, with peers, tags and waits.
+
+    `lowered`: the IR `ir` was made from by adding nodes and edges (`compile_ir`
+    passes it), whose edge ids find the waits without a look-up per edge."""
     mesh = ir.mesh
     batch_axes = ir.batch_axes()
     shard_of = {}
@@ -535,7 +539,9 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
     def peer_of(rank: int, group: tuple[int, ...]) -> int:
         return member_by_shard[group][shard_of[rank]]
 
-    waits_of = _waits_of(ir, order)
+    waits_of = None if lowered is None else waits_after_lowering(ir, order, lowered)
+    if waits_of is None:
+        waits_of = _waits_of(ir, order)
     sequences: dict[tuple, list] = {}
     transfers: dict[tuple, _Transfers] = {}
     waited: dict[tuple, set[str]] = {}
@@ -586,15 +592,11 @@ def _waits_of(ir: IR, order: list[Node]) -> dict[str, list[str]]:
     """Node key -> the receives and collectives feeding it by a data edge:
     what an action waits for, nothing else (a send completes on its own)."""
     waitable = {n[8] for n in order if n[0] in _WAITABLE}
-    waits_of: dict[str, list[str]] = {}
+    found = Feeds()
     for src, dst, kind, _ in compress(ir.edges, map(waitable.__contains__, map(_SRC, ir.edges))):
         if kind == "data":
-            feeds = waits_of.get(dst)
-            if feeds is None:
-                waits_of[dst] = [src]
-            elif src not in feeds:
-                feeds.append(src)
-    return waits_of
+            found.add(src, dst)
+    return found.waits_of
 
 
 def compile_ir(ir: IR) -> Compiled:
@@ -610,8 +612,8 @@ def compile_ir(ir: IR) -> Compiled:
     order, extra, release = add_collectives(ir, order, zero)
     order, ties = add_tie_exchanges(ir, order, _units_used(ir))     # tied weights across stages
     extra += ties
-    ir = ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
-    plans = project(ir, order, release)
+    lowered, ir = ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
+    plans = project(ir, order, release, lowered)
     return Compiled(ir, order, plans, zero, warnings)
 
 

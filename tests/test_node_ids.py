@@ -66,3 +66,33 @@ def test_one_replica_per_group_simulates_as_every_device(text, regions):
     assert {r: every.timeline[r] for r in replicas.timeline} == replicas.timeline
     verified = verify(compiled)
     assert verified.timeline == {} and verified.busy == simulate(compiled.plans.representatives()).busy
+
+
+def _lowered_and_final(text: str, regions: int):
+    """The lowered IR and the final one `compile_ir` projects, with its order."""
+    from piper.compiler import _units_used, _with_new_edges, add_collectives, add_tie_exchanges
+    from piper.lower import zero_levels
+
+    ir = add_transfers(lowered(text, regions))
+    order, extra, _ = add_collectives(ir, schedule(ir), zero_levels(ir))
+    order, ties = add_tie_exchanges(ir, order, _units_used(ir))
+    return ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra + ties)), order
+
+
+@pytest.mark.parametrize("text,regions", CASES + [
+    ("mesh dp=2, pp=2\nuse one_f_one_b(microbatches=12) on pp\nuse zero3() on dp\n", 2)])
+def test_waits_found_through_edge_ids_are_those_a_look_up_finds(text, regions):
+    from piper.compiler import _waits_of
+    from piper.plan_waits import waits_after_lowering
+
+    ir, final, order = _lowered_and_final(text, regions)
+    found = waits_after_lowering(final, order, ir)
+    assert found is not None and found == _waits_of(final, order)
+    assert max(map(len, found.values())) > 8 or "microbatches=12" not in text    # a node fed by many
+
+
+def test_waits_through_edge_ids_decline_edges_that_are_not_the_lowered_ones():
+    from piper.plan_waits import waits_after_lowering
+
+    ir, final, order = _lowered_and_final(*CASES[0])
+    assert waits_after_lowering(final.with_(edges=final.edges[1:]), order, ir) is None
