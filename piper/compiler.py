@@ -26,6 +26,7 @@ from .diagnostics import Diagnostic, Label, error
 from .ir import COLLECTIVES, COMPUTE, IR, Edge, Node, _not_same, distinct_edges
 from .lower import add_transfers, check_orders, resolve_placement, temporal_edges, zero_levels
 from .plan_waits import Feeds, waits_after_lowering
+from .replay import Replay
 from .tied import add_tie_exchanges, units_used
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
@@ -475,6 +476,9 @@ class Plans(Mapping):
         self._peer_of = peer_of
         self._shard_of = shard_of
         self._cache: dict[int, tuple[Action, ...]] = {}
+        # `verify`'s simulation of the representatives, run as `project` made the plans (`piper.replay`);
+        # None where it could not be.
+        self.replayed = None
 
     def __getitem__(self, rank: int) -> tuple[Action, ...]:
         if rank not in self._cache:
@@ -545,6 +549,7 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple], lowered: IR | 
     sequences: dict[tuple, list] = {}
     transfers: dict[tuple, _Transfers] = {}
     waited: dict[tuple, set[str]] = {}
+    replay = Replay(mesh.world_size, shard_of, member_by_shard)
     tags: dict[tuple, int] = {}
     by_id: dict[int, tuple] = {}     # id(devices) -> that group's state: few groups, many nodes
     for n in order:
@@ -553,17 +558,20 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple], lowered: IR | 
         if state is None:
             if g not in sequences:
                 sequences[g], transfers[g], waited[g] = [], _Transfers(), set()
-            state = by_id[id(g)] = (sequences[g], transfers[g], waited[g])
-        seq, t, done = state
+            state = by_id[id(g)] = (sequences[g], transfers[g], waited[g], replay.lane(g))
+        seq, t, done, lane = state
         if op == "SEND" or op == "RECV":
             # The tag names the transfer; both sides compute it from the SEND's
             # (region, mb, phase, value, peer), which its key spells out.
             send_key = n[1:6] if op == "SEND" else _AS_SEND(n)
+            tag, peer_group = tags.setdefault(send_key, len(tags)), groups[n.peer]
             t.positions.append(len(seq))
             t.nodes.append(n)
-            t.tags.append(tags.setdefault(send_key, len(tags)))
-            t.peer_groups.append(groups[n.peer])
+            t.tags.append(tag)
+            t.peer_groups.append(peer_group)
             seq.append(None)
+            if lane is not None:
+                lane.send(tag, peer_group) if op == "SEND" else lane.recv(tag, peer_group, n[8])
             continue
         # Each communication is waited for once per device: after `split B` a
         # received gradient feeds both BI and BW, and BI's wait already completed it.
@@ -579,10 +587,16 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple], lowered: IR | 
                 done.update(waits)
         if op in _COMPUTE:
             seq.append(_tuple_new(Action, (n, None, None, None, waits, release.get(n.key, ()))))
+            if lane is not None:
+                lane.compute(n, waits)
         else:
             seq.append(_tuple_new(Action, (n, None, None, g, waits, ())))
+            if lane is not None:
+                lane.collective(n, g)
     group_of = {rank: g for g in sequences for rank in g}
-    return Plans(mesh.world_size, group_of, sequences, transfers, peer_of, shard_of)
+    plans = Plans(mesh.world_size, group_of, sequences, transfers, peer_of, shard_of)
+    plans.replayed = replay.result(group_of)
+    return plans
 
 
 _WAITABLE = frozenset(("RECV",) + COLLECTIVES)

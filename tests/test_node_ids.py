@@ -96,3 +96,31 @@ def test_waits_through_edge_ids_decline_edges_that_are_not_the_lowered_ones():
 
     ir, final, order = _lowered_and_final(*CASES[0])
     assert waits_after_lowering(final.with_(edges=final.edges[1:]), order, ir) is None
+
+
+@pytest.mark.parametrize("text,regions", CASES)
+def test_the_replay_as_plans_are_made_is_verifys_simulation(text, regions):
+    from piper.simulate import _Run
+
+    compiled = compile_ir(lowered(text, regions))
+    replayed = compiled.plans.replayed
+    real = _Run(compiled.plans.representatives(), timeline=False).run()
+    assert replayed is not None
+    assert (replayed.step_time, list(replayed.busy.items())) == (real.step_time, list(real.busy.items()))
+    assert verify(compiled).busy == real.busy
+
+
+def test_a_wait_on_a_later_receive_stops_the_replay_and_verify_finds_the_deadlock():
+    from piper.compiler import Compiled, project
+    from piper.diagnostics import PiperError
+
+    compiled = compile_ir(lowered("mesh pp=2\nuse gpipe(microbatches=2) on pp\n", 2))
+    order = list(compiled.order)
+    recv = next(i for i, n in enumerate(order) if n.op == "RECV")
+    consumer = next(i for i, n in enumerate(order) if i > recv and n.op == "F" and n.devices == order[recv].devices)
+    order.insert(recv, order.pop(consumer))      # the forward now comes before the receive it waits for
+    plans = project(compiled.ir, order, {})
+    assert plans.replayed is None
+    with pytest.raises(PiperError) as err:
+        verify(Compiled(compiled.ir, order, plans, compiled.zero))
+    assert err.value.code == "deadlock" and f"*{order[recv].key}" in err.value.diagnostics[0].notes[0]
