@@ -72,7 +72,8 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
     # A parameter used by regions on different devices (tied weights): each group holds a copy.
     ir = share_across_devices(ir, spans)
     placed = dict(ir.placement)
-    ir = ir.with_(nodes=tuple(n.but(devices=placed[n.region]) for n in ir.nodes))
+    ir = ir.with_(nodes=tuple([_tuple_new(Node, (op, r, mb, phase, value, peer, placed[r], stream, key))
+                               for op, r, mb, phase, value, peer, _, stream, key in ir.nodes]))
     for (what, axis), span in zip(ir.sharding, ir.sharding_spans + (None,) * len(ir.sharding)):
         if mesh.size(axis) == 1:
             warnings.append(Diagnostic("shard-size-one", f"`shard {what} over {axis}` divides over an axis "
