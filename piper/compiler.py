@@ -380,7 +380,7 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
                 grad_producers[u].append(n.key)
     by_group = _by_group(computes) if zero >= 2 else {}
     runs = _gradient_runs(by_group, units, grad_ops) if zero >= 2 else {}
-    position = {n.key: i for i, n in computes if n.op == "UPD"}
+    position = {n[8]: i for i, n in computes if n[0] == "UPD"} if zero in (1, 2) else {}
     for u in owners:
         upd = Node("UPD", u).key
         if len(runs.get(u, ())) > 1:
@@ -400,8 +400,9 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
             while pos + 1 < len(order) and order[pos + 1].op == "SEND":
                 pos += 1   # let the gradient sends that unblock other stages go first
             after[pos].append(red)
-            edges.append(Edge(red.key, upd))
-            edges += [Edge(k, red.key) for k in producers]
+            red_key = red[8]
+            edges.append(_tuple_new(Edge, (red_key, upd, "data", None)))
+            edges += [_tuple_new(Edge, (k, red_key, "data", None)) for k in producers]
         if zero in (1, 2):
             gather = Node("ALL_GATHER", u, devices=groups[u])
             after[position[upd]].append(gather)
