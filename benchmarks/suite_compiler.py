@@ -371,6 +371,7 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
     from piper import compiler, lower
     from piper.capture import Program
     from piper.dsl import load_strategy
+    from piper.plan_waits import waits_after_lowering
     from piper.simulate import verify
     from piper.statements import apply_all, initial_ir
 
@@ -398,7 +399,8 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
         order, extra, release = timed("add_collectives", lambda: compiler.add_collectives(lowered, order, zero))
         order, ties = compiler.add_tie_exchanges(lowered, order, compiler._units_used(lowered))
         final = lowered.with_(nodes=tuple(order), edges=compiler._with_new_edges(lowered, extra + ties))
-        plans = timed("project", lambda: compiler.project(final, order, release, lowered))
+        plans = timed("project", lambda: compiler.project(final, order, release,
+                                                          waits_after_lowering(final, order, lowered)))
         compiled = compiler.Compiled(final, order, plans, zero)
         timed("verify", lambda: verify(compiled))
     finally:

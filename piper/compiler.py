@@ -526,11 +526,12 @@ class _Transfers:
     peer_groups: list[tuple] = field(default_factory=list)
 
 
-def project(ir: IR, order: list[Node], release: dict[str, tuple], lowered: IR | None = None) -> Plans:
+def project(ir: IR, order: list[Node], release: dict[str, tuple],
+            waits_of: dict[str, list[str]] | None = None) -> Plans:
     """Each device's actions in global order, with peers, tags and waits.
 
-    `lowered`: the IR `ir` was made from by adding nodes and edges (`compile_ir`
-    passes it), whose edge ids find the waits without a look-up per edge."""
+    `waits_of`: `_waits_of(ir, order)`, if the caller found it another way
+    (`compile_ir`: through the lowered IR's edge ids, `waits_after_lowering`)."""
     mesh = ir.mesh
     batch_axes = ir.batch_axes()
     shard_of = {}
@@ -544,7 +545,6 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple], lowered: IR | 
     def peer_of(rank: int, group: tuple[int, ...]) -> int:
         return member_by_shard[group][shard_of[rank]]
 
-    waits_of = None if lowered is None else waits_after_lowering(ir, order, lowered)
     if waits_of is None:
         waits_of = _waits_of(ir, order)
     sequences: dict[tuple, list] = {}
@@ -622,13 +622,16 @@ def compile_ir(ir: IR) -> Compiled:
     temporal = temporal_edges(ir)
     _check_order_devices(temporal)
     check_orders(ir, warnings, temporal)
+    del temporal
     ir = add_transfers(ir)
     order = schedule(ir)
     order, extra, release = add_collectives(ir, order, zero)
     order, ties = add_tie_exchanges(ir, order, _units_used(ir))     # tied weights across stages
     extra += ties
     lowered, ir = ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
-    plans = project(ir, order, release, lowered)
+    waits_of = waits_after_lowering(ir, order, lowered)
+    del lowered        # its indexes (~20 MB at 64 x 512) go before the plans are made
+    plans = project(ir, order, release, waits_of)
     return Compiled(ir, order, plans, zero, warnings)
 
 
