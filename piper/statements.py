@@ -265,6 +265,9 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
     """The temporal edges `order` adds (each node is in one slot, so none repeats)."""
     scope = sorted({r.index for r in regions_matching(ir, d.selector, d.span)})
     by_pass = ir.by_pass()
+    # The usual item, F(MB=3) in an order of one region, names one node: found directly.
+    ops = ("F", "BI", "BW") if ir.backward_split else ("F", "B", "BI", "BW")
+    direct = {op: by_pass.get((op, scope[0]), {}) for op in ops} if len(scope) == 1 else {}
     seen: dict[str, object] = {}
     slots: list[list[Node]] = []
     for s, slot in enumerate(d.slots):
@@ -272,7 +275,10 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
         chosen: list[Node] = []
         for i, item in enumerate(slot):
             span = spans[i] if len(spans) > i else d.span
-            matches = _item_nodes(ir, by_pass, item, scope, span, d)
+            tags = item.tags
+            found = direct.get(item.op) if len(tags) == 1 and tags[0][0] == "MB" else None
+            node = found.get(tags[0][1]) if found else None
+            matches = (node,) if node is not None else _item_nodes(ir, by_pass, item, scope, span, d)
             for n in matches:
                 if n.key in seen:
                     raise error("ordered-twice", f"`{item}` ({n.key}) appears twice in this order", span=span,
