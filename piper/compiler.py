@@ -19,7 +19,7 @@ import heapq
 from collections import defaultdict, namedtuple
 from collections.abc import Mapping
 from itertools import compress
-from operator import itemgetter, not_
+from operator import and_, itemgetter, not_
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
@@ -395,9 +395,10 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
                 red = Node("ALL_REDUCE", u, devices=groups[u])
             elif last is None:
                 red = Node("REDUCE_SCATTER", u, devices=groups[u])
-            else:
-                red = Node("REDUCE_SCATTER", u, last.mb, last.op, devices=groups[u])
-            while pos + 1 < len(order) and order[pos + 1].op == "SEND":
+            else:       # Node("REDUCE_SCATTER", u, last.mb, last.op, devices=groups[u]), made directly
+                red = _tuple_new(Node, ("REDUCE_SCATTER", u, last[2], last[0], None, None, groups[u], None,
+                                        f"{u}REDUCE_SCATTER_{last[0]}{last[2]}"))
+            while pos + 1 < len(order) and order[pos + 1][0] == "SEND":
                 pos += 1   # let the gradient sends that unblock other stages go first
             after[pos].append(red)
             red_key = red[8]
@@ -640,7 +641,8 @@ def _with_new_edges(ir: IR, extra: list[Edge]) -> tuple[Edge, ...]:
     and join its nodes (`schedule` checked), so an extra edge reaching a new
     node repeats none of them: only the extra edges need deduplicating."""
     index = ir.index()
-    if all(e.src not in index or e.dst not in index for e in extra):
+    known = index.__contains__
+    if not any(map(and_, map(known, map(_SRC, extra)), map(known, map(_DST, extra)))):
         return ir.edges + distinct_edges(extra)
     return distinct_edges(ir.edges + tuple(extra))
 
