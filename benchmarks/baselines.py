@@ -23,32 +23,7 @@ from datetime import timedelta
 import torch
 
 from . import probes
-
-# Schedules whose ranks hold several stages, and how stages map to ranks.
-MULTI_STAGE = {"ScheduleInterleaved1F1B": "loop", "ScheduleLoopedBFS": "loop",
-               "ScheduleInterleavedZeroBubble": "loop", "ScheduleZBVZeroBubble": "v", "ScheduleDualPipeV": "v"}
-
-
-def stages_of(schedule: str, rank: int, world: int) -> list[int]:
-    """The stage indices rank `rank` holds: [r] for single-stage schedules, [r, r+p] looped, [r, 2p-1-r] V-shaped."""
-    style = MULTI_STAGE.get(schedule)
-    if style is None:
-        return [rank]
-    if style == "loop":
-        return [rank, rank + world]
-    return [rank, 2 * world - 1 - rank]
-
-
-class WithLoss(torch.nn.Module):
-    """`body` followed by `loss_fn(out, target)`: a model called as model(x, y) -> loss."""
-
-    def __init__(self, body: torch.nn.Module, loss_fn):
-        super().__init__()
-        self.body, self.loss_fn = body, loss_fn
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.body(x), y)
-
+from .baseline_builds import BUILDS, make_model, stages_of
 
 class TorchWorker:
     """One baseline process: joins a process group once, then hosts one baseline at a time."""
@@ -82,124 +57,30 @@ class TorchWorker:
               precision: str = "fp32", checkpoint: bool = False, pp: int = 1) -> dict:
         """Build a baseline and return what this rank holds.
 
-        kind: 'pipeline' (a torch.distributed.pipelining schedule), 'ddp',
-        'fsdp2', or 'eager' (one process, a plain loop over microbatches).
-        model: 'gpt' (examples.gpt, `model_kw` for make_model), 'chain'
-        (LinearChain, `model_kw` for make_chain) or 'family:NAME'
-        (benchmarks/families.py, `model_kw` = {"cfg": ..., "regions": R}); 'hf' ('fsdp2*' only: the
-        Hugging Face model of `benchmarks.workloads.make_hf`, `model_kw` = HFWorkload's fields
-        and "stages"; its forward returns the loss). For 'fsdp2':
-        `precision="bf16"` is `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`,
-        and `checkpoint=True` wraps every block in torch.utils.checkpoint (non-reentrant).
-        'fsdp2_pipeline' (model 'gpt' or 'hf'): `pp` stages, each an FSDP2 module over its
-        data-parallel group of world/pp ranks, run by `schedule` (benchmarks/composed.py);
-        `precision` and `checkpoint` as for 'fsdp2'.
+        kind: 'pipeline' (a torch.distributed.pipelining schedule), 'ddp', 'fsdp2',
+        'fsdp2_pipeline' (`pp` FSDP2 stages under `schedule`) or 'eager' (one process, a plain
+        loop over microbatches); model: see `baseline_builds.make_model`.
         """
         import torch.distributed as dist
 
-        from .workloads import ChainStage, GPTStage, chain_loss, gpt_loss, make_chain, make_gpt, region_modules
-
+        build = BUILDS.get(kind)
+        if build is None:
+            raise ValueError(f"unknown baseline {kind!r}")
         self.teardown()
         self.kind, self.microbatches = kind, microbatches
-        if model == "chain":
-            net = make_chain(**model_kw)
-            n_stages = self.world * (2 if schedule in MULTI_STAGE else 1)
-            make_stage, loss_fn = (lambda s: ChainStage(net, s, n_stages)), chain_loss
-        elif model.startswith("family:"):       # benchmarks/families.py; model_kw: {"cfg": ..., "regions": R}
-            from .families import FAMILIES
-
-            family = FAMILIES[model.removeprefix("family:")]
-            net = family.make(model_kw["cfg"], regions=model_kw["regions"])
-            n_stages = model_kw["regions"]
-            make_stage, loss_fn = (lambda s: family.stage(net, s)), family.loss
-        elif model == "hf":
-            from .workloads import HFWorkload, make_hf
-
-            if kind not in ("fsdp2", "fsdp2_pipeline"):
-                raise ValueError("the Hugging Face baseline runs under fsdp2 and fsdp2_pipeline only")
-            from .composed import LlamaStage
-
-            kw = dict(model_kw)
-            stages = n_stages = kw.pop("stages", 1)
-            net = make_hf(HFWorkload(**kw), stages)[0]
-            make_stage, loss_fn = (lambda s: LlamaStage(net, s, stages)), gpt_loss
-        else:
-            net, cfg = make_gpt(model_kw)
-            n_stages = cfg.n_regions
-            make_stage, loss_fn = (lambda s: GPTStage(net, s)), gpt_loss
-        net.to(self.device)        # stages share the model's modules, so they move with it
+        m = make_model(model, model_kw, kind=kind, schedule=schedule, world=self.world)
+        m.net.to(self.device)        # stages share the model's modules, so they move with it
         self.tracker = probes.SavedActivations() if track_activations else None
-        if kind == "pipeline":
-            from torch.distributed.pipelining import PipelineStage, schedules
-
-            self.stage_ids = stages_of(schedule, self.rank, self.world)
-            modules = [make_stage(s) for s in self.stage_ids]
-            if self.tracker is not None:
-                for m in modules:
-                    self.tracker.wrap_module(m)
-            stages = [PipelineStage(m, s, n_stages, self.device) for m, s in zip(modules, self.stage_ids)]
-            cls = getattr(schedules, schedule)
-            self.schedule = cls(stages if schedule in MULTI_STAGE else stages[0], microbatches, loss_fn=loss_fn)
-            self.first = 0 in self.stage_ids
-            self.last = n_stages - 1 in self.stage_ids
-            params = [p for m in modules for p in m.parameters()]
-            self.model = torch.nn.ModuleList(modules)
-        elif kind == "fsdp2_pipeline":
-            from torch.distributed.pipelining import PipelineStage, schedules
-
-            from .composed import groups, shard_stage
-
-            dp_group, pp_group, _, stage = groups(self.rank, self.world, pp)
-            module = make_stage(stage)
-            blocks = module.layers if model == "hf" else module.blocks
-            module = shard_stage(module, blocks, dp_group, self.device, precision=precision, checkpoint=checkpoint)
-            del net                 # the other stages' modules go with it
-            if self.tracker is not None:
-                self.tracker.wrap_module(module)
-            self.stage_ids, self.first, self.last = [stage], stage == 0, stage == pp - 1
-            self.schedule = getattr(schedules, schedule)(
-                PipelineStage(module, stage, pp, self.device, group=pp_group), microbatches, loss_fn=loss_fn)
-            self.model = module
-            params = list(module.parameters())
-        elif kind == "eager":
-            if self.world != 1:
-                raise ValueError("the eager baseline runs on one process")
-            # The chain as one stage plus its loss: plain PyTorch, without piper.annotate scopes
-            # (on one process n_stages is 1, so stage 0 is every layer).
-            self.model = WithLoss(make_stage(0), loss_fn) if model == "chain" else net
-            params = list(self.model.parameters())
-        elif kind == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            on_gpu = self.device.type == "cuda"
-            self.model = DistributedDataParallel(net, device_ids=[self.device.index] if on_gpu else None)
-            params = list(self.model.parameters())
-        elif kind == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            blocks = net.m.model.layers if model == "hf" else net.blocks
-            if checkpoint:
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-                for i, block in enumerate(blocks):
-                    blocks[i] = checkpoint_wrapper(block)
-            low = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-            policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
-            # One FSDP unit per Piper region (the same flat units ZeRO-3 gathers), then the root:
-            # the GPT's regions, or the Hugging Face model's blocks (its `L` regions).
-            units = [blocks[i] for i in range(len(blocks))] if model == "hf" else [
-                region_modules(net, region) for region in range(cfg.n_regions)]
-            for unit in units:
-                fully_shard(unit, mp_policy=policy)
-            self.model = fully_shard(net, mp_policy=policy)
-            params = list(self.model.parameters())
-        else:
-            raise ValueError(f"unknown baseline {kind!r}")
+        built = build(self, m, schedule=schedule, microbatches=microbatches, precision=precision,
+                      checkpoint=checkpoint, pp=pp)
+        self.model, self.stage_ids, self.first, self.last = built.model, built.stage_ids, built.first, built.last
+        if built.schedule is not None:
+            self.schedule = built.schedule
         if self.tracker is not None and kind not in ("pipeline", "fsdp2_pipeline"):
             self.tracker.wrap_module(self.model)
-        self.optimizer = torch.optim.AdamW(params, lr=lr)
+        self.optimizer = torch.optim.AdamW(built.params, lr=lr)
         dist.barrier()
-        return {"pid": os.getpid(), "stages": getattr(self, "stage_ids", None)}
+        return {"pid": os.getpid(), "stages": self.stage_ids}
 
     def teardown(self) -> None:
         for name in ("schedule", "model", "optimizer"):

@@ -213,3 +213,6 @@ register(Family(
     Mixer, _mixer_batches, F.cross_entropy,
     quick=dict(patches=16, patch_dim=24, d=48, layers=4, classes=10, batch=16),
     full=dict(patches=64, patch_dim=48, d=192, layers=8, classes=100, batch=32)))
+
+
+from . import families_more  # noqa: E402,F401 - registers moe-gpt and hf-llama, which build on the above

@@ -80,9 +80,78 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run(ctx) -> SuiteResult:
+def _set_up(ctx, n: int, kw: dict, batch, timeout: float) -> tuple[dict, dict]:
+    """Both systems on `n` devices, each a step in (AdamW's state exists from the first step):
+    ({"piper": job, "torch": group}, {system: error or None})."""
+    group, torch_error = set_up_group(ctx, None, n, timeout, "fsdp2", model_kw=kw)
+    job, piper_error = None, None
+    try:
+        strategy, _, _ = zero_strategy("zero3", dp=n)
+        job = piper.compile(make_gpt(kw)[0], batch, strategy=strategy, mesh={"dp": n},
+                            optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), timeout=timeout,
+                            device=ctx.device)
+        job.step(*batch)
+    except Exception as exc:
+        piper_error = f"failed: {short_error(exc)}"
+        ctx.log(traceback.format_exc())
+    if group is not None:
+        try:
+            group.step(*batch)
+        except Exception as exc:
+            torch_error = f"failed: {short_error(exc)}"
+            ctx.log(traceback.format_exc())
+    return {"piper": job, "torch": group}, {"piper": piper_error, "torch": torch_error}
+
+
+def _save_and_load(ctx, systems: dict, errors: dict, paths: dict, repeats: int, timeout: float) -> dict:
+    """Save and load times per system, the two alternated; a failure is noted in `errors`."""
     import ray
 
+    job, group = systems["piper"], systems["torch"]
+
+    def on_all(fn):
+        ray.get([a.__ray_call__.remote(fn, paths["torch"]) for a in group.actors], timeout=timeout)
+
+    def save_and_load(system):
+        shutil.rmtree(paths[system], ignore_errors=True)
+        if system == "piper":
+            return _timed(lambda: job.save(paths["piper"])), _timed(lambda: job.load(paths["piper"]))
+        ray.get([a.__ray_call__.remote(_barrier) for a in group.actors], timeout=timeout)
+        return _timed(lambda: on_all(_fsdp_save)), _timed(lambda: on_all(_fsdp_load))
+
+    times = {"piper": {"save": [], "load": []}, "torch": {"save": [], "load": []}}
+    for _ in range(repeats):
+        for system in ("piper", "torch"):
+            if errors[system]:
+                continue
+            try:
+                save, load = save_and_load(system)
+            except Exception as exc:
+                errors[system] = f"failed: {short_error(exc)}"
+                ctx.log(traceback.format_exc())
+                continue
+            times[system]["save"].append(save)
+            times[system]["load"].append(load)
+    return times
+
+
+def _report(table: Table, result: SuiteResult, n: int, paths: dict, times: dict, errors: dict) -> None:
+    for system, label in (("piper", f"Piper zero3 (dp={n})"), ("torch", f"FSDP2 + DCP (dp={n})")):
+        if errors[system]:
+            table.add(n, label, errors[system], None, None, None, None)
+            continue
+        per_rank = bytes_per_rank(paths[system])
+        save, load = (statistics.median(times[system][k]) for k in ("save", "load"))
+        spread = f"{mib(min(per_rank.values())):.3f}-{mib(max(per_rank.values())):.3f}"
+        table.add(n, label, ms(save), ms(load), spread, mib(sum(per_rank.values())), len(per_rank))
+        key = f"{system}.dp{n}"
+        result.metrics[f"{key}.save_ms"] = ms(save)
+        result.metrics[f"{key}.load_ms"] = ms(load)
+        result.metrics[f"{key}.max_bytes_per_device"] = float(max(per_rank.values()))
+        result.metrics[f"{key}.total_bytes"] = float(sum(per_rank.values()))
+
+
+def run(ctx) -> SuiteResult:
     quick = ctx.quick
     wl, regions = workload(quick)
     devices = (2,) if quick else (2, 4)
@@ -97,7 +166,6 @@ def run(ctx) -> SuiteResult:
                   f"{repeats} alternated repeats; {wl.describe(regions)}; ZeRO-3 / FSDP2 over dp",
                   ["devices", "system", "save ms", "load ms", "MiB per device (min-max)", "MiB written in all",
                    "files"])
-    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     root = tempfile.mkdtemp(prefix="piper-bench-ckpt-")
     try:
         with ray_cluster():
@@ -107,72 +175,15 @@ def run(ctx) -> SuiteResult:
                     table.add(n, "both", unhosted, None, None, None, None)
                     continue
                 ctx.log(f"checkpoint: Piper zero3 vs FSDP2 + DCP on {n} devices")
-                group, torch_error = set_up_group(ctx, None, n, timeout, "fsdp2", model_kw=kw)
-                job, piper_error = None, None
-                try:
-                    strategy, _, _ = zero_strategy("zero3", dp=n)
-                    job = piper.compile(make_gpt(kw)[0], batch, strategy=strategy, mesh={"dp": n},
-                                        optimizer=optimizer, timeout=timeout, device=ctx.device)
-                    job.step(*batch)                # AdamW's state exists from the first step
-                except Exception as exc:
-                    piper_error = f"failed: {short_error(exc)}"
-                    ctx.log(traceback.format_exc())
-                if group is not None:
-                    try:
-                        group.step(*batch)
-                    except Exception as exc:
-                        torch_error = f"failed: {short_error(exc)}"
-                        ctx.log(traceback.format_exc())
-                times = {"piper": {"save": [], "load": []}, "torch": {"save": [], "load": []}}
+                systems, errors = _set_up(ctx, n, kw, batch, timeout)
                 paths = {"piper": os.path.join(root, f"piper-{n}"), "torch": os.path.join(root, f"torch-{n}")}
-
-                def piper_save():
-                    job.save(paths["piper"])
-
-                def piper_load():
-                    job.load(paths["piper"])
-
-                def on_all(fn):
-                    ray.get([a.__ray_call__.remote(fn, paths["torch"]) for a in group.actors], timeout=timeout)
-
-                for _ in range(repeats):
-                    for system in ("piper", "torch"):
-                        if (piper_error if system == "piper" else torch_error):
-                            continue
-                        try:
-                            shutil.rmtree(paths[system], ignore_errors=True)
-                            if system == "piper":
-                                times[system]["save"].append(_timed(piper_save))
-                                times[system]["load"].append(_timed(piper_load))
-                            else:
-                                ray.get([a.__ray_call__.remote(_barrier) for a in group.actors], timeout=timeout)
-                                times[system]["save"].append(_timed(lambda: on_all(_fsdp_save)))
-                                times[system]["load"].append(_timed(lambda: on_all(_fsdp_load)))
-                        except Exception as exc:
-                            message = f"failed: {short_error(exc)}"
-                            ctx.log(traceback.format_exc())
-                            if system == "piper":
-                                piper_error = message
-                            else:
-                                torch_error = message
-                for system, label, failed in (("piper", f"Piper zero3 (dp={n})", piper_error),
-                                              ("torch", f"FSDP2 + DCP (dp={n})", torch_error)):
-                    if failed:
-                        table.add(n, label, failed, None, None, None, None)
-                        continue
-                    per_rank = bytes_per_rank(paths[system])
-                    save, load = (statistics.median(times[system][k]) for k in ("save", "load"))
-                    spread = f"{mib(min(per_rank.values())):.3f}-{mib(max(per_rank.values())):.3f}"
-                    table.add(n, label, ms(save), ms(load), spread, mib(sum(per_rank.values())), len(per_rank))
-                    key = f"{system}.dp{n}"
-                    result.metrics[f"{key}.save_ms"] = ms(save)
-                    result.metrics[f"{key}.load_ms"] = ms(load)
-                    result.metrics[f"{key}.max_bytes_per_device"] = float(max(per_rank.values()))
-                    result.metrics[f"{key}.total_bytes"] = float(sum(per_rank.values()))
-                if job is not None:
-                    job.close()
-                if group is not None:
-                    group.close()
+                try:
+                    times = _save_and_load(ctx, systems, errors, paths, repeats, timeout)
+                    _report(table, result, n, paths, times, errors)
+                finally:
+                    for closeable in systems.values():
+                        if closeable is not None:
+                            closeable.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     table.notes += [

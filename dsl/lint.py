@@ -19,7 +19,9 @@ class _Binding:
     used: bool = False
 
 
-class _Linter:
+class _Scopes:
+    """Names bound in nested scopes, and the warnings binding and leaving them give."""
+
     def __init__(self, mesh_axes: tuple[str, ...]):
         self.mesh_axes = mesh_axes
         self.scopes: list[dict[str, _Binding]] = []
@@ -63,7 +65,10 @@ class _Linter:
                 scope[name].used = True
                 return
 
-    # ---- walking
+
+
+class _Linter(_Scopes):
+    """Walks a strategy's statements and expressions, binding and reading names."""
 
     def strategy(self, strategy: n.Strategy) -> None:
         self.push()

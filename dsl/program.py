@@ -60,6 +60,61 @@ def _with_labels(diagnostic: Diagnostic, labels: tuple[Label, ...]) -> Diagnosti
                       diagnostic.labels + labels, diagnostic.notes, diagnostic.hint, diagnostic.trace)
 
 
+def _stdlib_text(name: str):
+    """The standard library's `name.pps` (a Traversable) and its text, or None for the text."""
+    try:
+        entry = stdlib_root() / f"{name}.pps"
+        return entry, (entry.read_text(encoding="utf-8") if entry.is_file() else None)
+    except (OSError, UnicodeDecodeError, ModuleNotFoundError, TypeError):
+        return None, None
+
+
+def _defined_twice(name: str, first: Found, span: Span, trace) -> Diagnostic:
+    return Diagnostic(
+        "duplicate-name", f"strategy `{name}` is defined twice", span=span,
+        labels=(Label(first.strategy.name.span, "first defined here"),) + _imported_here(trace),
+        hint="rename one of them; a script sees its own strategies and those of the files it imports")
+
+
+def _read_import(module: n.Module, item: n.Import, *, chain: tuple[str, ...], stack, trace
+                 ) -> tuple[Path, str] | Diagnostic:
+    """The file an `import` names and its text, or why it cannot be read: a path that is not a
+    relative .pps name, a cycle back through `chain` (the importing files' keys), nesting too
+    deep, or a missing/unreadable file."""
+    path_text = item.path
+    if any(ord(c) < 32 or c == "\x7f" for c in path_text):
+        return Diagnostic(
+            "bad-import", f"cannot import {path_text!r}: the path holds a control character",
+            span=item.span, labels=_imported_here(trace),
+            hint="write the file's name plainly, e.g. `import \"common.pps\"`")
+    if not path_text.endswith(".pps") or Path(path_text).is_absolute() or path_text.startswith("~"):
+        return Diagnostic(
+            "bad-import", f"cannot import {path_text!r}: an import names a .pps file relative to this script",
+            span=item.span, labels=_imported_here(trace),
+            hint="write e.g. `import \"common.pps\"` or `import \"../lib/pipeline.pps\"`")
+    base = Path(module.file).parent if Path(module.file).suffix == ".pps" else Path(".")
+    path = base / path_text
+    key = str(path.resolve())
+    if key in chain:
+        return Diagnostic(
+            "import-cycle", f"importing {path_text!r} here leads back to this file: the imports form a cycle",
+            span=item.span, labels=tuple(Label(span, "imported from here") for _, span in stack),
+            notes=tuple(f"{Path(k).name} imports {Path(nxt).name}" for k, nxt in zip(chain, chain[1:] + (key,))),
+            hint="move the shared strategies into a file that imports neither")
+    if len(stack) >= MAX_IMPORT_DEPTH:
+        return Diagnostic(
+            "recursion-limit", f"imports are nested more than {MAX_IMPORT_DEPTH} files deep", span=item.span,
+            hint="import fewer files in a chain")
+    try:
+        return path, read_source(path)
+    except SourceError as err:
+        return Diagnostic(
+            "import-not-found", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
+            labels=_imported_here(trace),
+            hint="the path is relative to the importing script's folder" if err.reason == "no such file"
+            else err.hint)
+
+
 class Program:
     """The main module and the strategies it can name.
 
@@ -105,55 +160,17 @@ class Program:
                     self._add(scope, name, found, item.span, trace)
 
     def _add(self, scope: dict[str, Found], name: str, found: Found, span: Span, trace) -> None:
-        first = scope.get(name)
-        if first is None:
-            scope[name] = found
-        elif first.strategy is not found.strategy:
-            self.diagnostics.append(Diagnostic(
-                "duplicate-name", f"strategy `{name}` is defined twice", span=span,
-                labels=(Label(first.strategy.name.span, "first defined here"),) + _imported_here(trace),
-                hint="rename one of them; a script sees its own strategies and those of the files it imports"))
+        first = scope.setdefault(name, found)
+        if first.strategy is not found.strategy:
+            self.diagnostics.append(_defined_twice(name, first, span, trace))
 
     def _import(self, module: n.Module, item: n.Import, *, stack, trace) -> n.Module | None:
-        path_text = item.path
-        if any(ord(c) < 32 or c == "\x7f" for c in path_text):
-            self.diagnostics.append(Diagnostic(
-                "bad-import", f"cannot import {path_text!r}: the path holds a control character",
-                span=item.span, labels=_imported_here(trace),
-                hint="write the file's name plainly, e.g. `import \"common.pps\"`"))
-            return None
-        if not path_text.endswith(".pps") or Path(path_text).is_absolute() or path_text.startswith("~"):
-            self.diagnostics.append(Diagnostic(
-                "bad-import", f"cannot import {path_text!r}: an import names a .pps file relative to this script",
-                span=item.span, labels=_imported_here(trace),
-                hint="write e.g. `import \"common.pps\"` or `import \"../lib/pipeline.pps\"`"))
-            return None
-        base = Path(module.file).parent if Path(module.file).suffix == ".pps" else Path(".")
-        path = base / path_text
-        key = str(path.resolve())
         chain = tuple(k for k, _ in stack) + (self._key(module),)
-        if key in chain:
-            labels = tuple(Label(span, "imported from here") for _, span in stack)
-            self.diagnostics.append(Diagnostic(
-                "import-cycle", f"importing {path_text!r} here leads back to this file: the imports form a cycle",
-                span=item.span, labels=labels,
-                notes=tuple(f"{Path(k).name} imports {Path(nxt).name}" for k, nxt in zip(chain, chain[1:] + (key,))),
-                hint="move the shared strategies into a file that imports neither"))
+        read = _read_import(module, item, chain=chain, stack=stack, trace=trace)
+        if isinstance(read, Diagnostic):
+            self.diagnostics.append(read)
             return None
-        if len(stack) >= MAX_IMPORT_DEPTH:
-            self.diagnostics.append(Diagnostic(
-                "recursion-limit", f"imports are nested more than {MAX_IMPORT_DEPTH} files deep", span=item.span,
-                hint="import fewer files in a chain"))
-            return None
-        try:
-            text = read_source(path)
-        except SourceError as err:
-            self.diagnostics.append(Diagnostic(
-                "import-not-found", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
-                labels=_imported_here(trace),
-                hint="the path is relative to the importing script's folder" if err.reason == "no such file"
-                else err.hint))
-            return None
+        path, text = read
         imported, errors = parse_cached(text, str(path))
         if imported is None:
             self.diagnostics.extend(_with_labels(d, _imported_here(trace + (item.span,))) for d in errors)
@@ -181,11 +198,7 @@ class Program:
         if name in self._stdlib:
             return self._stdlib[name]
         result = None
-        try:
-            entry = stdlib_root() / f"{name}.pps"
-            text = entry.read_text(encoding="utf-8") if entry.is_file() else None
-        except (OSError, UnicodeDecodeError, ModuleNotFoundError, TypeError):
-            text = None
+        entry, text = _stdlib_text(name)
         if text is not None:
             module, errors = parse_cached(text, str(entry))
             if module is None:

@@ -211,8 +211,8 @@ def _unquote(token: str) -> str:
     return "".join(out)
 
 
-class _Convert:
-    """Turns lark's tree into `nodes`, attaching a `Span` to every node."""
+class _Parts:
+    """Spans, selectors and expressions: the leaves `_Convert` builds statements from."""
 
     def __init__(self, file: str, source: str):
         self.file = file
@@ -234,6 +234,52 @@ class _Convert:
 
     def name(self, tok: Token) -> n.Name:
         return n.Name(str(tok), self.tok_span(tok))
+
+    # ---- selectors
+
+    def slot(self, tree: Tree) -> n.Slot:
+        return n.Slot(tuple(self.pass_selector(p) for p in tree.children), tree.data == "slot_group",
+                      self.span(tree))
+
+    def region(self, tree: Tree) -> n.Region:
+        return n.Region(tuple(self.tag(t) for t in tree.children), self.span(tree))
+
+    def pass_selector(self, tree: Tree) -> n.PassSelector:
+        op, *tags = tree.children
+        return n.PassSelector(self.name(op), tuple(self.tag(t) for t in tags), self.span(tree))
+
+    def tag(self, tree: Tree) -> n.Tag:
+        name, value = tree.children
+        is_any = isinstance(value, Token) and value.type == "STAR"
+        return n.Tag(self.name(name), None if is_any else self.expr(value), self.span(tree))
+
+    # ---- expressions
+
+    def expr(self, tree: Tree):
+        kind = tree.data
+        c = tree.children
+        span = self.span(tree)
+        if kind == "int_lit":
+            return n.Int(_to_int(c[0]), span)
+        if kind == "bool_lit":
+            return n.Bool(c[0].type == "TRUE", span)
+        if kind == "name":
+            return n.Name(str(c[0]), span)
+        if kind == "call":
+            return n.Call(self.name(c[0]), tuple(self.expr(x) for x in c[1:]), span)
+        if kind == "negate":
+            return n.Unary("-", self.expr(c[1]), span)
+        if kind == "not_op":
+            return n.Unary("not", self.expr(c[0]), span)
+        if kind in ("arith", "compare"):
+            return n.Binary(str(c[1]), self.expr(c[0]), self.expr(c[2]), span)
+        if kind in ("and_op", "or_op"):
+            return n.Binary("and" if kind == "and_op" else "or", self.expr(c[0]), self.expr(c[1]), span)
+        raise AssertionError(f"unhandled expression {kind}")
+
+
+class _Convert(_Parts):
+    """Turns lark's tree into `nodes`, attaching a `Span` to every node."""
 
     # ---- top level
 
@@ -310,45 +356,3 @@ class _Convert:
         if tree.data == "named_arg":
             return n.Arg(self.name(tree.children[0]), self.expr(tree.children[1]), self.span(tree))
         return n.Arg(None, self.expr(tree.children[0]), self.span(tree))
-
-    # ---- selectors
-
-    def slot(self, tree: Tree) -> n.Slot:
-        return n.Slot(tuple(self.pass_selector(p) for p in tree.children), tree.data == "slot_group",
-                      self.span(tree))
-
-    def region(self, tree: Tree) -> n.Region:
-        return n.Region(tuple(self.tag(t) for t in tree.children), self.span(tree))
-
-    def pass_selector(self, tree: Tree) -> n.PassSelector:
-        op, *tags = tree.children
-        return n.PassSelector(self.name(op), tuple(self.tag(t) for t in tags), self.span(tree))
-
-    def tag(self, tree: Tree) -> n.Tag:
-        name, value = tree.children
-        is_any = isinstance(value, Token) and value.type == "STAR"
-        return n.Tag(self.name(name), None if is_any else self.expr(value), self.span(tree))
-
-    # ---- expressions
-
-    def expr(self, tree: Tree):
-        kind = tree.data
-        c = tree.children
-        span = self.span(tree)
-        if kind == "int_lit":
-            return n.Int(_to_int(c[0]), span)
-        if kind == "bool_lit":
-            return n.Bool(c[0].type == "TRUE", span)
-        if kind == "name":
-            return n.Name(str(c[0]), span)
-        if kind == "call":
-            return n.Call(self.name(c[0]), tuple(self.expr(x) for x in c[1:]), span)
-        if kind == "negate":
-            return n.Unary("-", self.expr(c[1]), span)
-        if kind == "not_op":
-            return n.Unary("not", self.expr(c[0]), span)
-        if kind in ("arith", "compare"):
-            return n.Binary(str(c[1]), self.expr(c[0]), self.expr(c[2]), span)
-        if kind in ("and_op", "or_op"):
-            return n.Binary("and" if kind == "and_op" else "or", self.expr(c[0]), self.expr(c[1]), span)
-        raise AssertionError(f"unhandled expression {kind}")

@@ -472,7 +472,43 @@ def _replay(plan, units: dict, units_of: dict, saved: dict, whole, skip, lanes=N
     return MemoryPrediction(held, key, params, grads, opt, gathered, acts, flight, between)
 
 
-class _Replay:
+class _Reductions:
+    """ZeRO-2/3 gradient reduce-scatters in flight on one device as `_replay` walks its plan: the
+    buffer each holds until its wait, or until the executor settles it (`settle`)."""
+
+    def reduce_scatter(self, a):
+        unit = self.units[a.node.region]
+        direct = not unit.in_flight and unit.grad_shard
+        size = unit.full + (0 if direct else unit.shard)
+        unit.flat = False
+        unit.in_flight.append(size)
+        self.pending[a.key] = (a.node.region, size, not direct)
+        self.reducing[a.key] = [0, a.node.region]
+
+    def wait(self, a):
+        for key in a.waits:
+            if key in self.pending:
+                self.reducing.pop(key, None)
+                self.finish(key)
+
+    def finish(self, key):
+        u, size, extra = self.pending.pop(key)
+        self.units[u].in_flight.remove(size)
+        if extra:
+            self.units[u].grad_shard = True
+
+    def settle(self, reads):
+        for key in list(self.reducing):
+            computes, u = self.reducing[key]
+            if computes >= 1 or u in reads:
+                del self.reducing[key]
+                if key in self.pending:
+                    self.finish(key)
+            else:
+                self.reducing[key][0] = computes + 1
+
+
+class _Replay(_Reductions):
     """What one device holds as `_replay` walks its plan, and the most it has held so far (`best`)."""
 
     def __init__(self, units: dict, units_of: dict, saved: dict, whole, skip, recompute):
@@ -491,12 +527,6 @@ class _Replay:
     def freed_by(self, region) -> int:
         b = self.saved.get(region, _NOTHING)
         return b.inputs + b.rerun if region in self.recompute else b.saved
-
-    def finish(self, key):
-        u, size, extra = self.pending.pop(key)
-        self.units[u].in_flight.remove(size)
-        if extra:
-            self.units[u].grad_shard = True
 
     def sample(self, key):
         units = self.units.values()
@@ -521,24 +551,11 @@ class _Replay:
             self.activations += self.saved.get(a.node.region, _NOTHING).rerun
             self.sample(a.key)
 
-    def settle(self, reads):
-        for key in list(self.reducing):
-            computes, u = self.reducing[key]
-            if computes >= 1 or u in reads:
-                del self.reducing[key]
-                if key in self.pending:
-                    self.finish(key)
-            else:
-                self.reducing[key][0] = computes + 1
-
     def run(self, a):
         node = a.node
         op = node.op
         units = self.units
-        for key in a.waits:
-            if key in self.pending:
-                self.reducing.pop(key, None)
-                self.finish(key)
+        self.wait(a)
         if node.value and node.is_compute:
             pass                  # a later piece of a pass cut at its all-to-alls: its piece 0 counts the pass
         elif op == "F":
@@ -557,13 +574,7 @@ class _Replay:
         elif op == "ALL_GATHER" and node.phase and node.region in units:
             units[node.region].gathered = True
         elif op == "REDUCE_SCATTER" and node.region in units:
-            unit = units[node.region]
-            direct = not unit.in_flight and unit.grad_shard
-            size = unit.full + (0 if direct else unit.shard)
-            unit.flat = False
-            unit.in_flight.append(size)
-            self.pending[a.key] = (node.region, size, not direct)
-            self.reducing[a.key] = [0, node.region]
+            self.reduce_scatter(a)
         self.sample(a.key)
         for u in a.release:
             if u in units:

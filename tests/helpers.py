@@ -1,4 +1,4 @@
-"""Checks several test files share: training results against a reference, worker processes gone."""
+"""What several test files share: one-device reference training, results against it, worker processes gone."""
 import os
 import time
 
@@ -12,6 +12,23 @@ def assert_same(result, tol=1e-9):
     assert state.keys() == ref_state.keys()
     for name, ref in ref_state.items():
         torch.testing.assert_close(state[name], ref, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def train_one_device(model, optimizer, batches, keep_state_at: int):
+    """Train `model` on one device: the losses, the state_dict after each step, and the optimizer
+    state by parameter name after step `keep_state_at` (what a checkpoint then holds)."""
+    names = {p: n for n, p in model.named_parameters()}
+    losses, params, state = [], [], None
+    for step, batch in enumerate(batches):
+        optimizer.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        params.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        if step + 1 == keep_state_at:
+            state = {names[p]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    return losses, params, state
 
 
 def gone(pid: int) -> bool:

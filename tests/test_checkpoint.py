@@ -12,6 +12,7 @@ import piper
 from examples.gpt import _corpus_tokens, batches, make_model
 from piper.dsl.script import load_strategy
 from piper.runtime.checkpoint import boxes
+from tests.helpers import train_one_device
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 SAVE_AT, MORE = 2, 2          # save after 2 steps, then 2 more under each other strategy
@@ -48,19 +49,7 @@ def data(steps: int):
 def reference():
     """One device, SAVE_AT + MORE steps: losses, parameters after each step, optimizer state at SAVE_AT."""
     model = gpt(2)
-    opt = ADAMW(list(model.parameters()))
-    names = {p: n for n, p in model.named_parameters()}
-    losses, params, state = [], [], None
-    for step, batch in enumerate(data(SAVE_AT + MORE)):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        params.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        if step + 1 == SAVE_AT:
-            state = {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
-    return losses, params, state
+    return train_one_device(model, ADAMW(list(model.parameters())), data(SAVE_AT + MORE), SAVE_AT)
 
 
 @pytest.fixture(scope="module")

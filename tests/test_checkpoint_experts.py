@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import piper
+from tests.helpers import train_one_device
 from tests.test_experts import EP, Tiny, moe_layer, script, tiny_batches
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -30,19 +31,7 @@ def model(perturbed: bool = False):
 def reference():
     """One device: losses, the state_dict after each step, and the AdamW state at SAVE_AT."""
     m = model()
-    opt = ADAMW(list(m.parameters()))
-    names = {p: n for n, p in m.named_parameters()}
-    losses, params, state = [], [], None
-    for step, batch in enumerate(tiny_batches(SAVE_AT + MORE)):
-        opt.zero_grad()
-        loss = m(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        params.append({k: v.detach().clone() for k, v in m.state_dict().items()})
-        if step + 1 == SAVE_AT:
-            state = {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
-    return losses, params, state
+    return train_one_device(m, ADAMW(list(m.parameters())), tiny_batches(SAVE_AT + MORE), SAVE_AT)
 
 
 @pytest.fixture(scope="module")

@@ -7,50 +7,19 @@ from __future__ import annotations
 
 import torch
 
+from .gradient_routing import GradientRouting
 from .slots import whole_backwards
 from .specs import RegionSpec
 from .split_backward import backward_inputs, backward_weights, can_split
 
 
-class BackwardActions:
+class BackwardActions(GradientRouting):
     """`_b`, `_bi`, `_bw`, `_upd`; needs the units, step state (`saved`, `grads`), `_recomputed`, `_grads_for`
     and `_release`."""
 
     def _init_backward(self, spec) -> None:
         self._can_split: dict[int, bool] = {}     # region -> BW resumes from BI (same graph every microbatch)
         self._whole, self._skip = whole_backwards(spec.plan, spec.slots)
-
-    def _backward_targets(self, region: RegionSpec, mb: int, outs):
-        tensors, grads = [], []
-        for v, out in zip(region.outputs, outs):
-            g = self.grads.pop((v, mb), None)
-            if g is not None and out.requires_grad:
-                tensors.append(out)
-                grads.append(g)
-        if region.loss:
-            loss = outs[-1]
-            tensors.append(loss)
-            grads.append(torch.full_like(loss, self.spec.grad_scale * getattr(self.clip, "loss_scale", 1.0)))
-        return tensors, grads
-
-    def _deliver_input_grads(self, node, leaves: dict, grads: dict) -> None:
-        """Route each input value's gradient to its producer: locally or via SEND_B."""
-        for v, leaf in leaves.items():
-            g = grads.get(v)
-            if g is None:
-                g = torch.zeros_like(leaf)
-            producer = self.spec.values[v][0]
-            if producer in self.spec.regions:
-                self._accumulate((v, node.mb), g)
-            else:
-                self.grad_out[(v, node.mb, node.region)] = g
-
-    def _accumulate(self, key, g) -> None:
-        with self._lock:
-            if key in self.grads:
-                self.grads[key] = self.grads[key] + g
-            else:
-                self.grads[key] = g
 
     def _b(self, action) -> None:
         node = action.node

@@ -34,23 +34,12 @@ class Unit(UnitGradients):
         self.leaves: dict[str, torch.Tensor] = {}
         self._by_bucket: list[list[tuple[torch.Tensor, object]]] = []
         for bucket, data in zip(layout.buckets, init):
-            data = data.to(device)
-            lo, hi = bucket.bounds(self.index)
-            if zero == 3:
-                shard = torch.nn.Parameter(data.clone())
-                full = torch.zeros(bucket.padded, dtype=bucket.dtype, device=device)
-            else:
-                full = data.clone()
-                shard = torch.nn.Parameter(full if zero == 0 else full[lo:hi])   # shares full's storage
+            full, shard, leaves = _buffers(bucket, data.to(device), self.index, zero, device)
             self.full.append(full)
             self.shard.append(shard)
             self.flat_grad.append(None)
             self.grad_shard.append(None)
-            leaves = []
-            for e in bucket.entries:
-                leaf = full[e.offset:e.offset + e.numel].view(e.shape).requires_grad_()
-                self.leaves[e.name] = leaf
-                leaves.append((leaf, e))
+            self.leaves.update((e.name, leaf) for leaf, e in leaves)
             self._by_bucket.append(leaves)
         self.optimizer = optimizer(self.shard)
         if zero == 3:
@@ -119,6 +108,20 @@ class Unit(UnitGradients):
         """Bytes held between steps: parameters, gradients, optimizer state."""
         seen: set[int] = set()
         return {kind: _storage_bytes(ts, seen) for kind, ts in self._tensors().items()}
+
+
+def _buffers(bucket, data: torch.Tensor, index: int, zero: int, device):
+    """One bucket's flat parameters, the shard the optimizer updates, and a leaf per parameter
+    viewing the flat buffer. Below ZeRO-3 the shard shares the flat buffer's storage."""
+    if zero == 3:
+        shard = torch.nn.Parameter(data.clone())
+        full = torch.zeros(bucket.padded, dtype=bucket.dtype, device=device)
+    else:
+        lo, hi = bucket.bounds(index)
+        full = data.clone()
+        shard = torch.nn.Parameter(full if zero == 0 else full[lo:hi])
+    leaves = [(full[e.offset:e.offset + e.numel].view(e.shape).requires_grad_(), e) for e in bucket.entries]
+    return full, shard, leaves
 
 
 def _storage_bytes(tensors, seen: set[int]) -> int:

@@ -10,9 +10,13 @@ import torch
 
 from . import comm, faults
 from .executor import Executor
+from .worker_queries import WorkerQueries
 
 
-class Worker:
+class Worker(WorkerQueries):
+    """One device's process: joins torch.distributed, runs its plan each step, and is kept or
+    reset between jobs (`pool.py`). What the driver asks of a set-up worker is in `WorkerQueries`."""
+
     def __init__(self, rank: int, world_size: int, device: str):
         self.rank = rank
         self.world_size = world_size
@@ -86,36 +90,6 @@ class Worker:
         (its own concurrency group), so the driver can tell a busy worker from a stalled one."""
         executor = self.executor
         return self.steps_done, (executor.current if executor is not None else None)
-
-    def shards(self):
-        return self.executor.shards()
-
-    def memory(self):
-        return self.executor.memory()
-
-    # -- checkpoints (piper/runtime/checkpoint.py: imported on use, since torch.distributed.checkpoint
-    # costs a worker about a second of CPU at start-up) --
-    def save_checkpoint(self, path: str, extra: dict, aliases: dict, skip=()) -> int:
-        from . import checkpoint
-        return checkpoint.save(self.executor, path, extra, aliases, skip)
-
-    def optimizer_layout(self, with_state: bool):
-        from . import checkpoint
-        return checkpoint.optimizer_layout(self.executor, with_state)
-
-    def load_checkpoint(self, path: str, with_state: bool, buffers) -> None:
-        from . import checkpoint
-        checkpoint.load(self.executor, path, with_state, buffers)
-
-    def timings(self, cpu: bool = False):
-        return dict(self.executor.cpu_timings if cpu else self.executor.timings)
-
-    def trace(self):
-        """The last steps' action spans (`Executor.traced`) and this process's clocks, to line them up."""
-        import time
-
-        steps = [(t0, list(spans), dict(done), main) for t0, spans, done, main in self.executor.traced]
-        return {"clock": (time.perf_counter(), time.time()), "steps": steps}
 
     def reset(self) -> None:
         """Forget the job (plan, process groups, store) so the next job of the same shape can
