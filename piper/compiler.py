@@ -357,7 +357,7 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     - ZeRO-3: ALL_GATHER_<pass><mb> before a compute that needs a unit not
       already gathered, issued one compute early so it overlaps; the unit is
       released after the last of a run of computes that use it.
-    Returns the new order, its extra edges, and per compute key the units to release.
+    Returns the new order, its extra edges, and per compute key the units to release (if any).
     """
     units = _units_used(ir)
     groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
@@ -456,7 +456,8 @@ def _gathers(by_group, units, shared, groups, before, edges, release) -> None:
             if free is None:
                 free = released[pair] = tuple(u for u in need[region] if next_region is None
                                               or u not in units[next_region])
-            release[n.key] = free
+            if free:        # most computes release nothing: the dict stays small for project's look-ups
+                release[n.key] = free
             prev_region = region
 
 
