@@ -595,7 +595,7 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple],
         else:
             seq.append(_tuple_new(Action, (n, None, None, g, waits, ())))
             if lane is not None:
-                lane.collective(n, g)
+                lane.collective(n)
     group_of = {rank: g for g in sequences for rank in g}
     plans = Plans(mesh.world_size, group_of, sequences, transfers, peer_of, shard_of)
     plans.replayed = replay.result(group_of)

@@ -27,25 +27,28 @@ _COMPUTE = frozenset(("F", "B", "BI", "BW", "UPD"))
 class Lane:
     """The representative device of one group: its clock, busy time and completed communication."""
 
-    __slots__ = ("replay", "rank", "peers", "sent", "costs", "now", "spent", "done")
+    __slots__ = ("replay", "rank", "peers", "sent", "costs", "now", "spent", "done", "streams")
 
     def __init__(self, replay: "Replay", rank: int):
         self.replay, self.rank = replay, rank
         self.sent, self.costs = replay.sent, replay.costs
-        self.peers: dict[tuple, int | None] = {}     # the other side's group -> its member for this shard
+        self.peers: dict[int, int | None] = {}       # id(the other side's group) -> its member for this shard
         self.now = self.spent = 0.0
         self.done: dict[str, float] = {}       # key of a receive or collective -> when it completed
+        # When the last collective on this group completed, and the last all-to-all (their own process
+        # group): the lane's group is the only one on those streams.
+        self.streams = [0.0, 0.0]
 
     def peer(self, group: tuple) -> int | None:
-        peer = self.peers[group] = self.replay.member_by_shard[group].get(self.replay.first)
+        peer = self.peers[id(group)] = self.replay.member_by_shard[group].get(self.replay.first)
         return peer
 
     def send(self, tag: int, peer_group: tuple) -> None:
-        peer = self.peers.get(peer_group)
+        peer = self.peers.get(id(peer_group))
         self.sent[(tag, self.rank, peer if peer is not None else self.peer(peer_group))] = self.now
 
     def recv(self, tag: int, peer_group: tuple, key: str) -> None:
-        peer = self.peers.get(peer_group)
+        peer = self.peers.get(id(peer_group))
         t_send = self.sent.get((tag, peer if peer is not None else self.peer(peer_group), self.rank))
         if t_send is None:
             self.replay.stop()
@@ -67,20 +70,22 @@ class Lane:
         self.now = t + cost
         self.spent += cost
 
-    def collective(self, node, group: tuple) -> None:
+    def collective(self, node) -> None:
+        """A collective on the lane's own group: with one member simulated, it completes when
+        issued, after the group's previous one on its stream."""
         key = node[8]
-        marker = node[0] == "ALL_TO_ALL" and node[4] is None    # the exchanges a compute runs inside
+        exchange = node[0] == "ALL_TO_ALL"
+        marker = exchange and node[4] is None      # the exchanges a compute runs inside
         if not marker or key not in self.done:
-            stream = (group, "ep") if node[0] == "ALL_TO_ALL" else group
-            last = self.replay.group_last
-            now, previous = self.now, last.get(stream, 0.0)
-            last[stream] = self.done[key] = (now if now >= previous else previous) + 0.0
+            streams, now = self.streams, self.now
+            previous = streams[exchange]
+            streams[exchange] = self.done[key] = (now if now >= previous else previous) + 0.0
         if marker:              # the device waits for them
             self.now = max(self.now, self.done[key])
 
 
 class Replay:
-    """The shared state: sends issued, each group's last collective, one `Lane` per group."""
+    """The shared state: sends issued, one `Lane` per group."""
 
     def __init__(self, world_size: int, shard_of: dict[int, tuple], member_by_shard: dict[tuple, dict]):
         from .simulate import UNIT_COSTS
@@ -91,7 +96,6 @@ class Replay:
         self.first = shard_of[0] if world_size else ()
         self.ranks = [r for r in range(world_size) if shard_of[r] == self.first]
         self.sent: dict[tuple, float] = {}
-        self.group_last: dict[tuple, float] = {}
         self.lanes: dict[tuple, Lane] = {}
         self.stopped = False
 
@@ -122,5 +126,5 @@ class Replay:
             return None
         busy = {r: lanes[r].spent if r in lanes else 0.0 for r in self.ranks}
         clocks = [lanes[r].now if r in lanes else 0.0 for r in self.ranks]
-        step = max(clocks + list(self.group_last.values()) + [0.0])
+        step = max(clocks + [t for lane in self.lanes.values() for t in lane.streams] + [0.0])
         return Simulation(step, busy, {}, {})
