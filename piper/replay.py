@@ -27,11 +27,12 @@ _COMPUTE = frozenset(("F", "B", "BI", "BW", "UPD"))
 class Lane:
     """The representative device of one group: its clock, busy time and completed communication."""
 
-    __slots__ = ("replay", "rank", "peers", "sent", "costs", "now", "spent", "done", "streams")
+    __slots__ = ("replay", "rank", "world", "peers", "sent_at", "sent_by", "costs", "now", "spent", "done",
+                 "streams")
 
     def __init__(self, replay: "Replay", rank: int):
-        self.replay, self.rank = replay, rank
-        self.sent, self.costs = replay.sent, replay.costs
+        self.replay, self.rank, self.world = replay, rank, replay.world_size
+        self.sent_at, self.sent_by, self.costs = replay.sent_at, replay.sent_by, replay.costs
         self.peers: dict[int, int | None] = {}       # id(the other side's group) -> its member for this shard
         self.now = self.spent = 0.0
         self.done: dict[str, float] = {}       # key of a receive or collective -> when it completed
@@ -44,16 +45,25 @@ class Lane:
         return peer
 
     def send(self, tag: int, peer_group: tuple) -> None:
+        """`verify`'s `sent[(tag, rank, peer)] = now`, kept by tag: a send makes its tag (the
+        order puts it before its receive), so tags arrive in order; else the replay stops."""
         peer = self.peers.get(id(peer_group))
-        self.sent[(tag, self.rank, peer if peer is not None else self.peer(peer_group))] = self.now
+        if peer is None:
+            peer = self.peer(peer_group)
+        if tag != len(self.sent_at) or peer is None:
+            self.replay.stop()
+            return
+        self.sent_at.append(self.now)
+        self.sent_by.append(self.rank * self.world + peer)
 
     def recv(self, tag: int, peer_group: tuple, key: str) -> None:
         peer = self.peers.get(id(peer_group))
-        t_send = self.sent.get((tag, peer if peer is not None else self.peer(peer_group), self.rank))
-        if t_send is None:
-            self.replay.stop()
+        if peer is None:
+            peer = self.peer(peer_group)
+        if tag >= len(self.sent_at) or peer is None or self.sent_by[tag] != peer * self.world + self.rank:
+            self.replay.stop()          # its send is not (yet) issued by the member it names
             return
-        now = self.now
+        t_send, now = self.sent_at[tag], self.now
         self.done[key] = (t_send if t_send > now else now) + 0.0
 
     def compute(self, node, waits: tuple[str, ...]) -> None:
@@ -95,7 +105,8 @@ class Replay:
         self.member_by_shard = member_by_shard
         self.first = shard_of[0] if world_size else ()
         self.ranks = [r for r in range(world_size) if shard_of[r] == self.first]
-        self.sent: dict[tuple, float] = {}
+        self.sent_at: list[float] = []          # by tag: when its send was issued
+        self.sent_by: list[int] = []            # by tag: sending rank * world size + receiving rank
         self.lanes: dict[tuple, Lane] = {}
         self.stopped = False
 
