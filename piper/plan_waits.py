@@ -23,11 +23,14 @@ _WAITABLE_TAILS = ("RECV", "ALL_", "REDUCE_SCATTER")     # a token's op after it
 
 def waits_after_lowering(final: IR, order: list[Node], lowered: IR) -> dict[str, list[str]] | None:
     """`piper.compiler._waits_of(final, order)`, when `final`'s edges are `lowered`'s
-    followed by new ones and `order` holds every lowered node; None otherwise (the
-    caller then looks every edge up by key).
+    followed by new ones (else None: the caller then looks every edge up by key).
 
-    Whether a new edge's source is a receive or a collective, its token says
-    (`0RECV_...`, `3ALL_GATHER_F2`, `1REDUCE_SCATTER`): the op follows the region."""
+    `_waits_of` counts a source only if it is a node of `order`; here the caller
+    (`compile_ir`) vouches that `order` holds every lowered node and every new
+    edge's source: `schedule` orders all of them, and the passes after it only
+    insert nodes (with the edges that reach them) and move them. Whether a new
+    edge's source is a receive or a collective, its token says (`0RECV_...`,
+    `3ALL_GATHER_F2`, `1REDUCE_SCATTER`): the op follows the region."""
     edges, n = lowered.edges, len(lowered.edges)
     index = lowered.index()
     if len(index) != len(lowered.nodes) or len(order) < len(index) or final.edges[:n] != edges:
