@@ -54,6 +54,7 @@ class Interpreter(ControlFlow, DirectiveStatements, StrategyCalls, Arguments, Re
         self._orders: list[tuple[list, list]] = []
         self._span: Span | None = None
         self.selectors: dict[tuple, Selector] = {}      # (op, tags) -> the one Selector made for them
+        self.spans_of_slots: dict[int, tuple] = {}       # id(a slot line's slot) -> (the slot, its items' spans)
 
     # ---- entry points
 

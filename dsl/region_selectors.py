@@ -53,10 +53,21 @@ class RegionSelectors:
         if op not in PASSES:
             raise self.fail("unknown-pass", f"unknown pass `{op}`", item.op.span,
                             hint=did_you_mean(op, PASSES) or f"the passes are {', '.join(PASSES)}")
-        tags = self.tags(item.tags, env)
+        # A schedule names each pass of each microbatch once per stage: the (frozen) selectors repeat,
+        # and are made once per run. One tag with a value (`F(MB=m + warm)`) is keyed flat.
+        tags = item.tags
+        if len(tags) == 1 and tags[0].value is not None:
+            value = self.tag_value(tags[0], env)
+            if not isinstance(value, int):
+                return None
+            key = (op, tags[0].name.name, value)
+            selector = self.selectors.get(key)
+            if selector is None:
+                selector = self.selectors[key] = Selector(op, ((tags[0].name.name, value),))
+            return selector
+        tags = self.tags(tags, env)
         if tags is None:
             return None
-        # A schedule names each pass of each microbatch once per stage: the (frozen) selectors repeat.
         selector = self.selectors.get((op, tags))
         if selector is None:
             selector = self.selectors[(op, tags)] = Selector(op, tags)
