@@ -124,7 +124,7 @@ def add_transfers(ir: IR) -> IR:
     back = "BI" if split else "B"
     by_pass = ir.by_pass()
     number = ir.numbering()
-    microbatches = range(ir.microbatches)
+    microbatches = list(range(ir.microbatches))    # one int object per microbatch, shared by every node
     known = True        # every edge's ends are nodes of the IR, so their positions are known
 
     def keys(op: str, region: int) -> tuple[list[str], list[int | None]]:
@@ -212,7 +212,7 @@ def add_transfers(ir: IR) -> IR:
 
 
 def _transfers(op: str, region: int, phase: str, value: int, peer: int, devices: tuple[int, ...],
-               microbatches: range) -> list[Node]:
+               microbatches: list[int]) -> list[Node]:
     """`Node(op, region, mb, phase, value, peer, devices=devices)` for every
     microbatch `mb`: the keys differ only in the microbatch, so each is one
     join rather than a `node_key` call (add_transfers makes 100k+ of these)."""

@@ -108,11 +108,12 @@ def split_microbatches(ir: IR, d: Split) -> IR:
         raise error("order-before-split", "`split MB` comes after an `order` statement", span=d.span,
                     hint="split the batch first, then order the microbatches")
     n = d.count
+    mbs = list(range(n))       # one int object per microbatch, shared by every copy
     nodes = []
     copies: dict[str, list[Node]] = {}     # key -> the node in each microbatch
     for node in ir.nodes:
         if node.mb is not None:
-            copies[node.key] = per = _per_microbatch(node, n)
+            copies[node.key] = per = _per_microbatch(node, mbs)
             nodes += per
         else:
             copies[node.key] = [node] * n
@@ -128,14 +129,14 @@ def split_microbatches(ir: IR, d: Split) -> IR:
     return ir.with_(nodes=tuple(nodes), edges=tuple(edges), microbatches=n, split_span=d.span)
 
 
-def _per_microbatch(node: Node, count: int) -> list[Node]:
-    """`[node.but(mb=m) for m in range(count)]`; a pass's keys differ only in the
+def _per_microbatch(node: Node, mbs: list[int]) -> list[Node]:
+    """`[node.but(mb=m) for m in mbs]`; a pass's keys differ only in the
     microbatch, so each is one join rather than a `node_key` call."""
     op, region, _, phase, value, peer, devices, stream, _ = node
     if op not in _PASSES or value:
-        return [node.but(mb=m) for m in range(count)]
+        return [node.but(mb=m) for m in mbs]
     head = f"{region}{op}"
-    return [_tuple_new(Node, (op, region, m, phase, value, peer, devices, stream, f"{head}{m}")) for m in range(count)]
+    return [_tuple_new(Node, (op, region, m, phase, value, peer, devices, stream, f"{head}{m}")) for m in mbs]
 
 
 def split_backward(ir: IR, d: Split) -> IR:
