@@ -124,3 +124,41 @@ def test_a_wait_on_a_later_receive_stops_the_replay_and_verify_finds_the_deadloc
     with pytest.raises(PiperError) as err:
         verify(Compiled(compiled.ir, order, plans, compiled.zero))
     assert err.value.code == "deadlock" and f"*{order[recv].key}" in err.value.diagnostics[0].notes[0]
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_transfers_to_several_consumers_on_one_group(split_backward):
+    """Region 0's first output goes to regions 1 and 2 (both on device 1) and 3; its second, not
+    differentiable, to 2 and then 1. Each value crosses to device 1 once, named after its first
+    consumer there, whose receives feed the other; the gradients come back one per consumer."""
+    from types import SimpleNamespace as R
+
+    from piper.directives import Place, Split
+    from piper.mesh import Mesh
+    from piper.selectors import Selector
+    from piper.statements import apply
+
+    regions = [R(index=i, tags=(("PP", i),), params=(f"w{i}",), loss=i == 3) for i in range(4)]
+    values = [R(producer=0, index=0, consumers=(1, 2, 3), differentiable=True),
+              R(producer=0, index=1, consumers=(2, 1), differentiable=False),
+              R(producer=1, index=0, consumers=(3,), differentiable=True),
+              R(producer=2, index=0, consumers=(3,), differentiable=True)]
+    mesh = Mesh.of("pp=3")
+    ir = apply(initial_ir(R(regions=regions, values=values), mesh), Split("MB", 3))
+    if split_backward:
+        ir = apply(ir, Split("B"))
+    for region, device in ((0, 0), (1, 1), (2, 1), (3, 2)):
+        ir = apply(ir, Place(Selector(None, (("PP", region),)), mesh.group({"pp": device})))
+    lowered_ir = add_transfers(resolve_placement(ir, []))
+    handed = lowered_ir.edge_ids()
+    lowered_ir._indexes.pop("ids")
+    assert lowered_ir.edge_ids() == handed
+    keys = {n.key for n in lowered_ir.nodes}
+    edges = {(e.src, e.dst) for e in lowered_ir.edges}
+    for mb in range(3):
+        assert {("1RECV_F%d<0.0" % mb, "1F%d" % mb), ("1RECV_F%d<0.0" % mb, "2F%d" % mb)} <= edges
+        assert {("2RECV_F%d<0.1" % mb, "2F%d" % mb), ("2RECV_F%d<0.1" % mb, "1F%d" % mb)} <= edges
+        assert "2RECV_F%d<0.0" % mb not in keys and "1RECV_F%d<0.1" % mb not in keys
+        assert {"1SEND_B%d>0.0" % mb, "2SEND_B%d>0.0" % mb} <= keys          # a gradient per consumer
+        assert not any(k.startswith(("1SEND_B%d>0.1" % mb, "2SEND_B%d>0.1" % mb)) for k in keys)
+        assert ("0F%d" % mb, "1F%d" % mb) not in edges                      # the transfer replaces it
