@@ -365,6 +365,8 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
     `piper check FILE --regions PP=<regions>` takes after running the script: the
     statements, each pass of `compile_ir` and the verifier, with the cyclic collector
     paused as the check pauses it. A pass's input is built once by the passes before it.
+    `project` includes finding the waits and the verifier's simulation, which runs as the
+    plans are made (`piper.replay`): `verify` then only hands it back.
 
         python -m benchmarks.suite_compiler --passes big.pps 64
     """
