@@ -15,7 +15,7 @@ from __future__ import annotations
 from itertools import compress
 from operator import not_
 
-from .diagnostics import Diagnostic, Label, error
+from .diagnostics import Diagnostic, error
 from .ir import _DST, _IDENTITY, _SRC, IR, Edge, Node, data_edge, node_key
 from .tied import share_across_devices
 
