@@ -365,12 +365,15 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
     `piper check FILE --regions PP=<regions>` takes after running the script: the
     statements, each pass of `compile_ir` and the verifier, with the cyclic collector
     paused as the check pauses it. A pass's input is built once by the passes before it.
+    `project` includes finding the waits and the verifier's simulation, which runs as the
+    plans are made (`piper.replay`): `verify` then only hands it back.
 
         python -m benchmarks.suite_compiler --passes big.pps 64
     """
     from piper import compiler, lower
     from piper.capture import Program
     from piper.dsl import load_strategy
+    from piper.plan_waits import waits_after_lowering
     from piper.simulate import verify
     from piper.statements import apply_all, initial_ir
 
@@ -398,7 +401,8 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
         order, extra, release = timed("add_collectives", lambda: compiler.add_collectives(lowered, order, zero))
         order, ties = compiler.add_tie_exchanges(lowered, order, compiler._units_used(lowered))
         final = lowered.with_(nodes=tuple(order), edges=compiler._with_new_edges(lowered, extra + ties))
-        plans = timed("project", lambda: compiler.project(final, order, release))
+        plans = timed("project", lambda: compiler.project(final, order, release,
+                                                          waits_after_lowering(final, order, lowered)))
         compiled = compiler.Compiled(final, order, plans, zero)
         timed("verify", lambda: verify(compiled))
     finally:

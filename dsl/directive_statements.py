@@ -97,7 +97,14 @@ class DirectiveStatements:
                 items.append(selector)
             if known:
                 slots.append(tuple(items))
-                spans.append(tuple([item.span for item in slot.items]))
+                spans.append(self.slot_spans(slot))
+
+    def slot_spans(self, slot: n.Slot) -> tuple:
+        """The spans of a slot's items: the same each time its line runs, so made once per run."""
+        spans = self.spans_of_slots.get(id(slot))
+        if spans is None:
+            spans = self.spans_of_slots[id(slot)] = (slot, tuple([item.span for item in slot.items]))
+        return spans[1]
 
     def emit(self, directive) -> None:
         if not self.abstract:

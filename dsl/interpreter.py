@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
 from piper.mesh import Mesh
+from piper.selectors import Selector
 
 from . import nodes as n
 from .arguments import MISSING, Arguments
@@ -52,6 +53,8 @@ class Interpreter(ControlFlow, DirectiveStatements, StrategyCalls, Arguments, Re
         self._seen: set = set()
         self._orders: list[tuple[list, list]] = []
         self._span: Span | None = None
+        self.selectors: dict[tuple, Selector] = {}      # (op, tags) -> the one Selector made for them
+        self.spans_of_slots: dict[int, tuple] = {}       # id(a slot line's slot) -> (the slot, its items' spans)
 
     # ---- entry points
 

@@ -16,6 +16,9 @@ class RegionSelectors:
 
     def tags(self, tags, env: Env) -> tuple | None:
         """Evaluate `PP=s EP=*` to (("PP", 0), ("EP", "*")); None when a value is unknown."""
+        if len(tags) == 1 and tags[0].value is not None:      # `MB=m + warm`: most of a schedule's steps
+            value = self.tag_value(tags[0], env)
+            return ((tags[0].name.name, value),) if isinstance(value, int) else None
         out, seen, known = [], {}, True
         for tag in tags:
             name = tag.name.name
@@ -26,15 +29,20 @@ class RegionSelectors:
             if tag.value is None:
                 out.append((name, ANY))
                 continue
-            value = self.value(tag.value, env)
-            if type(value) is not int:      # `want` passes an int as it is: skip building its message
-                value = self.want(value, INT, tag.value.span, env, f"the tag `{name}`")
-            if isinstance(value, int) and value < 0:
-                raise self.fail("value-out-of-range", f"`{name}={value}`: a tag index cannot be negative",
-                                tag.value.span, hint="indices count from 0; check the arithmetic")
+            value = self.tag_value(tag, env)
             known &= isinstance(value, int)
             out.append((name, value))
         return tuple(out) if known else None
+
+    def tag_value(self, tag, env: Env):
+        """The index of `NAME=expr`: a non-negative int, or an Unknown (abstract mode)."""
+        value = self.value(tag.value, env)
+        if type(value) is not int:      # `want` passes an int as it is: skip building its message
+            value = self.want(value, INT, tag.value.span, env, f"the tag `{tag.name.name}`")
+        if isinstance(value, int) and value < 0:
+            raise self.fail("value-out-of-range", f"`{tag.name.name}={value}`: a tag index cannot be negative",
+                            tag.value.span, hint="indices count from 0; check the arithmetic")
+        return value
 
     def region(self, region: n.Region, env: Env) -> Selector | None:
         tags = self.tags(region.tags, env)
@@ -45,5 +53,22 @@ class RegionSelectors:
         if op not in PASSES:
             raise self.fail("unknown-pass", f"unknown pass `{op}`", item.op.span,
                             hint=did_you_mean(op, PASSES) or f"the passes are {', '.join(PASSES)}")
-        tags = self.tags(item.tags, env)
-        return Selector(op, tags) if tags is not None else None
+        # A schedule names each pass of each microbatch once per stage: the (frozen) selectors repeat,
+        # and are made once per run. One tag with a value (`F(MB=m + warm)`) is keyed flat.
+        tags = item.tags
+        if len(tags) == 1 and tags[0].value is not None:
+            value = self.tag_value(tags[0], env)
+            if not isinstance(value, int):
+                return None
+            key = (op, tags[0].name.name, value)
+            selector = self.selectors.get(key)
+            if selector is None:
+                selector = self.selectors[key] = Selector(op, ((tags[0].name.name, value),))
+            return selector
+        tags = self.tags(tags, env)
+        if tags is None:
+            return None
+        selector = self.selectors.get((op, tags))
+        if selector is None:
+            selector = self.selectors[(op, tags)] = Selector(op, tags)
+        return selector

@@ -19,12 +19,14 @@ import heapq
 from collections import defaultdict, namedtuple
 from collections.abc import Mapping
 from itertools import compress
-from operator import itemgetter, not_
+from operator import and_, itemgetter, not_
 from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic, Label, error
 from .ir import COLLECTIVES, COMPUTE, IR, Edge, Node, _not_same, distinct_edges
 from .lower import add_transfers, check_orders, resolve_placement, temporal_edges, zero_levels
+from .plan_waits import Feeds, waits_after_lowering
+from .replay import Replay
 from .tied import add_tie_exchanges, units_used
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
@@ -355,7 +357,7 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     - ZeRO-3: ALL_GATHER_<pass><mb> before a compute that needs a unit not
       already gathered, issued one compute early so it overlaps; the unit is
       released after the last of a run of computes that use it.
-    Returns the new order, its extra edges, and per compute key the units to release.
+    Returns the new order, its extra edges, and per compute key the units to release (if any).
     """
     units = _units_used(ir)
     groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
@@ -378,7 +380,7 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
                 grad_producers[u].append(n.key)
     by_group = _by_group(computes) if zero >= 2 else {}
     runs = _gradient_runs(by_group, units, grad_ops) if zero >= 2 else {}
-    position = {n.key: i for i, n in computes if n.op == "UPD"}
+    position = {n[8]: i for i, n in computes if n[0] == "UPD"} if zero in (1, 2) else {}
     for u in owners:
         upd = Node("UPD", u).key
         if len(runs.get(u, ())) > 1:
@@ -393,13 +395,15 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
                 red = Node("ALL_REDUCE", u, devices=groups[u])
             elif last is None:
                 red = Node("REDUCE_SCATTER", u, devices=groups[u])
-            else:
-                red = Node("REDUCE_SCATTER", u, last.mb, last.op, devices=groups[u])
-            while pos + 1 < len(order) and order[pos + 1].op == "SEND":
+            else:       # Node("REDUCE_SCATTER", u, last.mb, last.op, devices=groups[u]), made directly
+                red = _tuple_new(Node, ("REDUCE_SCATTER", u, last[2], last[0], None, None, groups[u], None,
+                                        f"{u}REDUCE_SCATTER_{last[0]}{last[2]}"))
+            while pos + 1 < len(order) and order[pos + 1][0] == "SEND":
                 pos += 1   # let the gradient sends that unblock other stages go first
             after[pos].append(red)
-            edges.append(Edge(red.key, upd))
-            edges += [Edge(k, red.key) for k in producers]
+            red_key = red[8]
+            edges.append(_tuple_new(Edge, (red_key, upd, "data", None)))
+            edges += [_tuple_new(Edge, (k, red_key, "data", None)) for k in producers]
         if zero in (1, 2):
             gather = Node("ALL_GATHER", u, devices=groups[u])
             after[position[upd]].append(gather)
@@ -452,7 +456,8 @@ def _gathers(by_group, units, shared, groups, before, edges, release) -> None:
             if free is None:
                 free = released[pair] = tuple(u for u in need[region] if next_region is None
                                               or u not in units[next_region])
-            release[n.key] = free
+            if free:        # most computes release nothing: the dict stays small for project's look-ups
+                release[n.key] = free
             prev_region = region
 
 
@@ -474,6 +479,9 @@ class Plans(Mapping):
         self._peer_of = peer_of
         self._shard_of = shard_of
         self._cache: dict[int, tuple[Action, ...]] = {}
+        # `verify`'s simulation of the representatives, run as `project` made the plans (`piper.replay`);
+        # None where it could not be.
+        self.replayed = None
 
     def __getitem__(self, rank: int) -> tuple[Action, ...]:
         if rank not in self._cache:
@@ -520,8 +528,12 @@ class _Transfers:
     peer_groups: list[tuple] = field(default_factory=list)
 
 
-def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
-    """Each device's actions in global order, with peers, tags and waits."""
+def project(ir: IR, order: list[Node], release: dict[str, tuple],
+            waits_of: dict[str, list[str]] | None = None) -> Plans:
+    """Each device's actions in global order, with peers, tags and waits.
+
+    `waits_of`: `_waits_of(ir, order)`, if the caller found it another way
+    (`compile_ir`: through the lowered IR's edge ids, `waits_after_lowering`)."""
     mesh = ir.mesh
     batch_axes = ir.batch_axes()
     shard_of = {}
@@ -535,10 +547,12 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
     def peer_of(rank: int, group: tuple[int, ...]) -> int:
         return member_by_shard[group][shard_of[rank]]
 
-    waits_of = _waits_of(ir, order)
+    if waits_of is None:
+        waits_of = _waits_of(ir, order)
     sequences: dict[tuple, list] = {}
     transfers: dict[tuple, _Transfers] = {}
     waited: dict[tuple, set[str]] = {}
+    replay = Replay(mesh.world_size, shard_of, member_by_shard)
     tags: dict[tuple, int] = {}
     by_id: dict[int, tuple] = {}     # id(devices) -> that group's state: few groups, many nodes
     for n in order:
@@ -547,17 +561,20 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
         if state is None:
             if g not in sequences:
                 sequences[g], transfers[g], waited[g] = [], _Transfers(), set()
-            state = by_id[id(g)] = (sequences[g], transfers[g], waited[g])
-        seq, t, done = state
+            state = by_id[id(g)] = (sequences[g], transfers[g], waited[g], replay.lane(g))
+        seq, t, done, lane = state
         if op == "SEND" or op == "RECV":
             # The tag names the transfer; both sides compute it from the SEND's
             # (region, mb, phase, value, peer), which its key spells out.
             send_key = n[1:6] if op == "SEND" else _AS_SEND(n)
+            tag, peer_group = tags.setdefault(send_key, len(tags)), groups[n.peer]
             t.positions.append(len(seq))
             t.nodes.append(n)
-            t.tags.append(tags.setdefault(send_key, len(tags)))
-            t.peer_groups.append(groups[n.peer])
+            t.tags.append(tag)
+            t.peer_groups.append(peer_group)
             seq.append(None)
+            if lane is not None:
+                lane.send(tag, peer_group) if op == "SEND" else lane.recv(tag, peer_group, n[8])
             continue
         # Each communication is waited for once per device: after `split B` a
         # received gradient feeds both BI and BW, and BI's wait already completed it.
@@ -573,10 +590,16 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
                 done.update(waits)
         if op in _COMPUTE:
             seq.append(_tuple_new(Action, (n, None, None, None, waits, release.get(n.key, ()))))
+            if lane is not None:
+                lane.compute(n, waits)
         else:
             seq.append(_tuple_new(Action, (n, None, None, g, waits, ())))
+            if lane is not None:
+                lane.collective(n)
     group_of = {rank: g for g in sequences for rank in g}
-    return Plans(mesh.world_size, group_of, sequences, transfers, peer_of, shard_of)
+    plans = Plans(mesh.world_size, group_of, sequences, transfers, peer_of, shard_of)
+    plans.replayed = replay.result(group_of)
+    return plans
 
 
 _WAITABLE = frozenset(("RECV",) + COLLECTIVES)
@@ -586,15 +609,11 @@ def _waits_of(ir: IR, order: list[Node]) -> dict[str, list[str]]:
     """Node key -> the receives and collectives feeding it by a data edge:
     what an action waits for, nothing else (a send completes on its own)."""
     waitable = {n[8] for n in order if n[0] in _WAITABLE}
-    waits_of: dict[str, list[str]] = {}
+    found = Feeds()
     for src, dst, kind, _ in compress(ir.edges, map(waitable.__contains__, map(_SRC, ir.edges))):
         if kind == "data":
-            feeds = waits_of.get(dst)
-            if feeds is None:
-                waits_of[dst] = [src]
-            elif src not in feeds:
-                feeds.append(src)
-    return waits_of
+            found.add(src, dst)
+    return found.waits_of
 
 
 def compile_ir(ir: IR) -> Compiled:
@@ -605,13 +624,16 @@ def compile_ir(ir: IR) -> Compiled:
     temporal = temporal_edges(ir)
     _check_order_devices(temporal)
     check_orders(ir, warnings, temporal)
+    del temporal
     ir = add_transfers(ir)
     order = schedule(ir)
     order, extra, release = add_collectives(ir, order, zero)
     order, ties = add_tie_exchanges(ir, order, _units_used(ir))     # tied weights across stages
     extra += ties
-    ir = ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
-    plans = project(ir, order, release)
+    lowered, ir = ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
+    waits_of = waits_after_lowering(ir, order, lowered)
+    del lowered        # its indexes (~20 MB at 64 x 512) go before the plans are made
+    plans = project(ir, order, release, waits_of)
     return Compiled(ir, order, plans, zero, warnings)
 
 
@@ -620,7 +642,8 @@ def _with_new_edges(ir: IR, extra: list[Edge]) -> tuple[Edge, ...]:
     and join its nodes (`schedule` checked), so an extra edge reaching a new
     node repeats none of them: only the extra edges need deduplicating."""
     index = ir.index()
-    if all(e.src not in index or e.dst not in index for e in extra):
+    known = index.__contains__
+    if not any(map(and_, map(known, map(_SRC, extra)), map(known, map(_DST, extra)))):
         return ir.edges + distinct_edges(extra)
     return distinct_edges(ir.edges + tuple(extra))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from itertools import compress
 from operator import not_
 
-from .diagnostics import Diagnostic, Label, error
+from .diagnostics import Diagnostic, error
 from .ir import _DST, _IDENTITY, _SRC, IR, Edge, Node, data_edge, node_key
 from .tied import share_across_devices
 
@@ -72,7 +72,8 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
     # A parameter used by regions on different devices (tied weights): each group holds a copy.
     ir = share_across_devices(ir, spans)
     placed = dict(ir.placement)
-    ir = ir.with_(nodes=tuple(n.but(devices=placed[n.region]) for n in ir.nodes))
+    ir = ir.with_(nodes=tuple([_tuple_new(Node, (op, r, mb, phase, value, peer, placed[r], stream, key))
+                               for op, r, mb, phase, value, peer, _, stream, key in ir.nodes]))
     for (what, axis), span in zip(ir.sharding, ir.sharding_spans + (None,) * len(ir.sharding)):
         if mesh.size(axis) == 1:
             warnings.append(Diagnostic("shard-size-one", f"`shard {what} over {axis}` divides over an axis "
@@ -123,7 +124,7 @@ def add_transfers(ir: IR) -> IR:
     back = "BI" if split else "B"
     by_pass = ir.by_pass()
     number = ir.numbering()
-    microbatches = range(ir.microbatches)
+    microbatches = list(range(ir.microbatches))    # one int object per microbatch, shared by every node
     known = True        # every edge's ends are nodes of the IR, so their positions are known
 
     def keys(op: str, region: int) -> tuple[list[str], list[int | None]]:
@@ -211,7 +212,7 @@ def add_transfers(ir: IR) -> IR:
 
 
 def _transfers(op: str, region: int, phase: str, value: int, peer: int, devices: tuple[int, ...],
-               microbatches: range) -> list[Node]:
+               microbatches: list[int]) -> list[Node]:
     """`Node(op, region, mb, phase, value, peer, devices=devices)` for every
     microbatch `mb`: the keys differ only in the microbatch, so each is one
     join rather than a `node_key` call (add_transfers makes 100k+ of these)."""

@@ -12,9 +12,11 @@ from __future__ import annotations
 from .capture import Program
 from .diagnostics import Label, did_you_mean, error
 from .directives import Directive, Order, Place, Recompute, Shard, Split
-from .ir import _IDENTITY, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
+from .ir import _IDENTITY, _PASSES, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from .mesh import Mesh
 from .selectors import Selector
+
+_tuple_new = tuple.__new__
 
 
 def initial_ir(program: Program, mesh: Mesh) -> IR:
@@ -106,24 +108,35 @@ def split_microbatches(ir: IR, d: Split) -> IR:
         raise error("order-before-split", "`split MB` comes after an `order` statement", span=d.span,
                     hint="split the batch first, then order the microbatches")
     n = d.count
+    mbs = list(range(n))       # one int object per microbatch, shared by every copy
     nodes = []
     copies: dict[str, list[Node]] = {}     # key -> the node in each microbatch
     for node in ir.nodes:
         if node.mb is not None:
-            copies[node.key] = per = [node.but(mb=m) for m in range(n)]
+            copies[node.key] = per = _per_microbatch(node, mbs)
             nodes += per
         else:
             copies[node.key] = [node] * n
             nodes.append(node)
+    keys = {key: [c[8] for c in per] for key, per in copies.items()}
     edges = []
-    for e in ir.edges:
-        kind, span = e.kind, e.span
-        edges += [Edge(s.key, t.key, kind, span) for s, t in zip(copies[e.src], copies[e.dst])]
+    for src, dst, kind, span in ir.edges:
+        edges += [_tuple_new(Edge, (s, t, kind, span)) for s, t in zip(keys[src], keys[dst])]
     # Copies of distinct edges are distinct unless both ends are once-per-step nodes (UPD).
     once = {node.key for node in ir.nodes if node.mb is None}
     if len(set(ir.edges)) != len(ir.edges) or any(e.src in once and e.dst in once for e in ir.edges):
         edges = distinct_edges(edges)
     return ir.with_(nodes=tuple(nodes), edges=tuple(edges), microbatches=n, split_span=d.span)
+
+
+def _per_microbatch(node: Node, mbs: list[int]) -> list[Node]:
+    """`[node.but(mb=m) for m in mbs]`; a pass's keys differ only in the
+    microbatch, so each is one join rather than a `node_key` call."""
+    op, region, _, phase, value, peer, devices, stream, _ = node
+    if op not in _PASSES or value:
+        return [node.but(mb=m) for m in mbs]
+    head = f"{region}{op}"
+    return [_tuple_new(Node, (op, region, m, phase, value, peer, devices, stream, f"{head}{m}")) for m in mbs]
 
 
 def split_backward(ir: IR, d: Split) -> IR:
@@ -253,6 +266,9 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
     """The temporal edges `order` adds (each node is in one slot, so none repeats)."""
     scope = sorted({r.index for r in regions_matching(ir, d.selector, d.span)})
     by_pass = ir.by_pass()
+    # The usual item, F(MB=3) in an order of one region, names one node: found directly.
+    ops = ("F", "BI", "BW") if ir.backward_split else ("F", "B", "BI", "BW")
+    direct = {op: by_pass.get((op, scope[0]), {}) for op in ops} if len(scope) == 1 else {}
     seen: dict[str, object] = {}
     slots: list[list[Node]] = []
     for s, slot in enumerate(d.slots):
@@ -260,7 +276,10 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
         chosen: list[Node] = []
         for i, item in enumerate(slot):
             span = spans[i] if len(spans) > i else d.span
-            matches = _item_nodes(ir, by_pass, item, scope, span, d)
+            tags = item.tags
+            found = direct.get(item.op) if len(tags) == 1 and tags[0][0] == "MB" else None
+            node = found.get(tags[0][1]) if found else None
+            matches = (node,) if node is not None else _item_nodes(ir, by_pass, item, scope, span, d)
             for n in matches:
                 if n.key in seen:
                     raise error("ordered-twice", f"`{item}` ({n.key}) appears twice in this order", span=span,
@@ -269,11 +288,11 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
                 seen[n.key] = span
                 chosen.append(n)
         slots.append(chosen)
-    added = []
+    added, span = [], d.span
     for before, after in zip(slots, slots[1:]):
         for a in before:
             for b in after:
-                added.append(Edge(a.key, b.key, "temporal", d.span))
+                added.append(_tuple_new(Edge, (a[8], b[8], "temporal", span)))
     return added
 
 

@@ -66,3 +66,99 @@ def test_one_replica_per_group_simulates_as_every_device(text, regions):
     assert {r: every.timeline[r] for r in replicas.timeline} == replicas.timeline
     verified = verify(compiled)
     assert verified.timeline == {} and verified.busy == simulate(compiled.plans.representatives()).busy
+
+
+def _lowered_and_final(text: str, regions: int):
+    """The lowered IR and the final one `compile_ir` projects, with its order."""
+    from piper.compiler import _units_used, _with_new_edges, add_collectives, add_tie_exchanges
+    from piper.lower import zero_levels
+
+    ir = add_transfers(lowered(text, regions))
+    order, extra, _ = add_collectives(ir, schedule(ir), zero_levels(ir))
+    order, ties = add_tie_exchanges(ir, order, _units_used(ir))
+    return ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra + ties)), order
+
+
+@pytest.mark.parametrize("text,regions", CASES + [
+    ("mesh dp=2, pp=2\nuse one_f_one_b(microbatches=12) on pp\nuse zero3() on dp\n", 2)])
+def test_waits_found_through_edge_ids_are_those_a_look_up_finds(text, regions):
+    from piper.compiler import _waits_of
+    from piper.plan_waits import waits_after_lowering
+
+    ir, final, order = _lowered_and_final(text, regions)
+    found = waits_after_lowering(final, order, ir)
+    assert found is not None and found == _waits_of(final, order)
+    assert max(map(len, found.values())) > 8 or "microbatches=12" not in text    # a node fed by many
+
+
+def test_waits_through_edge_ids_decline_edges_that_are_not_the_lowered_ones():
+    from piper.plan_waits import waits_after_lowering
+
+    ir, final, order = _lowered_and_final(*CASES[0])
+    assert waits_after_lowering(final.with_(edges=final.edges[1:]), order, ir) is None
+
+
+@pytest.mark.parametrize("text,regions", CASES)
+def test_the_replay_as_plans_are_made_is_verifys_simulation(text, regions):
+    from piper.simulate import _Run
+
+    compiled = compile_ir(lowered(text, regions))
+    replayed = compiled.plans.replayed
+    real = _Run(compiled.plans.representatives(), timeline=False).run()
+    assert replayed is not None
+    assert (replayed.step_time, list(replayed.busy.items())) == (real.step_time, list(real.busy.items()))
+    assert verify(compiled).busy == real.busy
+
+
+def test_a_wait_on_a_later_receive_stops_the_replay_and_verify_finds_the_deadlock():
+    from piper.compiler import Compiled, project
+    from piper.diagnostics import PiperError
+
+    compiled = compile_ir(lowered("mesh pp=2\nuse gpipe(microbatches=2) on pp\n", 2))
+    order = list(compiled.order)
+    recv = next(i for i, n in enumerate(order) if n.op == "RECV")
+    consumer = next(i for i, n in enumerate(order) if i > recv and n.op == "F" and n.devices == order[recv].devices)
+    order.insert(recv, order.pop(consumer))      # the forward now comes before the receive it waits for
+    plans = project(compiled.ir, order, {})
+    assert plans.replayed is None
+    with pytest.raises(PiperError) as err:
+        verify(Compiled(compiled.ir, order, plans, compiled.zero))
+    assert err.value.code == "deadlock" and f"*{order[recv].key}" in err.value.diagnostics[0].notes[0]
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_transfers_to_several_consumers_on_one_group(split_backward):
+    """Region 0's first output goes to regions 1 and 2 (both on device 1) and 3; its second, not
+    differentiable, to 2 and then 1. Each value crosses to device 1 once, named after its first
+    consumer there, whose receives feed the other; the gradients come back one per consumer."""
+    from types import SimpleNamespace as R
+
+    from piper.directives import Place, Split
+    from piper.mesh import Mesh
+    from piper.selectors import Selector
+    from piper.statements import apply
+
+    regions = [R(index=i, tags=(("PP", i),), params=(f"w{i}",), loss=i == 3) for i in range(4)]
+    values = [R(producer=0, index=0, consumers=(1, 2, 3), differentiable=True),
+              R(producer=0, index=1, consumers=(2, 1), differentiable=False),
+              R(producer=1, index=0, consumers=(3,), differentiable=True),
+              R(producer=2, index=0, consumers=(3,), differentiable=True)]
+    mesh = Mesh.of("pp=3")
+    ir = apply(initial_ir(R(regions=regions, values=values), mesh), Split("MB", 3))
+    if split_backward:
+        ir = apply(ir, Split("B"))
+    for region, device in ((0, 0), (1, 1), (2, 1), (3, 2)):
+        ir = apply(ir, Place(Selector(None, (("PP", region),)), mesh.group({"pp": device})))
+    lowered_ir = add_transfers(resolve_placement(ir, []))
+    handed = lowered_ir.edge_ids()
+    lowered_ir._indexes.pop("ids")
+    assert lowered_ir.edge_ids() == handed
+    keys = {n.key for n in lowered_ir.nodes}
+    edges = {(e.src, e.dst) for e in lowered_ir.edges}
+    for mb in range(3):
+        assert {("1RECV_F%d<0.0" % mb, "1F%d" % mb), ("1RECV_F%d<0.0" % mb, "2F%d" % mb)} <= edges
+        assert {("2RECV_F%d<0.1" % mb, "2F%d" % mb), ("2RECV_F%d<0.1" % mb, "1F%d" % mb)} <= edges
+        assert "2RECV_F%d<0.0" % mb not in keys and "1RECV_F%d<0.1" % mb not in keys
+        assert {"1SEND_B%d>0.0" % mb, "2SEND_B%d>0.0" % mb} <= keys          # a gradient per consumer
+        assert not any(k.startswith(("1SEND_B%d>0.1" % mb, "2SEND_B%d>0.1" % mb)) for k in keys)
+        assert ("0F%d" % mb, "1F%d" % mb) not in edges                      # the transfer replaces it
