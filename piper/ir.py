@@ -251,37 +251,8 @@ class ValueInfo:
     differentiable: bool = True
 
 
-@dataclass(frozen=True)
-class IR:
-    """The global training DAG plus the attributes statements set on it.
-
-    `placement` maps region -> device ranks; `sharding` holds (what, axis)
-    records; the parallel `*_spans` say which statement made each.
-    """
-
-    mesh: Mesh
-    regions: tuple[RegionInfo, ...]
-    values: tuple[ValueInfo, ...]
-    nodes: tuple[Node, ...]
-    edges: tuple[Edge, ...]
-    microbatches: int = 1
-    backward_split: bool = False
-    placement: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    sharding: tuple[tuple[str, str], ...] = ()
-    recompute: tuple[int, ...] = ()                 # regions that run forward again in backward
-    # Where each placement / sharding record came from; not part of the value.
-    placement_spans: tuple[Span | None, ...] = field(default=(), compare=False)
-    sharding_spans: tuple[Span | None, ...] = field(default=(), compare=False)
-    split_span: Span | None = field(default=None, compare=False)
-    split_b_span: Span | None = field(default=None, compare=False)
-    # Indexes of `nodes`, built on first use; rewrites that keep the nodes share them.
-    _indexes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def node(self, key: str) -> Node:
-        for n in self.nodes:
-            if n.key == key:
-                return n
-        raise KeyError(key)
+class _Indexed:
+    """Indexes of an IR's nodes and edges, built on first use and kept in its `_indexes`."""
 
     def index(self) -> dict[str, Node]:
         """Nodes by key (built once per node tuple: most rewrites keep the nodes)."""
@@ -323,6 +294,39 @@ class IR:
                 if n.op in _COMPUTE:
                     found.setdefault((n.op, n.region), {})[n.mb] = n
         return found
+
+
+@dataclass(frozen=True)
+class IR(_Indexed):
+    """The global training DAG plus the attributes statements set on it.
+
+    `placement` maps region -> device ranks; `sharding` holds (what, axis)
+    records; the parallel `*_spans` say which statement made each.
+    """
+
+    mesh: Mesh
+    regions: tuple[RegionInfo, ...]
+    values: tuple[ValueInfo, ...]
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    microbatches: int = 1
+    backward_split: bool = False
+    placement: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    sharding: tuple[tuple[str, str], ...] = ()
+    recompute: tuple[int, ...] = ()                 # regions that run forward again in backward
+    # Where each placement / sharding record came from; not part of the value.
+    placement_spans: tuple[Span | None, ...] = field(default=(), compare=False)
+    sharding_spans: tuple[Span | None, ...] = field(default=(), compare=False)
+    split_span: Span | None = field(default=None, compare=False)
+    split_b_span: Span | None = field(default=None, compare=False)
+    # Indexes of `nodes`, built on first use; rewrites that keep the nodes share them.
+    _indexes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def node(self, key: str) -> Node:
+        for n in self.nodes:
+            if n.key == key:
+                return n
+        raise KeyError(key)
 
     def devices_of(self, region: int) -> tuple[int, ...] | None:
         for r, ranks in self.placement:

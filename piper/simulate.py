@@ -148,7 +148,56 @@ def simulate(plans: dict[int, tuple[Action, ...]], costs=None, comm_cost=None, o
     return _Run(plans, costs, comm_cost, record_comm=record_comm).run()
 
 
-class _Run:
+class _Collectives:
+    """When collectives complete, and what a slot of overlapped items costs (`_Run`'s state)."""
+
+    def slot_cost(self, a) -> float:
+        costs = self.costs
+        cost = costs.get(a.key, costs.get(a.name))   # this slot as timed, else its kind
+        if cost is None:          # its computes (a cut pass's exchanges run inside it too)
+            cost = sum(costs.get(m.key, 0.0 if m.node.value else costs.get(m.node.op, 1.0))
+                       for m in a.members if m.node.is_compute)
+        return cost
+
+    def all_to_alls_inside(self, rank: int, a, now: float) -> float | None:
+        """A marker for the all-to-alls a compute runs inside: the device waits for them (None: not
+        every member has issued them yet). An exchange between pieces, `0ALL_TO_ALL_F3.0`, is
+        issued like any collective instead; the piece after it waits for it."""
+        key = (rank, a.node.key)
+        if key not in self.done:
+            self.collective(rank, a.group, a.node, now)
+            if key not in self.done:
+                return None
+        return max(now, self.done[key])
+
+    def collective(self, rank: int, group: tuple[int, ...], node, now: float) -> None:
+        """`rank` issues a collective at `now`; it completes once every simulated member
+        of its group has issued it and the group's previous collective has completed."""
+        key = node.key
+        members_simulated = self.simulated.get(group)
+        if members_simulated is None:
+            members_simulated = self.simulated[group] = tuple(m for m in group if m in self.plans)
+        if len(members_simulated) == 1:      # one replica stands for the group: nothing to wait for
+            members = {rank: now}
+        else:
+            members = self.issued[(key, group)]
+            members[rank] = now
+            if len(members) != len(members_simulated):
+                return
+        stream = (group, "ep") if node.op == "ALL_TO_ALL" else group   # own process groups
+        group_last = self.group_last
+        finish = max(max(members.values()), group_last[stream]) + (
+            0.0 if self.comm_cost is None else self.comm_cost(node))
+        group_last[stream] = finish
+        done = self.done
+        for member in members_simulated:
+            done[(member, key)] = finish
+        if self.comm is not None:
+            for member, at in members.items():
+                self.comm[member].append((at, finish, key))
+
+
+class _Run(_Collectives):
     """One simulation: every device's position, clock and busy time, and what has completed.
 
     `run` advances each device in turn until it blocks, round after round,
@@ -204,10 +253,7 @@ class _Run:
                 t = _ready_time(done, rank, now, a.waits)
                 if t is None:
                     break
-                cost = costs.get(a.key, costs.get(a.name))   # this slot as timed, else its kind
-                if cost is None:          # its computes (a cut pass's exchanges run inside it too)
-                    cost = sum(costs.get(m.key, 0.0 if m.node.value else costs.get(m.node.op, 1.0))
-                               for m in a.members if m.node.is_compute)
+                cost = self.slot_cost(a)
                 if line is not None:
                     line.append((t, t + cost, a.key))
                 now = t + cost
@@ -254,14 +300,10 @@ class _Run:
                 now = t + cost
                 spent += cost
             elif op == "ALL_TO_ALL" and node.value is None:
-                if (rank, node.key) not in done:
-                    self.collective(rank, a.group, node, now)
-                    if (rank, node.key) not in done:
-                        break         # until every member of the expert group is there
-                # A marker for the all-to-alls a compute runs inside: the device waits for them.
-                # (An exchange between pieces, `0ALL_TO_ALL_F3.0`, is issued like any collective;
-                # the piece after it waits for it.)
-                now = max(now, done[(rank, node.key)])
+                t = self.all_to_alls_inside(rank, a, now)
+                if t is None:
+                    break             # until every member of the expert group is there
+                now = t
             else:
                 self.collective(rank, a.group, node, now)
             i += 1
@@ -271,32 +313,6 @@ class _Run:
             return False
         self.pos[rank], self.clock[rank], self.busy[rank] = i, now, spent
         return True
-
-    def collective(self, rank: int, group: tuple[int, ...], node, now: float) -> None:
-        """`rank` issues a collective at `now`; it completes once every simulated member
-        of its group has issued it and the group's previous collective has completed."""
-        key = node.key
-        members_simulated = self.simulated.get(group)
-        if members_simulated is None:
-            members_simulated = self.simulated[group] = tuple(m for m in group if m in self.plans)
-        if len(members_simulated) == 1:      # one replica stands for the group: nothing to wait for
-            members = {rank: now}
-        else:
-            members = self.issued[(key, group)]
-            members[rank] = now
-            if len(members) != len(members_simulated):
-                return
-        stream = (group, "ep") if node.op == "ALL_TO_ALL" else group   # own process groups
-        group_last = self.group_last
-        finish = max(max(members.values()), group_last[stream]) + (
-            0.0 if self.comm_cost is None else self.comm_cost(node))
-        group_last[stream] = finish
-        done = self.done
-        for member in members_simulated:
-            done[(member, key)] = finish
-        if self.comm is not None:
-            for member, at in members.items():
-                self.comm[member].append((at, finish, key))
 
 
 def _free(node) -> float:
