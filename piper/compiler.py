@@ -30,6 +30,7 @@ from .replay import Replay
 from .tied import add_tie_exchanges, units_used
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
+_COLLECTIVE_OPS = frozenset(COLLECTIVES)
 _COMPUTE = frozenset(COMPUTE)
 
 
@@ -124,14 +125,14 @@ def schedule(ir: IR) -> list[Node]:
     runs. A cycle means the `order` statements contradict the data flow (or
     each other); the error names the order statements whose edges close it.
     """
-    index = ir.index()
-    if len(index) != len(ir.nodes):       # a key twice: the node it names is scheduled once
-        ir = ir.with_(nodes=tuple(index.values()))
+    if not ir.keys_distinct():       # a key twice: the node it names is scheduled once
+        ir = ir.with_(nodes=tuple(ir.index().values()))
     nodes = ir.nodes
     total = len(nodes)
     try:
         src_ids, dst_ids = ir.edge_ids()      # nodes are numbered by their position
     except KeyError:
+        index = ir.index()
         bad = next(e for e in ir.edges if e.src not in index or e.dst not in index)
         raise AssertionError(f"edge to unknown node {bad}") from None
     # Communication (priority (0,)) goes before any compute, so the ready nodes
@@ -629,23 +630,31 @@ def compile_ir(ir: IR) -> Compiled:
     order = schedule(ir)
     order, extra, release = add_collectives(ir, order, zero)
     order, ties = add_tie_exchanges(ir, order, _units_used(ir))     # tied weights across stages
-    extra += ties
-    lowered, ir = ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
+    lowered, ir = ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra, ties))
     waits_of = waits_after_lowering(ir, order, lowered)
     del lowered        # its indexes (~20 MB at 64 x 512) go before the plans are made
     plans = project(ir, order, release, waits_of)
     return Compiled(ir, order, plans, zero, warnings)
 
 
-def _with_new_edges(ir: IR, extra: list[Edge]) -> tuple[Edge, ...]:
-    """`dict.fromkeys(ir.edges + extra)`. The IR's edges are already distinct
+def _with_new_edges(ir: IR, extra: list[Edge], ties: list[Edge] = ()) -> tuple[Edge, ...]:
+    """`dict.fromkeys(ir.edges + extra + ties)`. The IR's edges are already distinct
     and join its nodes (`schedule` checked), so an extra edge reaching a new
-    node repeats none of them: only the extra edges need deduplicating."""
-    index = ir.index()
-    known = index.__contains__
-    if not any(map(and_, map(known, map(_SRC, extra)), map(known, map(_DST, extra)))):
-        return ir.edges + distinct_edges(extra)
-    return distinct_edges(ir.edges + tuple(extra))
+    node repeats none of them: only the extra edges need deduplicating.
+
+    Each of `extra` (`add_collectives`') joins a collective it adds: where `ir`
+    vouches that its nodes hold no collective (`add_transfers`' output), none
+    of them is looked up."""
+    if _COLLECTIVE_OPS.isdisjoint(ir.vouched_ops() or _COLLECTIVE_OPS):
+        check = ties
+    else:
+        check = [*extra, *ties]
+    extra = [*extra, *ties]
+    if check:
+        known = ir.index().__contains__
+        if any(map(and_, map(known, map(_SRC, check)), map(known, map(_DST, check)))):
+            return distinct_edges(ir.edges + tuple(extra))
+    return ir.edges + distinct_edges(extra)
 
 
 def _check_order_devices(temporal: list[tuple[Edge, Node, Node]]) -> None:

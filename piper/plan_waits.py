@@ -32,8 +32,7 @@ def waits_after_lowering(final: IR, order: list[Node], lowered: IR) -> dict[str,
     edge's source is a receive or a collective, its token says (`0RECV_...`,
     `3ALL_GATHER_F2`, `1REDUCE_SCATTER`): the op follows the region."""
     edges, n = lowered.edges, len(lowered.edges)
-    index = lowered.index()
-    if len(index) != len(lowered.nodes) or len(order) < len(index) or final.edges[:n] != edges:
+    if not lowered.keys_distinct() or len(order) < len(lowered.nodes) or final.edges[:n] != edges:
         return None
     src_ids, _ = lowered.edge_ids()
     waitable = bytes(map(WAITABLE.__contains__, map(_OP, lowered.nodes)))
