@@ -156,13 +156,33 @@ def schedule(ir: IR) -> list[Node]:
     heapq.heapify(ready_compute)
     pop, push = heapq.heappop, heapq.heappush
     out = []
-    while ready_comm or ready_compute:
-        i = pop(ready_comm)[1] if ready_comm else pop(ready_compute) % total
-        out.append(nodes[i])
+    add = out.append
+    # `alone`: a communication that became ready while no other was (a compute's one
+    # send, a send's receive: most of them). It is the least ready one, so it runs
+    # next without going through the heap; a second one sends both to the heap.
+    alone = None
+    while True:
+        if alone is not None:
+            i, alone = alone, None
+        elif ready_comm:
+            i = pop(ready_comm)[1]
+        elif ready_compute:
+            i = pop(ready_compute) % total
+        else:
+            break
+        add(nodes[i])
         for j in succ[i]:
             indeg[j] -= 1
             if not indeg[j]:
-                push(ready_compute if is_compute[j] else ready_comm, entry[j])
+                if is_compute[j]:
+                    push(ready_compute, entry[j])
+                elif alone is None and not ready_comm:
+                    alone = j
+                else:
+                    if alone is not None:
+                        push(ready_comm, entry[alone])
+                        alone = None
+                    push(ready_comm, entry[j])
     if len(out) != len(keys):
         raise _cycle_error(ir, {keys[i] for i, d in enumerate(indeg) if d > 0})
     return out
