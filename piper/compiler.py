@@ -653,15 +653,8 @@ def _waits_of(ir: IR, order: list[Node]) -> dict[str, list[str]]:
 
 def compile_ir(ir: IR) -> Compiled:
     """Lower, schedule and project; raise `PiperError` on a bad strategy."""
-    return compile_ir_taking([ir])
-
-
-def compile_ir_taking(box: list[IR]) -> Compiled:
-    """`compile_ir` of the IR in the one-item list `box`, which it empties: with
-    no reference left to the statements' IR, its nodes and indexes (about 20 MB
-    at 64 x 512) go once it is placed, not after the plans are made."""
     warnings: list[Diagnostic] = []
-    ir = resolve_placement(box.pop(), warnings)
+    ir = resolve_placement(ir, warnings)
     zero = zero_levels(ir)
     temporal = temporal_edges(ir)
     _check_order_devices(temporal)

@@ -5,7 +5,7 @@ linter plans exactly what a job would run.
 """
 from __future__ import annotations
 
-from .compiler import Compiled, compile_ir_taking
+from .compiler import Compiled, compile_ir
 from .gc_guard import no_cycle_collection as _no_cycle_collection
 from .simulate import verify
 from .statements import apply_all, initial_ir
@@ -16,7 +16,7 @@ def compile_directives(program, mesh, directives) -> Compiled:
     from .stage_count import explain_unplaced   # a schedule placing fewer stages than the model has
 
     with _no_cycle_collection(), explain_unplaced(program, directives):
-        compiled = compile_ir_taking([apply_all(initial_ir(program, mesh), directives)])
+        compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
         if compiled.ir.sharded("experts") is not None:      # expert parallelism: check it, add ALL_TO_ALLs
             from . import experts
 
