@@ -331,122 +331,7 @@ def cases(quick: bool):
     return out
 
 
-def run(ctx) -> SuiteResult:
-    quick = ctx.quick
-    pp_wl, dp_wl, dp_regions = workloads(quick)
-    warmup, steps = (1, 3) if quick else (2, 5)
-    timeout = 120.0
-    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
-    pp_batches = gpt_batches(pp_wl, warmup + steps)
-    dp_batches = gpt_batches(dp_wl, warmup + steps)
-    result = SuiteResult("cost-model", 8, "Cost-model accuracy: simulated vs measured step time",
-                         ctx.command("cost-model"))
-    accuracy = Table(f"Predicted vs measured step time (median of {steps} steps after {warmup} warm-up); "
-                     f"pipelines: {pp_wl.describe()}, {MICROBATCHES} microbatches; dp=2: {dp_wl.describe(dp_regions)}",
-                     ["mesh", "strategy", "measured ms", "worker run_step ms", "predicted ms (comm 0)",
-                      "error (comm 0)", "predicted ms (+ Gloo model)", "error (+ Gloo model)",
-                      "error vs run_step", "error + overhead model", "error + runtime model",
-                      f"predicted ms (CPU costs, {CORES} cores shared)", "error (CPU, shared)",
-                      "error (CPU, shared) + overhead model", "error (CPU, cores left) + runtime model", "other load (cores)",
-                      "spread"])
-    shape = Table("What the simulator predicts about each schedule (measured per-action costs, Gloo model)",
-                  ["mesh", "strategy", "compute actions / device", "busiest device compute ms",
-                   "predicted bubble fraction", "in-flight peak per device (microbatches)"])
-    link = link_points = None
-    overhead = None
-    errors_raw: list[float] = []
-    errors_fixed: list[float] = []
-    errors_cpu: list[float] = []
-    errors_runtime: list[float] = []
-    with ray_cluster():
-        try:
-            ctx.log("cost-model: Gloo ping-pong between two actors")
-            link, link_points = measure_link()
-        except Exception as exc:
-            result.notes.append(f"the Gloo ping failed ({short_error(exc)}): predictions use comm cost 0 only")
-            ctx.log(traceback.format_exc())
-        try:
-            ctx.log("cost-model: fixed per-step overhead on a trivially small model")
-            overhead = _fixed_overhead(optimizer, timeout, quick)
-        except Exception as exc:
-            result.notes.append(f"the fixed-overhead run failed: {short_error(exc)}")
-            ctx.log(traceback.format_exc())
-        for mesh_label, mesh, kind in cases(quick):
-            ctx.log(f"cost-model: {kind} on {mesh_label}")
-            if "pp" in mesh:
-                p = mesh["pp"]
-                strategy, source, note = schedule_strategy(kind, pp=p, microbatches=MICROBATCHES)
-                kw, batches = pp_wl.model_kw(p * PIPELINE_SCHEDULES[kind][1]), pp_batches
-            else:
-                strategy, source, note = zero_strategy(kind, dp=mesh["dp"])
-                kw, batches = dp_wl.model_kw(dp_regions), dp_batches
-            name = f"{kind} ({source})"
-            if strategy is None:
-                accuracy.add(mesh_label, name, f"not available: {note}", *[None] * 14)
-                continue
-            try:
-                with piper.compile(make_gpt(kw)[0], batches[0], strategy=strategy, mesh=mesh, optimizer=optimizer,
-                                   timeout=timeout) as job:
-                    rec = Recorder(job)
-                    errors = run_steps({"job": rec}, batches, warmup=warmup, steps=steps)
-                    if errors:
-                        raise errors["job"]
-                    data = rec.data
-                    costs = data.costs()
-                    plans = job.compiled.plans.representatives()
-                    missing = missing_costs(plans, costs)
-                    sim0 = predict(job, costs)
-                    simc = predict(job, costs, comm_cost=link.for_job(job)) if link else None
-                    simcpu = predict(job, data.costs(cpu=True), comm_cost=link.for_job(job) if link else None,
-                                     cores=CORES, background=data.background())
-                    # The runtime's own costs, measured in these steps (piper.runtime_costs): wall and CPU.
-                    simrt = predict(job, costs, comm_cost=link.for_job(job) if link else None, runtime=data.runtime())
-                    simcpurt = predict(job, data.costs(cpu=True), comm_cost=link.for_job(job) if link else None,
-                                       cores=max(1.0, CORES - (data.external_cores() or 0.0)),
-                                       background=data.other_threads(), runtime=data.runtime(cpu=True))
-                    n_compute = {r: len(job.compiled.compute_order(r)) for r in plans}
-            except Exception as exc:
-                accuracy.add(mesh_label, name, f"failed: {short_error(exc)}", *[None] * 14)
-                ctx.log(traceback.format_exc())
-                continue
-            measured = data.step
-            err0 = sim0.step_time / measured - 1
-            errc = simc.step_time / measured - 1 if simc else None
-            err_worker = (simc or sim0).step_time / data.worker - 1 if data.worker else None
-            err_fixed = ((simc or sim0).step_time + overhead(job)) / measured - 1 if overhead is not None else None
-            err_cpu = simcpu.step_time / measured - 1
-            err_cpu_fixed = (simcpu.step_time + overhead(job)) / measured - 1 if overhead is not None else None
-            err_rt = simrt.step_time / measured - 1
-            err_cpu_rt = simcpurt.step_time / measured - 1
-            errors_runtime.append(err_cpu_rt)
-            errors_raw.append(err0)
-            if err_fixed is not None:
-                errors_fixed.append(err_fixed)
-            errors_cpu.append(err_cpu_fixed if err_cpu_fixed is not None else err_cpu)
-            accuracy.add(mesh_label, name, ms(measured), ms(data.worker), ms(sim0.step_time), _pct(err0),
-                         ms(simc.step_time) if simc else None, _pct(errc), _pct(err_worker), _pct(err_fixed),
-                         _pct(err_rt), ms(simcpu.step_time), _pct(err_cpu), _pct(err_cpu_fixed), _pct(err_cpu_rt),
-                         data.external_cores(), data.spread)
-            sim = simc or sim0
-            shape.add(mesh_label, name, "/".join(str(n_compute[r]) for r in sorted(n_compute)),
-                      ms(data.compute()), f"{sim.bubble_fraction:.3f}",
-                      "/".join(str(inflight_peak(sim, r)) for r in sorted(plans)))
-            key = f"{kind}.{mesh_label.replace('=', '')}"
-            for metric, value in (("measured_ms", ms(measured)), ("worker_ms", ms(data.worker)),
-                                  ("predicted_ms", ms(sim0.step_time)), ("error", err0),
-                                  ("predicted_comm_ms", ms(simc.step_time) if simc else None), ("error_comm", errc),
-                                  ("error_vs_worker", err_worker), ("error_plus_overhead", err_fixed),
-                                  ("predicted_cpu_shared_ms", ms(simcpu.step_time)), ("error_cpu_shared", err_cpu),
-                                  ("error_cpu_shared_plus_overhead", err_cpu_fixed),
-                                  ("error_plus_runtime", err_rt), ("error_cpu_shared_plus_runtime", err_cpu_rt),
-                                  ("bubble_fraction", sim.bubble_fraction)):
-                if value is not None:
-                    result.metrics[f"{key}.{metric}"] = value
-            if missing:
-                accuracy.notes.append(f"{kind} on {mesh_label}: no timing for {', '.join(missing[:6])}"
-                                      f"{' ...' if len(missing) > 6 else ''} (cost 0)")
-
-    accuracy.notes += [
+ACCURACY_NOTES = [
         "costs: job.timings() of every timed (steady-state) step, per action key; the median over those steps, "
         "and over data-parallel replicas (their actions share keys). Pipeline ranks have distinct keys (their "
         "regions differ), so each device keeps its own costs.",
@@ -476,7 +361,111 @@ def run(ctx) -> SuiteResult:
         "iterated to a fixed point (a mean-field model of devices sharing cores), with the Gloo model; each "
         "device also demands its measured background CPU per step (the worker process's CPU seconds in the "
         "step, every thread, minus its actions': runtime work and Gloo's threads).",
-    ]
+]
+
+SHAPE_NOTES = [
+        "bubble fraction: 1 - compute / (devices x predicted step), from the simulated timeline; in-flight "
+        "peak: piper.report.inflight_peak, the most microbatches whose forward ran and whose backward has not "
+        "finished, per device (rank order); a device holding two regions counts a microbatch once per region "
+        "it is live in (interleaved, zbv, dualpipev).",
+        "compute: the busiest device's sum of job.timings() per step (median over the timed steps). On this "
+        "CPU runtime a split backward (BI then BW, two autograd passes: zbv, and dualpipev's drain) costs more "
+        "than one whole B; compare with interleaved, which has as many regions per device but whole backwards.",
+]
+
+
+def _case(mesh: dict, kind: str, pp_wl, dp_wl, dp_regions: int, pp_batches, dp_batches):
+    """(strategy, its source, why it is missing, model_kw, batches) for one row of `cases`."""
+    if "pp" in mesh:
+        p = mesh["pp"]
+        strategy, source, note = schedule_strategy(kind, pp=p, microbatches=MICROBATCHES)
+        return strategy, source, note, pp_wl.model_kw(p * PIPELINE_SCHEDULES[kind][1]), pp_batches
+    strategy, source, note = zero_strategy(kind, dp=mesh["dp"])
+    return strategy, source, note, dp_wl.model_kw(dp_regions), dp_batches
+
+
+def _predictions(job, data, link) -> dict:
+    """The step each model predicts from one job's timed steps (see ACCURACY_NOTES)."""
+    costs, cpu_costs = data.costs(), data.costs(cpu=True)
+    comm = link.for_job(job) if link else None
+    return {
+        "comm 0": predict(job, costs),
+        "gloo": predict(job, costs, comm_cost=comm) if link else None,
+        "cpu": predict(job, cpu_costs, comm_cost=comm, cores=CORES, background=data.background()),
+        # The runtime's own costs, measured in these steps (piper.runtime_costs): wall and CPU.
+        "runtime": predict(job, costs, comm_cost=comm, runtime=data.runtime()),
+        "cpu runtime": predict(job, cpu_costs, comm_cost=comm,
+                               cores=max(1.0, CORES - (data.external_cores() or 0.0)),
+                               background=data.other_threads(), runtime=data.runtime(cpu=True)),
+    }
+
+
+def _report(tables, result, errors: dict, key: str, row: tuple, job, data, sims: dict, overhead) -> None:
+    """One strategy's row of both tables, its metrics, and its errors for the summary."""
+    accuracy, shape = tables
+    sim0, simc, simcpu = sims["comm 0"], sims["gloo"], sims["cpu"]
+    measured = data.step
+    err0 = sim0.step_time / measured - 1
+    errc = simc.step_time / measured - 1 if simc else None
+    err_worker = (simc or sim0).step_time / data.worker - 1 if data.worker else None
+    err_fixed = ((simc or sim0).step_time + overhead(job)) / measured - 1 if overhead is not None else None
+    err_cpu = simcpu.step_time / measured - 1
+    err_cpu_fixed = (simcpu.step_time + overhead(job)) / measured - 1 if overhead is not None else None
+    err_rt = sims["runtime"].step_time / measured - 1
+    err_cpu_rt = sims["cpu runtime"].step_time / measured - 1
+    errors["runtime"].append(err_cpu_rt)
+    errors["raw"].append(err0)
+    if err_fixed is not None:
+        errors["fixed"].append(err_fixed)
+    errors["cpu"].append(err_cpu_fixed if err_cpu_fixed is not None else err_cpu)
+    accuracy.add(*row, ms(measured), ms(data.worker), ms(sim0.step_time), _pct(err0),
+                 ms(simc.step_time) if simc else None, _pct(errc), _pct(err_worker), _pct(err_fixed),
+                 _pct(err_rt), ms(simcpu.step_time), _pct(err_cpu), _pct(err_cpu_fixed), _pct(err_cpu_rt),
+                 data.external_cores(), data.spread)
+    sim = simc or sim0
+    plans = job.compiled.plans.representatives()
+    n_compute = {r: len(job.compiled.compute_order(r)) for r in plans}
+    shape.add(*row, "/".join(str(n_compute[r]) for r in sorted(n_compute)),
+              ms(data.compute()), f"{sim.bubble_fraction:.3f}",
+              "/".join(str(inflight_peak(sim, r)) for r in sorted(plans)))
+    for metric, value in (("measured_ms", ms(measured)), ("worker_ms", ms(data.worker)),
+                          ("predicted_ms", ms(sim0.step_time)), ("error", err0),
+                          ("predicted_comm_ms", ms(simc.step_time) if simc else None), ("error_comm", errc),
+                          ("error_vs_worker", err_worker), ("error_plus_overhead", err_fixed),
+                          ("predicted_cpu_shared_ms", ms(simcpu.step_time)), ("error_cpu_shared", err_cpu),
+                          ("error_cpu_shared_plus_overhead", err_cpu_fixed),
+                          ("error_plus_runtime", err_rt), ("error_cpu_shared_plus_runtime", err_cpu_rt),
+                          ("bubble_fraction", sim.bubble_fraction)):
+        if value is not None:
+            result.metrics[f"{key}.{metric}"] = value
+
+
+def _summary(result, errors: dict) -> None:
+    errors_raw, errors_fixed, errors_cpu, errors_runtime = (errors[k] for k in ("raw", "fixed", "cpu", "runtime"))
+    if not errors_raw:
+        return
+    within = sum(1 for e in errors_raw if abs(e) <= TARGET)
+    line = (f"{within} of {len(errors_raw)} strategies predicted within ±{TARGET:.0%} (comm 0, raw); "
+            f"median |error| {statistics.median(abs(e) for e in errors_raw):.1%}")
+    if errors_fixed:
+        line += (f"; with the overhead model {sum(1 for e in errors_fixed if abs(e) <= TARGET)} of "
+                 f"{len(errors_fixed)}, median |error| {statistics.median(abs(e) for e in errors_fixed):.1%}")
+    if errors_cpu:
+        line += (f"; CPU costs on shared cores (+ overhead model) {sum(1 for e in errors_cpu if abs(e) <= TARGET)}"
+                 f" of {len(errors_cpu)}, median |error| {statistics.median(abs(e) for e in errors_cpu):.1%}")
+    if errors_runtime:
+        line += (f"; CPU costs on the cores left + the runtime model (measured, nothing fitted) "
+                 f"{sum(1 for e in errors_runtime if abs(e) <= TARGET)} of {len(errors_runtime)}, median |error| "
+                 f"{statistics.median(abs(e) for e in errors_runtime):.1%}")
+    result.notes.append(line + ". With wall-clock costs predictions are low, more so on 4 devices, where 4 "
+                        "single-threaded devices share 2 cores and a device whose input has arrived can still "
+                        "wait for a core; CPU costs with simulate(cores=...) model that sharing.")
+    result.metrics["within_target.raw"] = within
+    result.metrics["within_target.cpu_shared"] = sum(1 for e in errors_cpu if abs(e) <= TARGET)
+    result.metrics["within_target.cpu_shared_runtime"] = sum(1 for e in errors_runtime if abs(e) <= TARGET)
+
+
+def _link_notes(accuracy, result, link, link_points, overhead) -> None:
     if link:
         accuracy.notes.append(
             f"Gloo link model: latency {link.latency * 1e6:.0f} µs, bandwidth {link.bandwidth / 2**30:.2f} GiB/s "
@@ -491,35 +480,75 @@ def run(ctx) -> SuiteResult:
             + ", ".join(f"{n} actions: {o * 1e3:.1f} ms" for n, o in overhead.points) + ".")
         result.metrics["overhead.fixed_ms"] = overhead.fixed * 1e3
         result.metrics["overhead.per_action_us"] = overhead.per_action * 1e6
-    shape.notes += [
-        "bubble fraction: 1 - compute / (devices x predicted step), from the simulated timeline; in-flight "
-        "peak: piper.report.inflight_peak, the most microbatches whose forward ran and whose backward has not "
-        "finished, per device (rank order); a device holding two regions counts a microbatch once per region "
-        "it is live in (interleaved, zbv, dualpipev).",
-        "compute: the busiest device's sum of job.timings() per step (median over the timed steps). On this "
-        "CPU runtime a split backward (BI then BW, two autograd passes: zbv, and dualpipev's drain) costs more "
-        "than one whole B; compare with interleaved, which has as many regions per device but whole backwards.",
-    ]
-    within = sum(1 for e in errors_raw if abs(e) <= TARGET)
-    if errors_raw:
-        line = (f"{within} of {len(errors_raw)} strategies predicted within ±{TARGET:.0%} (comm 0, raw); "
-                f"median |error| {statistics.median(abs(e) for e in errors_raw):.1%}")
-        if errors_fixed:
-            line += (f"; with the overhead model {sum(1 for e in errors_fixed if abs(e) <= TARGET)} of "
-                     f"{len(errors_fixed)}, median |error| {statistics.median(abs(e) for e in errors_fixed):.1%}")
-        if errors_cpu:
-            line += (f"; CPU costs on shared cores (+ overhead model) {sum(1 for e in errors_cpu if abs(e) <= TARGET)}"
-                     f" of {len(errors_cpu)}, median |error| {statistics.median(abs(e) for e in errors_cpu):.1%}")
-        if errors_runtime:
-            line += (f"; CPU costs on the cores left + the runtime model (measured, nothing fitted) "
-                     f"{sum(1 for e in errors_runtime if abs(e) <= TARGET)} of {len(errors_runtime)}, median |error| "
-                     f"{statistics.median(abs(e) for e in errors_runtime):.1%}")
-        result.notes.append(line + ". With wall-clock costs predictions are low, more so on 4 devices, where 4 "
-                            "single-threaded devices share 2 cores and a device whose input has arrived can still "
-                            "wait for a core; CPU costs with simulate(cores=...) model that sharing.")
-        result.metrics["within_target.raw"] = within
-        result.metrics["within_target.cpu_shared"] = sum(1 for e in errors_cpu if abs(e) <= TARGET)
-        result.metrics["within_target.cpu_shared_runtime"] = sum(1 for e in errors_runtime if abs(e) <= TARGET)
+
+
+def run(ctx) -> SuiteResult:
+    quick = ctx.quick
+    pp_wl, dp_wl, dp_regions = workloads(quick)
+    warmup, steps = (1, 3) if quick else (2, 5)
+    timeout = 120.0
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    pp_batches = gpt_batches(pp_wl, warmup + steps)
+    dp_batches = gpt_batches(dp_wl, warmup + steps)
+    result = SuiteResult("cost-model", 8, "Cost-model accuracy: simulated vs measured step time",
+                         ctx.command("cost-model"))
+    accuracy = Table(f"Predicted vs measured step time (median of {steps} steps after {warmup} warm-up); "
+                     f"pipelines: {pp_wl.describe()}, {MICROBATCHES} microbatches; dp=2: {dp_wl.describe(dp_regions)}",
+                     ["mesh", "strategy", "measured ms", "worker run_step ms", "predicted ms (comm 0)",
+                      "error (comm 0)", "predicted ms (+ Gloo model)", "error (+ Gloo model)",
+                      "error vs run_step", "error + overhead model", "error + runtime model",
+                      f"predicted ms (CPU costs, {CORES} cores shared)", "error (CPU, shared)",
+                      "error (CPU, shared) + overhead model", "error (CPU, cores left) + runtime model", "other load (cores)",
+                      "spread"])
+    shape = Table("What the simulator predicts about each schedule (measured per-action costs, Gloo model)",
+                  ["mesh", "strategy", "compute actions / device", "busiest device compute ms",
+                   "predicted bubble fraction", "in-flight peak per device (microbatches)"])
+    link = link_points = None
+    overhead = None
+    errors: dict[str, list[float]] = {"raw": [], "fixed": [], "cpu": [], "runtime": []}
+    with ray_cluster():
+        try:
+            ctx.log("cost-model: Gloo ping-pong between two actors")
+            link, link_points = measure_link()
+        except Exception as exc:
+            result.notes.append(f"the Gloo ping failed ({short_error(exc)}): predictions use comm cost 0 only")
+            ctx.log(traceback.format_exc())
+        try:
+            ctx.log("cost-model: fixed per-step overhead on a trivially small model")
+            overhead = _fixed_overhead(optimizer, timeout, quick)
+        except Exception as exc:
+            result.notes.append(f"the fixed-overhead run failed: {short_error(exc)}")
+            ctx.log(traceback.format_exc())
+        for mesh_label, mesh, kind in cases(quick):
+            ctx.log(f"cost-model: {kind} on {mesh_label}")
+            strategy, source, note, kw, batches = _case(mesh, kind, pp_wl, dp_wl, dp_regions, pp_batches,
+                                                        dp_batches)
+            name = f"{kind} ({source})"
+            if strategy is None:
+                accuracy.add(mesh_label, name, f"not available: {note}", *[None] * 14)
+                continue
+            try:
+                with piper.compile(make_gpt(kw)[0], batches[0], strategy=strategy, mesh=mesh, optimizer=optimizer,
+                                   timeout=timeout) as job:
+                    rec = Recorder(job)
+                    failed = run_steps({"job": rec}, batches, warmup=warmup, steps=steps)
+                    if failed:
+                        raise failed["job"]
+                    sims = _predictions(job, rec.data, link)
+                    missing = missing_costs(job.compiled.plans.representatives(), rec.data.costs())
+                    _report((accuracy, shape), result, errors, f"{kind}.{mesh_label.replace('=', '')}",
+                            (mesh_label, name), job, rec.data, sims, overhead)
+            except Exception as exc:
+                accuracy.add(mesh_label, name, f"failed: {short_error(exc)}", *[None] * 14)
+                ctx.log(traceback.format_exc())
+                continue
+            if missing:
+                accuracy.notes.append(f"{kind} on {mesh_label}: no timing for {', '.join(missing[:6])}"
+                                      f"{' ...' if len(missing) > 6 else ''} (cost 0)")
+    accuracy.notes += ACCURACY_NOTES
+    _link_notes(accuracy, result, link, link_points, overhead)
+    shape.notes += SHAPE_NOTES
+    _summary(result, errors)
     result.tables += [accuracy, shape]
     return result
 

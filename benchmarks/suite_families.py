@@ -251,13 +251,8 @@ def check_startup(args: list[str], reps: int) -> dict:
 
 # -- the suite -----------------------------------------------------------------------------------------
 
-def run(ctx) -> SuiteResult:
-    quick = ctx.quick
-    result = SuiteResult("families", 9, "Model families beyond the example GPT: region compute, pipelines, "
-                         "cost model, piper check start-up", ctx.command("families"))
-    families = list(FAMILIES.values())
-
-    # (a)
+def _region_table(ctx, families, quick: bool, result) -> Table:
+    """(a): each family's region forward and backward against eager."""
     reps = 5 if quick else 15
     region = Table(f"Region forward/backward vs eager, one device, one thread (median CPU ms of {reps}, "
                    "alternated); ratio eager/Piper (> 1: Piper faster), target within 3%",
@@ -281,9 +276,11 @@ def run(ctx) -> SuiteResult:
                         "workers do, run under the runtime's saved-tensor hook with flat-buffer parameter "
                         "views and gradients accumulating into a flat buffer; eager: the module itself, "
                         "gradients accumulating into preallocated .grad.")
-    result.tables.append(region)
+    return region
 
-    # (b) and (c)
+
+def _pipeline_tables(ctx, families, quick: bool, result) -> tuple[Table, Table]:
+    """(b) and (c): every schedule against torch's on each family, then the cost model."""
     devices = (2,) if quick else (2, 4)
     kinds = ("gpipe", "1f1b") if quick else tuple(PIPELINE_SCHEDULES)
     warmup, steps = (1, 2) if quick else (2, 8)
@@ -325,9 +322,11 @@ def run(ctx) -> SuiteResult:
     pipes.notes.append("torch: PipelineStage per stage module (families.Stage: the model's own region code and "
                        "submodules), loss_fn the family's loss; Piper: the same model captured with its "
                        "piper.annotate regions, the stdlib schedule named in the row.")
-    result.tables += [pipes, costs]
+    return pipes, costs
 
-    # (d)
+
+def _check_table(ctx, result) -> Table:
+    """(d): `piper check` from the command line."""
     reps_check = 3
     check = Table(f"`piper check` from the command line, a fresh process each (median of {reps_check})",
                   ["case", "wall s", "CPU s (user + sys)"])
@@ -349,7 +348,16 @@ def run(ctx) -> SuiteResult:
             result.metrics[f"check.{key}.cpu_s"] = r["cpu_s"]
     check.notes.append("targets: under 0.3 s for a script alone, under 1 s for the 64 x 512 x dp 8 case; "
                        "CPU time is the steadier measure on a shared machine.")
-    result.tables.append(check)
+    return check
+
+
+def run(ctx) -> SuiteResult:
+    result = SuiteResult("families", 9, "Model families beyond the example GPT: region compute, pipelines, "
+                         "cost model, piper check start-up", ctx.command("families"))
+    families = list(FAMILIES.values())
+    result.tables.append(_region_table(ctx, families, ctx.quick, result))
+    result.tables += _pipeline_tables(ctx, families, ctx.quick, result)
+    result.tables.append(_check_table(ctx, result))
     return result
 
 

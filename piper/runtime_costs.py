@@ -54,25 +54,14 @@ class RuntimeModel:
         over ranks and steps of its mean per action; `start`, `end` the medians. From `job.traced()`
         results of the same steps: each rank's median `start_skews`, and the mean of every
         message's `receive_latencies` (the mean: a step's delays add up, and their spread is wide)."""
-        per: dict[str, list[float]] = {}
-        starts, ends = [], []
-        for record in _rank_records(overheads):
-            if not record:
-                continue
-            starts.append(record["start"])
-            ends.append(record["end"])
-            for op, value in record.items():
-                if op not in ("start", "end") and value[1]:
-                    per.setdefault(op, []).append(value[0] / value[1])
+        per_op, start, end = _per_op_medians(overheads)
         skews: dict[int, list[float]] = {}
         latencies: list[float] = []
         for step in traced:
             for rank, s in start_skews(step["recorded"]).items():
                 skews.setdefault(rank, []).append(s)
             latencies += receive_latencies(step["recorded"], step["plans"])
-        return cls({op: statistics.median(v) for op, v in per.items()},
-                   statistics.median(starts) if starts else 0.0, statistics.median(ends) if ends else 0.0,
-                   {r: statistics.median(v) for r, v in skews.items()},
+        return cls(per_op, start, end, {r: statistics.median(v) for r, v in skews.items()},
                    statistics.fmean(latencies) if latencies else 0.0)
 
     def per_action(self, op: str) -> float:
@@ -148,6 +137,22 @@ class RuntimeModel:
         """One rank's runtime seconds per step under this model (`per_op`, `start`, `end`; not `skew`)."""
         return self.start + self.end + sum(self.per_action(a.node.op) for a in plan
                                            if getattr(a, "node", None) is not None)
+
+
+def _per_op_medians(overheads) -> tuple[dict[str, float], float, float]:
+    """Per op, the median over ranks and steps of its mean per action; the medians of `start`, `end`."""
+    per: dict[str, list[float]] = {}
+    starts, ends = [], []
+    for record in _rank_records(overheads):
+        if not record:
+            continue
+        starts.append(record["start"])
+        ends.append(record["end"])
+        for op, value in record.items():
+            if op not in ("start", "end") and value[1]:
+                per.setdefault(op, []).append(value[0] / value[1])
+    return ({op: statistics.median(v) for op, v in per.items()},
+            statistics.median(starts) if starts else 0.0, statistics.median(ends) if ends else 0.0)
 
 
 def _rank_records(records):

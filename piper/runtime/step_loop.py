@@ -13,11 +13,12 @@ from collections import deque
 import torch
 
 from .dispatch import StepMarks
+from .step_state import StepState
 
 TRACE_STEPS = 2      # steps whose action spans `job.trace` can show (piper/trace.py)
 
 
-class StepLoop:
+class StepLoop(StepState):
     """`run_step` and `_run`, the driver of one action; needs the action methods, `_run_span`, `_wait`,
     `_settle_reductions` and `_sample`."""
 
@@ -49,21 +50,7 @@ class StepLoop:
     def _run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
         self._spans_now, self._done_at = [], {}
         self.traced.append((time.perf_counter(), self._spans_now, self._done_at, threading.get_ident()))
-        self.batch = {i: [t.to(self.device) for t in mbs] for i, mbs in batch.items()}
-        self.values: dict[tuple[int, int], torch.Tensor] = {}
-        self.grads: dict[tuple[int, int], torch.Tensor] = {}
-        self.grad_out: dict[tuple[int, int, int], torch.Tensor] = {}
-        self.saved: dict[tuple[int, int], tuple] = {}
-        self.losses: list[torch.Tensor] = []
-        self.saved_bytes: dict[tuple[int, int], int] = {}
-        self._reducing: dict[str, tuple] = {}         # reduce-scatter in flight -> (computes since, unit)
-        for unit in self.units.values():
-            unit.refresh()
-            if unit.zero <= 1:
-                unit.attach_grads()
-        self.activations = self.activation_peak = self.step_peak = 0
-        if self._events:                              # left by a step that failed
-            self._events.clear()
+        self._begin_step(batch)
         plan, i = self.spec.plan, 0
         mark = self._marks.mark
         while i < len(plan):
@@ -80,21 +67,7 @@ class StepLoop:
                 self._run_span(span)
                 i = span.stop
         self._marks.loop_done()
-        for key in list(self.pending):
-            self._wait(key)
-        for work in self.sends:
-            work.wait()
-        self.sends.clear()
-        if self.clip is not None:        # the updates it held back, after clipping
-            self.clip.finish(self._unit_list, self._run, self.experts.gradients() if self.experts else ())
-            for key in list(self.pending):
-                self._wait(key)
-        losses = [float(x) for x in self.losses]
-        self.current = None
-        if self._events:
-            self._device_timings()
-        del self.values, self.grads, self.grad_out, self.saved, self.batch
-        return losses
+        return self._end_step()
 
     def _run(self, action) -> tuple[float, float]:
         self.current = action.key
@@ -128,10 +101,3 @@ class StepLoop:
             # also holds whatever other processes sharing the core took meanwhile.
             self.cpu_timings[action.key] = time.thread_time() - cpu
         return start, end
-
-    def _device_timings(self) -> None:
-        """Replace the computes' host times with their CUDA-event times (the step is over)."""
-        for key, (begin, done) in self._events.items():
-            done.synchronize()
-            self.timings[key] = begin.elapsed_time(done) / 1e3
-        self._events.clear()
