@@ -397,10 +397,11 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
         placed = timed("resolve_placement", lambda: lower.resolve_placement(ir, []))
         zero = lower.zero_levels(placed)
         lowered = timed("add_transfers", lambda: lower.add_transfers(placed))
-        order = timed("schedule", lambda: compiler.schedule(lowered))
-        order, extra, release = timed("add_collectives", lambda: compiler.add_collectives(lowered, order, zero))
+        order, computes_at = timed("schedule", lambda: compiler.schedule_with_computes(lowered))
+        order, extra, release = timed("add_collectives",
+                                      lambda: compiler.add_collectives(lowered, order, zero, computes_at))
         order, ties = compiler.add_tie_exchanges(lowered, order, compiler._units_used(lowered))
-        final = lowered.with_(nodes=tuple(order), edges=compiler._with_new_edges(lowered, extra + ties))
+        final = lowered.with_(nodes=tuple(order), edges=compiler._with_new_edges(lowered, extra, ties))
         plans = timed("project", lambda: compiler.project(final, order, release,
                                                           waits_after_lowering(final, order, lowered)))
         compiled = compiler.Compiled(final, order, plans, zero)

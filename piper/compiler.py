@@ -30,6 +30,7 @@ from .replay import Replay
 from .tied import add_tie_exchanges, units_used
 
 _PHASE = {"F": 0, "B": 1, "BI": 1, "BW": 2, "UPD": 3}
+_COLLECTIVE_OPS = frozenset(COLLECTIVES)
 _COMPUTE = frozenset(COMPUTE)
 
 
@@ -124,14 +125,21 @@ def schedule(ir: IR) -> list[Node]:
     runs. A cycle means the `order` statements contradict the data flow (or
     each other); the error names the order statements whose edges close it.
     """
-    index = ir.index()
-    if len(index) != len(ir.nodes):       # a key twice: the node it names is scheduled once
-        ir = ir.with_(nodes=tuple(index.values()))
+    return schedule_with_computes(ir)[0]
+
+
+def schedule_with_computes(ir: IR) -> tuple[list[Node], list[int]]:
+    """`schedule(ir)`, and the positions of the computes in it: `add_collectives`
+    then reads only those nodes of the order (reading each node's op costs a
+    cache miss apiece at 200k nodes)."""
+    if not ir.keys_distinct():       # a key twice: the node it names is scheduled once
+        ir = ir.with_(nodes=tuple(ir.index().values()))
     nodes = ir.nodes
     total = len(nodes)
     try:
         src_ids, dst_ids = ir.edge_ids()      # nodes are numbered by their position
     except KeyError:
+        index = ir.index()
         bad = next(e for e in ir.edges if e.src not in index or e.dst not in index)
         raise AssertionError(f"edge to unknown node {bad}") from None
     # Communication (priority (0,)) goes before any compute, so the ready nodes
@@ -155,16 +163,38 @@ def schedule(ir: IR) -> list[Node]:
     heapq.heapify(ready_compute)
     pop, push = heapq.heappop, heapq.heappush
     out = []
-    while ready_comm or ready_compute:
-        i = pop(ready_comm)[1] if ready_comm else pop(ready_compute) % total
-        out.append(nodes[i])
+    add = out.append
+    computes_at = []        # positions in `out`
+    # `alone`: a communication that became ready while no other was (a compute's one
+    # send, a send's receive: most of them). It is the least ready one, so it runs
+    # next without going through the heap; a second one sends both to the heap.
+    alone = None
+    while True:
+        if alone is not None:
+            i, alone = alone, None
+        elif ready_comm:
+            i = pop(ready_comm)[1]
+        elif ready_compute:
+            i = pop(ready_compute) % total
+            computes_at.append(len(out))
+        else:
+            break
+        add(nodes[i])
         for j in succ[i]:
             indeg[j] -= 1
             if not indeg[j]:
-                push(ready_compute if is_compute[j] else ready_comm, entry[j])
+                if is_compute[j]:
+                    push(ready_compute, entry[j])
+                elif alone is None and not ready_comm:
+                    alone = j
+                else:
+                    if alone is not None:
+                        push(ready_comm, entry[alone])
+                        alone = None
+                    push(ready_comm, entry[j])
     if len(out) != len(keys):
         raise _cycle_error(ir, {keys[i] for i, d in enumerate(indeg) if d > 0})
-    return out
+    return out, computes_at
 
 
 _OP_RANK = {op: rank for rank, op in enumerate(sorted(_PHASE))}     # ops as strings compare
@@ -345,7 +375,8 @@ def _gradient_runs(by_group, units, grad_ops) -> dict[int, list[list[tuple[int, 
     return runs
 
 
-def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], list[Edge], dict[str, tuple]]:
+def add_collectives(ir: IR, order: list[Node], zero: int,
+                    computes_at: list[int] | None = None) -> tuple[list[Node], list[Edge], dict[str, tuple]]:
     """Place DP/ZeRO collectives into the global order.
 
     - gradients of each parameter unit (the parameters a region owns): one
@@ -358,6 +389,8 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
       already gathered, issued one compute early so it overlaps; the unit is
       released after the last of a run of computes that use it.
     Returns the new order, its extra edges, and per compute key the units to release (if any).
+    `computes_at`: the positions of the computes in `order`, if the caller has them
+    (`schedule_with_computes`).
     """
     units = _units_used(ir)
     groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
@@ -368,7 +401,9 @@ def add_collectives(ir: IR, order: list[Node], zero: int) -> tuple[list[Node], l
     edges: list[Edge] = []
     release: dict[str, tuple] = {}
 
-    at = list(compress(range(len(order)), map(_COMPUTE.__contains__, map(_OP, order))))
+    at = computes_at
+    if at is None:
+        at = list(compress(range(len(order)), map(_COMPUTE.__contains__, map(_OP, order))))
     computes = list(zip(at, map(order.__getitem__, at)))
     grad_ops = ("B", "BW")
     last_grad: dict[int, int] = {}
@@ -626,26 +661,34 @@ def compile_ir(ir: IR) -> Compiled:
     check_orders(ir, warnings, temporal)
     del temporal
     ir = add_transfers(ir)
-    order = schedule(ir)
-    order, extra, release = add_collectives(ir, order, zero)
+    order, computes_at = schedule_with_computes(ir)
+    order, extra, release = add_collectives(ir, order, zero, computes_at)
     order, ties = add_tie_exchanges(ir, order, _units_used(ir))     # tied weights across stages
-    extra += ties
-    lowered, ir = ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
+    lowered, ir = ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra, ties))
     waits_of = waits_after_lowering(ir, order, lowered)
     del lowered        # its indexes (~20 MB at 64 x 512) go before the plans are made
     plans = project(ir, order, release, waits_of)
     return Compiled(ir, order, plans, zero, warnings)
 
 
-def _with_new_edges(ir: IR, extra: list[Edge]) -> tuple[Edge, ...]:
-    """`dict.fromkeys(ir.edges + extra)`. The IR's edges are already distinct
+def _with_new_edges(ir: IR, extra: list[Edge], ties: list[Edge] = ()) -> tuple[Edge, ...]:
+    """`dict.fromkeys(ir.edges + extra + ties)`. The IR's edges are already distinct
     and join its nodes (`schedule` checked), so an extra edge reaching a new
-    node repeats none of them: only the extra edges need deduplicating."""
-    index = ir.index()
-    known = index.__contains__
-    if not any(map(and_, map(known, map(_SRC, extra)), map(known, map(_DST, extra)))):
-        return ir.edges + distinct_edges(extra)
-    return distinct_edges(ir.edges + tuple(extra))
+    node repeats none of them: only the extra edges need deduplicating.
+
+    Each of `extra` (`add_collectives`') joins a collective it adds: where `ir`
+    vouches that its nodes hold no collective (`add_transfers`' output), none
+    of them is looked up."""
+    if _COLLECTIVE_OPS.isdisjoint(ir.vouched_ops() or _COLLECTIVE_OPS):
+        check = ties
+    else:
+        check = [*extra, *ties]
+    extra = [*extra, *ties]
+    if check:
+        known = ir.index().__contains__
+        if any(map(and_, map(known, map(_SRC, check)), map(known, map(_DST, check)))):
+            return distinct_edges(ir.edges + tuple(extra))
+    return ir.edges + distinct_edges(extra)
 
 
 def _check_order_devices(temporal: list[tuple[Edge, Node, Node]]) -> None:

@@ -285,6 +285,22 @@ class _Indexed:
         self._indexes["ids"] = (self.edges, sources, destinations)
         return self
 
+    def keys_distinct(self) -> bool:
+        """Whether no two nodes share a key: vouched for by the pass that made the nodes
+        (`vouch_distinct`), else found by building `index()`."""
+        return "ops" in self._indexes or len(self.index()) == len(self.nodes)
+
+    def vouched_ops(self) -> frozenset | None:
+        """The ops of the nodes, if the pass that made them vouched for them (`vouch_distinct`)."""
+        return self._indexes.get("ops")
+
+    def vouch_distinct(self, ops: frozenset) -> "IR":
+        """This IR, marked by its maker as one whose node keys are distinct and whose
+        nodes' ops are `ops`: `schedule` and the passes after it then need not build
+        the 200k-entry `index()` to find out."""
+        self._indexes["ops"] = ops
+        return self
+
     def by_pass(self) -> dict[tuple[str, int], dict]:
         """Compute nodes by (pass, region), then by microbatch."""
         found = self._indexes.get("pass")

@@ -13,13 +13,16 @@ goes depends on what runs before it.
 from __future__ import annotations
 
 from itertools import compress
-from operator import not_
+from operator import itemgetter, not_
 
 from .diagnostics import Diagnostic, error
-from .ir import _DST, _IDENTITY, _SRC, IR, Edge, Node, data_edge, node_key
+from .ir import _DST, _IDENTITY, _SRC, COMPUTE, IR, Edge, Node, data_edge, node_key
 from .tied import share_across_devices
 
 _tuple_new = tuple.__new__
+_OP = itemgetter(0)
+_TRANSFER_OPS = frozenset(("SEND", "RECV"))
+_COMPUTE = frozenset(COMPUTE)
 
 
 def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
@@ -201,6 +204,11 @@ def add_transfers(ir: IR) -> IR:
     # Every new edge ends at or starts from a new SEND/RECV, once per (value, consumer,
     # microbatch): none repeats another or one kept, and the IR's own are distinct.
     out = ir.with_(nodes=tuple(nodes), edges=(*kept, *edges))
+    ops = frozenset(map(_OP, ir.nodes))
+    if len(number) == len(ir.nodes) and ops <= _COMPUTE:
+        # The IR's keys were distinct and its nodes all computes; the new ones are one
+        # per (value, sending region, receiving region, microbatch): all distinct.
+        out.vouch_distinct(ops | _TRANSFER_OPS if edges else ops)
     if known:
         try:
             kept_src = list(map(number.__getitem__, map(_SRC, kept)))
