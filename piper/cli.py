@@ -351,9 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
     imp.set_defaults(func=lambda args: __import__("piper.prototype", fromlist=["import_main"]).import_main(args))
 
-    from .tune import add_parser as _tune_parser
+    from .run_args import add_tune_parser
 
-    _tune_parser(commands)
+    add_tune_parser(commands)
 
     run = commands.add_parser("run", help="train a model file's model with a script")
     from .run_args import add_run_arguments

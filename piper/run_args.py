@@ -1,9 +1,11 @@
-"""The flags of `piper run`, in a module of their own (no torch, no Ray): `piper --help`
-and `piper check` build the parser without loading what training needs.
+"""The flags of `piper run` and `piper tune`, in a module of their own (no torch, no Ray): `piper --help`
+and `piper check` build the parser without loading what training and the search need.
 
 Each group of flags is one function, so features add theirs beside the others.
 """
 from __future__ import annotations
+
+import importlib
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 
@@ -70,3 +72,17 @@ def add_checkpoint_arguments(run) -> None:
     run.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="save every N steps")
     run.add_argument("--resume", action="store_true",
                      help="start from the last checkpoint in --checkpoint-dir (any strategy or mesh may have saved it)")
+
+
+def add_tune_parser(commands) -> None:
+    """`piper tune` and its flags; the search itself (`piper.tune.main`) loads on use."""
+    tune = commands.add_parser("tune", help="search strategies that fit a memory budget, fastest first")
+    tune.add_argument("--model", required=True, metavar="PATH.py:FACTORY")
+    tune.add_argument("--devices", required=True, type=int, metavar="N")
+    tune.add_argument("--memory", required=True, metavar="BYTES", help="per device: bytes, or 8MiB, 2GiB...")
+    tune.add_argument("--batch-size", type=int, metavar="B", help="the global batch (default 16)")
+    tune.add_argument("--verify", type=int, default=0, metavar="K", help="run the best K for a few steps")
+    tune.add_argument("-o", "--output", metavar="BEST.pps", help="write the best strategy, with its mesh")
+    tune.add_argument("--format", choices=("text", "json"), default="text")
+    tune.add_argument("--top", type=int, default=15, metavar="N", help="rows to show (default 15)")
+    tune.set_defaults(func=lambda args: importlib.import_module("piper.tune").main(args))

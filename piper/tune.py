@@ -488,16 +488,3 @@ def _usage(message: str):
     from .cli import _Usage
 
     return _Usage(message)
-
-
-def add_parser(commands) -> None:
-    tune = commands.add_parser("tune", help="search strategies that fit a memory budget, fastest first")
-    tune.add_argument("--model", required=True, metavar="PATH.py:FACTORY")
-    tune.add_argument("--devices", required=True, type=int, metavar="N")
-    tune.add_argument("--memory", required=True, metavar="BYTES", help="per device: bytes, or 8MiB, 2GiB...")
-    tune.add_argument("--batch-size", type=int, metavar="B", help="the global batch (default 16)")
-    tune.add_argument("--verify", type=int, default=0, metavar="K", help="run the best K for a few steps")
-    tune.add_argument("-o", "--output", metavar="BEST.pps", help="write the best strategy, with its mesh")
-    tune.add_argument("--format", choices=("text", "json"), default="text")
-    tune.add_argument("--top", type=int, default=15, metavar="N", help="rows to show (default 15)")
-    tune.set_defaults(func=main)
