@@ -1,5 +1,5 @@
 """Time from a lost worker to training again: a worker of a running job kills itself
-(SIGKILL, `PIPER_FAULT`) and `piper.recovery.train` restarts the job and reloads the
+(SIGKILL, `PIPER_FAULT`) and `piper.job.recovery.train` restarts the job and reloads the
 last checkpoint.
 
     python -m benchmarks.recovery                  # pp=2 and dp=2 x pp=2, 3 trials each
@@ -44,7 +44,7 @@ def one_trial(mesh: str, steps: int = 4, kill_at: int = 2) -> dict[str, float]:
     import piper
     from examples.gpt import batches, _corpus_tokens, make_model
     from piper.mesh import Mesh
-    from piper.recovery import Checkpoints, StepData, train
+    from piper.job.recovery import Checkpoints, StepData, train
 
     m = Mesh.of(mesh)
     rank, action = RANKS_TO_KILL[mesh]

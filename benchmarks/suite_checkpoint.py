@@ -189,7 +189,7 @@ def run(ctx) -> SuiteResult:
     table.notes += [
         "Measured on a loaded, shared machine (other work ran at the same time): compare the two rows of one "
         "run, not times across runs.",
-        "Piper: job.save / job.load (piper/checkpoint.py); each worker describes the part of every parameter "
+        "Piper: job.save / job.load (piper/job/checkpoint.py); each worker describes the part of every parameter "
         "its flat ZeRO shard covers as a few contiguous boxes and DCP writes them as they lie, so nothing is "
         "gathered or copied first. Its load also checks names, shapes and optimizer state on the driver first "
         "(one more round trip to the workers).",

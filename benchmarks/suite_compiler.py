@@ -63,10 +63,10 @@ def strategy_for(p: int, m: int, dp: int):
 def phase_timer():
     """Time the steps of `piper.job.plan` by wrapping the functions it calls (restored afterwards)."""
     import piper.job as job_module
-    import piper.planning as planning_module
+    import piper.compiler.planning as planning_module
 
     spent: Counter = Counter()
-    # plan() builds the strategy in piper.job and compiles in piper.planning.
+    # plan() builds the strategy in piper.job and compiles in piper.compiler.planning.
     originals = {(module, name): getattr(module, name) for module in (job_module, planning_module)
                  for name in PHASES if callable(getattr(module, name, None))}
 
@@ -118,7 +118,7 @@ def compile_point(p: int, m: int, dp: int, *, profiler: cProfile.Profile | None 
 
     `profiler`, if given, is enabled around `plan` only (not the stdlib look-up).
     """
-    from piper.capture import Program
+    from piper.frontend.capture import Program
     from piper.job import plan
 
     strategy, source = strategy_for(p, m, dp)
@@ -366,16 +366,17 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
     statements, each pass of `compile_ir` and the verifier, with the cyclic collector
     paused as the check pauses it. A pass's input is built once by the passes before it.
     `project` includes finding the waits and the verifier's simulation, which runs as the
-    plans are made (`piper.replay`): `verify` then only hands it back.
+    plans are made (`piper.compiler.replay`): `verify` then only hands it back.
 
         python -m benchmarks.suite_compiler --passes big.pps 64
     """
-    from piper import compiler, lower
-    from piper.capture import Program
+    from piper.compiler import plans as compiler
+    from piper.ir import lower
+    from piper.frontend.capture import Program
     from piper.dsl import load_strategy
-    from piper.plan_waits import waits_after_lowering
-    from piper.simulate import verify
-    from piper.statements import apply_all, initial_ir
+    from piper.compiler.plan_waits import waits_after_lowering
+    from piper.compiler.simulate import verify
+    from piper.ir.statements import apply_all, initial_ir
 
     mesh, directives = load_strategy(Path(script).read_text(), file=script).build(None)
     spent: dict[str, float] = {}

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 import piper
-from piper.runtime_costs import RuntimeModel, other_threads
-from piper.report import inflight_peak
-from piper.simulate import SLOT, STEP, actions_seconds, simulate, timed_slots
+from piper.compiler.runtime_costs import RuntimeModel, other_threads
+from piper.compiler.report import inflight_peak
+from piper.compiler.simulate import SLOT, STEP, actions_seconds, simulate, timed_slots
 
 from . import probes
 from .harness import SuiteResult, Table, ms, ray_cluster, short_error
@@ -99,7 +99,7 @@ class Measured:
                         pick(self.overheads), pick(self.cpu_overheads), pick(self.traced), pick(self.machine))
 
     def runtime(self, cpu: bool = False) -> RuntimeModel:
-        """The runtime's own costs in these steps (`piper.runtime_costs`): its time per action and
+        """The runtime's own costs in these steps (`piper.compiler.runtime_costs`): its time per action and
         per step, wall-clock (less blocking waits) or CPU seconds, start skews and message latency."""
         return RuntimeModel.measured(self.cpu_overheads if cpu else self.overheads, self.traced)
 
@@ -344,7 +344,7 @@ ACCURACY_NOTES = [
         "shipping the batch in and the losses out); 'error vs run_step' compares the prediction with it; "
         "'error + overhead model' adds the small-model overhead below (fixed + per action of the busiest "
         "device's plan) to the prediction. 'error + runtime model': instead, the runtime's own costs measured "
-        "in the same steps (piper.runtime_costs.RuntimeModel: its time per action of each op outside computes "
+        "in the same steps (piper.compiler.runtime_costs.RuntimeModel: its time per action of each op outside computes "
         "and blocking waits and per step, job.overheads(); each device's start after the first's and the time a "
         "message took to arrive once both sides were ready, job.traced()); '(CPU, cores left) + runtime model' the "
         "same in CPU seconds (job.overheads(cpu=True)) with the background less the step thread's runtime work, on "
@@ -365,7 +365,7 @@ ACCURACY_NOTES = [
 
 SHAPE_NOTES = [
         "bubble fraction: 1 - compute / (devices x predicted step), from the simulated timeline; in-flight "
-        "peak: piper.report.inflight_peak, the most microbatches whose forward ran and whose backward has not "
+        "peak: piper.compiler.report.inflight_peak, the most microbatches whose forward ran and whose backward has not "
         "finished, per device (rank order); a device holding two regions counts a microbatch once per region "
         "it is live in (interleaved, zbv, dualpipev).",
         "compute: the busiest device's sum of job.timings() per step (median over the timed steps). On this "
@@ -392,7 +392,7 @@ def _predictions(job, data, link) -> dict:
         "comm 0": predict(job, costs),
         "gloo": predict(job, costs, comm_cost=comm) if link else None,
         "cpu": predict(job, cpu_costs, comm_cost=comm, cores=CORES, background=data.background()),
-        # The runtime's own costs, measured in these steps (piper.runtime_costs): wall and CPU.
+        # The runtime's own costs, measured in these steps (piper.compiler.runtime_costs): wall and CPU.
         "runtime": predict(job, costs, comm_cost=comm, runtime=data.runtime()),
         "cpu runtime": predict(job, cpu_costs, comm_cost=comm,
                                cores=max(1.0, CORES - (data.external_cores() or 0.0)),

@@ -9,7 +9,7 @@
     process CPU per step, its idle time (step minus the computes' own wall
     time), and the time its expert exchanges took from issue to arrival. Every
     MoE pass runs as pieces with its dispatch/combine exchanges as plan actions
-    (`piper/moe_cut.py`). One job at a time: 4 workers each.
+    (`piper/ir/moe_cut.py`). One job at a time: 4 workers each.
 
     python -m benchmarks --suite experts [--quick]
 """

@@ -4,7 +4,7 @@ For each family (the nn.MultiheadAttention GPT, an MLP-Mixer, and whatever
 `families.register` adds, such as a Hugging Face Llama or a MoE model):
 
   (a) region compute against eager PyTorch on one device: the whole model as
-      one region, captured by `piper.capture`, shipped and rebuilt as the
+      one region, captured by `piper.frontend.capture`, shipped and rebuilt as the
       runtime does (`runtime.graphs.pack/unpack`), run with the runtime's
       saved-tensor hook and its parameters as views of one flat buffer whose
       gradients are views of a flat gradient buffer; eager runs the module
@@ -15,7 +15,7 @@ For each family (the nn.MultiheadAttention GPT, an MLP-Mixer, and whatever
       schedules), alternated step by step, with the paired ratios' middle half;
   (c) the cost model: `simulate` of the 1F1B, GPipe and interleaved jobs' plans
       with the per-action costs their workers recorded and the runtime's own
-      costs (`piper.runtime_costs`) measured on the 1F1B job, against the
+      costs (`piper.compiler.runtime_costs`) measured on the 1F1B job, against the
       slowest worker's measured `run_step` (target within 10%); the part alone:
       `python -m benchmarks.suite_families --cost-model [--quick] [FAMILY ...]`;
   (d) `piper check` start-up from the command line: a script alone, and 64
@@ -54,7 +54,7 @@ class _RegionRun:
     """One region graph run the runtime's way (see the module docstring, (a))."""
 
     def __init__(self, model, batch):
-        from piper.capture import BATCH, BUFFER, PARAM, capture
+        from piper.frontend.capture import BATCH, BUFFER, PARAM, capture
         from piper.runtime.graphs import pack, unpack
 
         program = capture(model, batch)
@@ -124,7 +124,7 @@ def cost_model_point(job, batches, *, warmup: int, steps: int, reference=None) -
 
     - `cpu`: per-action CPU costs on the machine's shared cores, as suite 8 (the runtime's own work
       only as background CPU competing for the cores);
-    - `cpu_runtime`: the same plus the runtime's own costs (`piper.runtime_costs.RuntimeModel`: its
+    - `cpu_runtime`: the same plus the runtime's own costs (`piper.compiler.runtime_costs.RuntimeModel`: its
       CPU time per action and per step, the devices' start skews, the latency of a message);
     - `cpu_runtime_free`: that on the cores other processes left the job (the machine's cores less
       `external_cores`, at least 1);
@@ -208,7 +208,7 @@ def cost_table(families, *, quick: bool, devices: int = 2, log=print, metrics: d
     costs.notes += [
         "error = predicted / the slowest worker's run_step - 1. 'CPU costs, shared cores': simulate with each "
         "action's CPU seconds (job.timings(cpu=True)) on the machine's cores (as suite 8), the runtime's own work "
-        "counted only as background CPU. '+ runtime': plus the runtime's own costs as piper.runtime_costs."
+        "counted only as background CPU. '+ runtime': plus the runtime's own costs as piper.compiler.runtime_costs."
         "RuntimeModel measures them: its CPU time per action of each op outside the computes and per step "
         "(job.overheads(cpu=True)) on the compute next to it, each device's start after the first's "
         "(job.traced()) on a leading action, and the mean time a message took to arrive once both sides were "
@@ -272,7 +272,7 @@ def _region_table(ctx, families, quick: bool, result) -> Table:
                    r["eager_B_ms"], r["piper_B_ms"], f"{b_ratio:.3f}x", f"{r['loss_gap']:.1e}")
         result.metrics[f"{family.name}.region.F_ratio"] = f_ratio
         result.metrics[f"{family.name}.region.B_ratio"] = b_ratio
-    region.notes.append("Piper: the model captured as one region (piper.capture), packed and rebuilt as "
+    region.notes.append("Piper: the model captured as one region (piper.frontend.capture), packed and rebuilt as "
                         "workers do, run under the runtime's saved-tensor hook with flat-buffer parameter "
                         "views and gradients accumulating into a flat buffer; eager: the module itself, "
                         "gradients accumulating into preallocated .grad.")
@@ -321,7 +321,7 @@ def _pipeline_tables(ctx, families, quick: bool, result) -> tuple[Table, Table]:
                            device=ctx.device)
     pipes.notes.append("torch: PipelineStage per stage module (families.Stage: the model's own region code and "
                        "submodules), loss_fn the family's loss; Piper: the same model captured with its "
-                       "piper.annotate regions, the stdlib schedule named in the row.")
+                       "piper.frontend.annotate regions, the stdlib schedule named in the row.")
     return pipes, costs
 
 

@@ -1,4 +1,4 @@
-"""Suite 11, `memory-model`: predicted peak bytes per device (piper/memory_model.py, from the
+"""Suite 11, `memory-model`: predicted peak bytes per device (piper/compiler/memory_model.py, from the
 compiled plans before anything runs) against the runtime's measured `step_peak`
 (job.memory()), for every composition of a stdlib pipeline schedule with a stdlib
 data-parallel strategy on the example GPT (dp=2 x pp=2, or one of the two axes),
@@ -15,7 +15,7 @@ import torch
 
 import piper
 from piper.dsl import load_strategy
-from piper.memory_model import predict_job
+from piper.compiler.memory_model import predict_job
 
 from .harness import SuiteResult, Table, mib, ray_cluster, short_error
 from .workloads import GPTWorkload, gpt_batches, make_gpt

@@ -30,8 +30,8 @@ import traceback
 import torch
 
 import piper
-from piper.interop import overlapped_slots
-from piper.simulate import STEP
+from piper.frontend.interop import overlapped_slots
+from piper.compiler.simulate import STEP
 
 from .harness import SuiteResult, Table, ms, ray_cluster, short_error
 from .suite_cost_model import Recorder, predict, run_steps
@@ -127,7 +127,7 @@ def _zero3_vs_dp(ctx, result, wl, regions, devices, warmup, steps, optimizer) ->
 def _slot_costs(job, costs: dict[str, float]) -> dict[str, float]:
     """Costs for simulate(overlap=...): each overlapped slot's name (`F&B`) -> the median over slots of
     max(forward half, backward half): what the slot would take if its halves ran fully concurrently."""
-    from piper.simulate import _unit_name
+    from piper.compiler.simulate import _unit_name
 
     actions = {a.key: a for plan in job.compiled.plans.representatives().values() for a in plan}
     by_name: dict[str, list[float]] = {}

@@ -20,8 +20,8 @@ import time
 
 import piper
 from piper.dsl import load_strategy
-from piper.memory_model import format_bytes
-from piper.tune import Candidate, Search
+from piper.compiler.memory_model import format_bytes
+from piper.compiler.tune import Candidate, Search
 
 from .harness import SuiteResult, Table, ray_cluster, short_error
 

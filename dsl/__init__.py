@@ -6,7 +6,7 @@
     for d in check_source(open("x.pps").read(), file="x.pps"): print(d)
 
 Text -> `parse` (syntax tree with spans) -> `Interpreter` -> the records of
-`piper.directives`, the same ones the `@piper.strategy` Python API makes.
+`piper.frontend.directives`, the same ones the `@piper.strategy` Python API makes.
 """
 from .check import check_source
 from .script import Script, load_strategy

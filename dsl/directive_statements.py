@@ -2,12 +2,12 @@
 its slot lines.
 
 Mixed into `Interpreter`; each `exec_*` checks its statement and emits the record
-of `piper.directives` that the Python API would make.
+of `piper.frontend.directives` that the Python API would make.
 """
 from __future__ import annotations
 
 from piper.diagnostics import Label, Span, did_you_mean
-from piper.directives import SHARDABLE, Order, Place, Recompute, Shard, Split
+from piper.frontend.directives import SHARDABLE, Order, Place, Recompute, Shard, Split
 
 from . import nodes as n
 from .values import Env

@@ -1,7 +1,7 @@
 """The .pps interpreter: walks the syntax tree and records directives with their spans.
 
 Concrete mode runs a script against a mesh, as `Script.build` does, and
-produces exactly the records of `piper.directives` that the Python API makes.
+produces exactly the records of `piper.frontend.directives` that the Python API makes.
 Abstract mode (the checker) runs each strategy once with its parameters
 unknown: every loop body once, both arms of every `if`, and no `use` entered,
 so every line is checked for names, types and arity even where a real run
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
 from piper.mesh import Mesh
-from piper.selectors import Selector
+from piper.frontend.selectors import Selector
 
 from . import nodes as n
 from .arguments import MISSING, Arguments

@@ -5,7 +5,7 @@ Mixed into `Interpreter`.
 from __future__ import annotations
 
 from piper.diagnostics import Label, did_you_mean
-from piper.selectors import ANY, PASSES, Selector
+from piper.frontend.selectors import ANY, PASSES, Selector
 
 from . import nodes as n
 from .values import INT, Env

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from piper.diagnostics import Diagnostic, PiperError
-from piper.directives import Directive
+from piper.frontend.directives import Directive
 from piper.mesh import Mesh
 
 from . import nodes as n

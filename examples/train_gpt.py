@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import piper  # noqa: E402
 from examples.gpt import make_model, training_batches  # noqa: E402
-from piper.train import fit  # noqa: E402
+from piper.job.train import fit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

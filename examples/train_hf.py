@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import piper  # noqa: E402
 from examples.gpt import _corpus_tokens, training_batches  # noqa: E402
-from piper.train import fit  # noqa: E402
+from piper.job.train import fit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ = 64

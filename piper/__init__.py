@@ -6,11 +6,11 @@
     job = piper.compile(model, example_inputs=(x, y), strategy=zero3, mesh={"dp": 2})
     loss = job.step(x, y)
 """
-from .annotate import annotate
+from .frontend.annotate import annotate
 from .diagnostics import Diagnostic, PiperError, Span
-from .loss_scaling import FP16, loss_scale
+from .frontend.loss_scaling import FP16, loss_scale
 from .mesh import Mesh
-from .strategy import strategy
+from .frontend.strategy import strategy
 
 __all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span",
            "FP16", "loss_scale"]
@@ -24,7 +24,7 @@ def compile(*args, **kwargs):
 
 
 def annotate_modules(model, tag, groups):
-    """Run the calls of the modules in `groups[i]` inside region `tag=i` (see `piper.modules`)."""
-    from .modules import annotate_modules as _annotate_modules
+    """Run the calls of the modules in `groups[i]` inside region `tag=i` (see `piper.frontend.modules`)."""
+    from .frontend.modules import annotate_modules as _annotate_modules
 
     return _annotate_modules(model, tag, groups)

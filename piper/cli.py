@@ -62,16 +62,16 @@ def _note(code: str, message: str, hint: str | None = None) -> Diagnostic:
 
 
 def _model_checks(text: str, file: str, *, mesh, overrides, model, regions, built=None) -> list[Diagnostic]:
-    """What `piper.analysis.analyze` finds with the model or the region counts, if it is installed.
+    """What `piper.compiler.analysis.analyze` finds with the model or the region counts, if it is installed.
 
     `built`: the script as the check loaded and ran it (`check_and_build`), so it is not run again."""
     try:
-        analysis = importlib.import_module("piper.analysis")
+        analysis = importlib.import_module("piper.compiler.analysis")
     except ModuleNotFoundError as err:
-        if err.name != "piper.analysis":
+        if err.name != "piper.compiler.analysis":
             raise
         return [_note("analysis-unavailable", f"{file}: model checks are unavailable in this build "
-                      "(piper.analysis is missing); checked the script alone")]
+                      "(piper.compiler.analysis is missing); checked the script alone")]
     from .dsl import load_strategy
 
     try:
@@ -80,7 +80,7 @@ def _model_checks(text: str, file: str, *, mesh, overrides, model, regions, buil
         return []  # the script's own errors are already reported
     run_mesh = mesh if mesh is not None else script.mesh
     if not model and not regions:   # plan against the regions the script names itself
-        from .script_regions import regions_to_check
+        from .frontend.script_regions import regions_to_check
 
         regions, problems = regions_to_check(script, run_mesh, file)
         if regions is None:
@@ -175,7 +175,7 @@ def cmd_run(args) -> int:
 
 
 def _compile_for(args):
-    from .analysis import compile_script
+    from .compiler.analysis import compile_script
     from .dsl import load_strategy
 
     script = load_strategy(args.script, overrides=_parse_sets(args.set))
@@ -197,22 +197,22 @@ def _parse_costs(text: str | None) -> dict[str, float]:
 
 
 def cmd_show(args) -> int:
-    from .ir import format_ir
+    from .ir.dag import format_ir
 
     compiled = _compile_for(args)
     if getattr(args, "timeline", None):
-        from .timeline import write
+        from .compiler.timeline import write
 
         write(compiled, args.timeline, costs=_parse_costs(args.costs) or None, title=f"{args.script}")
         print(f"piper show: wrote {args.timeline}", file=sys.stderr)
     if args.what == "ir":
-        from .capture import describe
+        from .frontend.capture import describe
 
         sys.stdout.write(format_ir(compiled.ir))
         program = getattr(compiled, "program", None)
         sys.stdout.write(describe(program) if program is not None else "")
     else:
-        from .show_plans import plan_grid, plan_lines
+        from .compiler.show_plans import plan_grid, plan_lines
 
         layout = plan_grid if getattr(args, "layout", "lines") == "grid" else plan_lines
         sys.stdout.write(layout(compiled, legend=not getattr(args, "no_legend", False)))
@@ -225,11 +225,11 @@ def cmd_simulate(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .report import summary_rows, timeline_text
-    from .simulate import STEP, background_seconds, simulate, timed_slots
+    from .compiler.report import summary_rows, timeline_text
+    from .compiler.simulate import STEP, background_seconds, simulate, timed_slots
 
     costs = _parse_costs(args.costs)
-    from .analysis import compile_with_program
+    from .compiler.analysis import compile_with_program
     from .dsl import load_strategy
 
     compiled, program = compile_with_program(
@@ -238,7 +238,7 @@ def cmd_simulate(args) -> int:
         precision=args.precision)
     memory = None
     if args.model:                 # a model has parameters and activations to predict
-        from .memory_model import predict_memory
+        from .compiler.memory_model import predict_memory
 
         memory = predict_memory(compiled, program, ranks=compiled.plans.representatives(), precision=args.precision)
     timings = {}
@@ -246,7 +246,7 @@ def cmd_simulate(args) -> int:
         with open(args.timings, encoding="utf-8") as f:
             timings = {k: float(v) for k, v in json.load(f).items()}
     costs.update({k: v for k, v in timings.items() if k != STEP})
-    from .step_costs import recompute_costs
+    from .compiler.step_costs import recompute_costs
 
     costs = recompute_costs(compiled, costs)     # `recompute` regions: their forward again in B/BI
     plans = compiled.plans.representatives()
@@ -262,7 +262,7 @@ def cmd_simulate(args) -> int:
     for rank, busy, idle, frac, peak in summary_rows(compiled, sim):
         row = [str(rank), f"{busy:g}", f"{idle:g}", f"{frac:.1%}", str(peak)]
         if memory:
-            from .memory_model import format_bytes
+            from .compiler.memory_model import format_bytes
 
             m = memory[rank]
             row += [format_bytes(b) for b in (m.peak, m.params, m.grads, m.optimizer, m.activations)]
@@ -272,7 +272,7 @@ def cmd_simulate(args) -> int:
     if args.timeline:
         console.print(timeline_text(sim), markup=False, highlight=False)
     if args.trace:
-        from .trace import simulation_trace, write
+        from .compiler.trace import simulation_trace, write
 
         write(simulation_trace(plans, sim, mesh=compiled.ir.mesh, meta={"script": args.script}), args.trace)
         print(f"piper simulate: wrote {args.trace} (open it in ui.perfetto.dev)", file=sys.stderr)
@@ -280,7 +280,7 @@ def cmd_simulate(args) -> int:
 
 
 def _interop(name: str, args) -> int:
-    from . import interop
+    from .frontend import interop
 
     return int(getattr(interop, name)(args) or 0)
 
@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("file", metavar="FILE.csv|FILE.json")
     imp.add_argument("-o", "--output", metavar="OUT.pps", help="where to write (default: stdout)")
     imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
-    imp.set_defaults(func=lambda args: __import__("piper.prototype", fromlist=["import_main"]).import_main(args))
+    imp.set_defaults(func=lambda args: __import__("piper.frontend.prototype", fromlist=["import_main"]).import_main(args))
 
     from .run_args import add_tune_parser
 

@@ -2,7 +2,7 @@
 [--mesh ...] [--set ...] [--address ADDR] [--device cpu|cuda] [--save weights.pt|DIR]
 [--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R]`:
 train a model with a strategy script on a Ray cluster (a local one unless --address),
-saving checkpoints (`piper.checkpoint`) and restarting lost workers (`piper.recovery`).
+saving checkpoints (`piper.job.checkpoint`) and restarting lost workers (`piper.job.recovery`).
 
 The model's file provides the data: `training_batches(batch_size)`, an iterator of
 input tuples, or else `example_batch(batch_size)`, which is then trained on again
@@ -16,10 +16,10 @@ import itertools
 import torch
 from rich.console import Console
 
-from . import checkpoint
+from .job import checkpoint
 from .diagnostics import error
 from .job import compile
-from .models import example_batch, load_model
+from .frontend.models import example_batch, load_model
 
 OPTIMIZER_CLASSES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
 
@@ -87,7 +87,7 @@ def run(args) -> int:
                       device=getattr(args, "device", "auto"), progress=lambda message: console.print(f"  {message}"))
     with job:
         console.print(f"mesh {job.mesh}: {job.mesh.world_size} workers ready ({job.device})", highlight=False)
-        from .train import fit
+        from .job.train import fit
 
         data = itertools.chain([first], stream)
         start = checkpoint.resume(job, directory, data, console) if getattr(args, "resume", False) else 0
@@ -109,12 +109,12 @@ def run(args) -> int:
 
 def _run_recoverable(args, model, module, batch_size: int, steps: int, optimizer, count: int, unit: str,
                      console) -> int:
-    """`--max-restarts R`: the loop of `piper.recovery`, with the data deterministic per step."""
+    """`--max-restarts R`: the loop of `piper.job.recovery`, with the data deterministic per step."""
     import os
 
     import ray
 
-    from .recovery import Checkpoints, StepData, train
+    from .job.recovery import Checkpoints, StepData, train
 
     quiet = Console(quiet=True)           # the repeated-batch warning was printed once already
     data = StepData(lambda: training_data(module, batch_size, quiet)[0])

@@ -45,7 +45,7 @@ def add_cluster_arguments(run) -> None:
 
 
 def add_recovery_arguments(run) -> None:
-    """Going on after a lost worker or node (piper/recovery.py)."""
+    """Going on after a lost worker or node (piper/job/recovery.py)."""
     run.add_argument("--max-restarts", type=int, default=0, metavar="R",
                      help="when a worker or node is lost, restart the workers (on whatever nodes the cluster has), "
                           "load the last checkpoint and go on, up to R times")
@@ -66,7 +66,7 @@ def add_observation_arguments(run) -> None:
 
 
 def add_checkpoint_arguments(run) -> None:
-    """Checkpoints during training, and going on from one (piper/checkpoint.py)."""
+    """Checkpoints during training, and going on from one (piper/job/checkpoint.py)."""
     run.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                      help="save checkpoints as DIR/step-N (the last two are kept)")
     run.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="save every N steps")
@@ -75,7 +75,7 @@ def add_checkpoint_arguments(run) -> None:
 
 
 def add_tune_parser(commands) -> None:
-    """`piper tune` and its flags; the search itself (`piper.tune.main`) loads on use."""
+    """`piper tune` and its flags; the search itself (`piper.compiler.tune.main`) loads on use."""
     tune = commands.add_parser("tune", help="search strategies that fit a memory budget, fastest first")
     tune.add_argument("--model", required=True, metavar="PATH.py:FACTORY")
     tune.add_argument("--devices", required=True, type=int, metavar="N")
@@ -85,4 +85,4 @@ def add_tune_parser(commands) -> None:
     tune.add_argument("-o", "--output", metavar="BEST.pps", help="write the best strategy, with its mesh")
     tune.add_argument("--format", choices=("text", "json"), default="text")
     tune.add_argument("--top", type=int, default=15, metavar="N", help="rows to show (default 15)")
-    tune.set_defaults(func=lambda args: importlib.import_module("piper.tune").main(args))
+    tune.set_defaults(func=lambda args: importlib.import_module("piper.compiler.tune").main(args))

@@ -5,7 +5,7 @@ import torch
 
 import piper
 from examples.strategies import one_f_one_b_order as one_f_one_b
-from piper.capture import capture
+from piper.frontend.capture import capture
 from piper.testing import train_both
 from tests.test_train import data_parallel, pipeline
 

@@ -1,11 +1,11 @@
 """Attention masks that are the constant causal mask become `is_causal=True` at capture
-(`piper/causal_masks.py`): what eager Hugging Face runs, without computing the masked half."""
+(`piper/frontend/causal_masks.py`): what eager Hugging Face runs, without computing the masked half."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import piper
-from piper.capture import capture
+from piper.frontend.capture import capture
 from piper.testing import train_both
 from tests.helpers import assert_same
 from tests.test_train import data_parallel

@@ -82,7 +82,7 @@ def test_each_device_writes_its_own_expert_rows_once(ray_cluster, ep_saved):
     assert sum(written.values()) == 3 * n_bytes
     experts = sum(p.numel() for n, p in model().named_parameters() if n in EXPERT_WEIGHTS) * 8
     assert all(w >= 3 * experts // 2 for w in written.values())
-    from piper.checkpoint import read_metadata
+    from piper.job.checkpoint import read_metadata
 
     md = read_metadata(path).state_dict_metadata
     for name in EXPERT_WEIGHTS:

@@ -26,7 +26,7 @@ def test_show_grid_puts_devices_side_by_side(capsys):
 
 
 def test_show_ir_round_trips(capsys):
-    from piper.ir import parse_ir
+    from piper.ir.dag import parse_ir
 
     assert main(["show", "examples/gpt_zero3_1f1b.pps", "--regions", "PP=2", "--what", "ir"]) == 0
     ir = parse_ir(capsys.readouterr().out)

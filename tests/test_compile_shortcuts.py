@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from piper.capture import PARAM, VALUE, Program, RegionInput
-from piper.compiler import _priority, _with_new_edges, _units_used, add_collectives, add_tie_exchanges, schedule
-from piper.compiler import schedule_with_computes
-from piper.ir import COMPUTE, Edge, Node, distinct_edges
+from piper.frontend.capture import PARAM, VALUE, Program, RegionInput
+from piper.compiler.plans import _priority, _with_new_edges, _units_used, add_collectives, add_tie_exchanges, schedule
+from piper.compiler.plans import schedule_with_computes
+from piper.ir.dag import COMPUTE, Edge, Node, distinct_edges
 from piper.dsl import load_strategy
-from piper.lower import add_transfers, resolve_placement, zero_levels
-from piper.statements import apply_all, initial_ir
+from piper.ir.lower import add_transfers, resolve_placement, zero_levels
+from piper.ir.statements import apply_all, initial_ir
 from tests.test_node_ids import CASES, lowered
 
 TIED = "tied"       # the last of 2 regions also reads the first's weight: tied-weight exchanges

@@ -4,13 +4,13 @@ order gets."""
 import pytest
 
 import piper
-from piper.capture import Program
-from piper.compiler import Action, compile_ir
-from piper.ir import Node, format_ir, parse_ir, parse_key
+from piper.frontend.capture import Program
+from piper.compiler.plans import Action, compile_ir
+from piper.ir.dag import Node, format_ir, parse_ir, parse_key
 from piper.job import plan
 from piper.mesh import Mesh
-from piper.simulate import simulate
-from piper.statements import apply_all, initial_ir
+from piper.compiler.simulate import simulate
+from piper.ir.statements import apply_all, initial_ir
 from tests.test_train import one_f_one_b, pipeline
 
 

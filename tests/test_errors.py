@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import piper
-from piper.capture import capture
+from piper.frontend.capture import capture
 from tests.helpers import wait_gone
 from tests.test_train import SkipModel, data_parallel, gpt, gpt_batches, pipeline
 
@@ -149,7 +149,7 @@ def test_unknown_axis_and_region_have_suggestions():
 
 
 def test_a_second_split_or_shard_points_at_the_first():
-    from piper.capture import Program
+    from piper.frontend.capture import Program
     from piper.dsl.script import load_strategy
     from piper.job import plan
 

@@ -16,7 +16,7 @@ from examples import gpt  # noqa: E402
 from examples.gpt import GPTConfig, batches, example_batch, make_model  # noqa: E402
 
 # `import piper.annotate as A` would give the function that piper/__init__ re-exports, not the module.
-annotate_module = importlib.import_module("piper.annotate")
+annotate_module = importlib.import_module("piper.frontend.annotate")
 
 SMALL = dict(block_size=32, n_layer=2, n_head=2, n_embd=32, n_regions=2)
 

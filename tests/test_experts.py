@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import piper
 import piper.nn
-from piper.capture import capture
+from piper.frontend.capture import capture
 from piper.diagnostics import PiperError
 from piper.dsl import load_strategy
 from piper.testing import train_both
@@ -154,7 +154,7 @@ _captured = {}
 
 def compile_only(model, strategy, mesh, key=None):
     """Compile without workers; `key` names a capture to reuse (export takes seconds)."""
-    from piper import experts
+    from piper.ir import experts
     from piper.job import _microbatch_inputs, build_strategy, compile_directives
 
     mesh, directives = build_strategy(strategy, mesh)
@@ -241,7 +241,7 @@ def test_expert_parallel_over_dp2_holds_half_the_experts():
         assert seen["memory"][rank]["params"] == padded + experts // 2
         assert seen["memory"][rank]["step_peak"] > seen["memory"][rank]["params"]
     # Each piece and each exchange the executor issued is timed under its own plan node, and prices a simulation.
-    from piper.simulate import simulate
+    from piper.compiler.simulate import simulate
 
     timings = seen["timings"][0]
     pieces = {"0F0", "0F0.1", "0F0.2", "0B0.2", "0B0.1", "0B0"}
@@ -337,8 +337,8 @@ def test_dualpipev_in_turn_switches_items_at_their_exchanges(tmp_path):
 
 
 def test_all_to_alls_are_nodes_of_the_ir_and_the_plans():
-    from piper.ir import format_ir, parse_ir
-    from piper.simulate import check_collective_order, simulate
+    from piper.ir.dag import format_ir, parse_ir
+    from piper.compiler.simulate import check_collective_order, simulate
 
     compiled, _ = compile_only(Tiny(4, moe_layer()), script(
         "mesh dp=2, pp=2\nuse dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + EP), None)
@@ -367,7 +367,7 @@ def test_all_to_alls_are_nodes_of_the_ir_and_the_plans():
     assert sum(end - start for start, end, key in simulate(dict(compiled.plans)).timeline[0]) == \
         sum(a.node.op in ("F", "BI", "BW") and not a.node.value for a in compiled.plans[0])
     # An overlapped slot is one unit with its items' pieces and exchanges inside, named by the passes.
-    from piper.interop import overlapped_slots
+    from piper.frontend.interop import overlapped_slots
 
     fused = simulate(dict(compiled.plans), overlap=overlapped_slots(compiled))
     units = [key for _, _, key in fused.timeline[0] if "&" in key]
@@ -375,8 +375,8 @@ def test_all_to_alls_are_nodes_of_the_ir_and_the_plans():
 
 
 def test_an_overlapped_slot_takes_its_items_pieces_and_exchanges_into_their_lanes():
-    from piper.interop import compute_slots
-    from piper.ir import node_key
+    from piper.frontend.interop import compute_slots
+    from piper.ir.dag import node_key
     from piper.runtime.slots import interleaved, spans
 
     compiled, _ = compile_only(Tiny(4, moe_layer()), script(
@@ -413,7 +413,7 @@ def test_an_overlapped_slot_takes_its_items_pieces_and_exchanges_into_their_lane
 
 
 def test_memory_prediction_counts_a_cut_pass_once():
-    from piper.memory_model import predict_memory
+    from piper.compiler.memory_model import predict_memory
 
     peaks = {}
     for name, extra in (("replicated", ""), ("ep", EP)):
@@ -444,8 +444,8 @@ def test_expert_parallel_composes_with_every_schedule(schedule, regions, data):
 
 
 def test_expert_parallel_is_shard_experts():
-    from piper.capture import Program
-    from piper.statements import apply_all, initial_ir
+    from piper.frontend.capture import Program
+    from piper.ir.statements import apply_all, initial_ir
 
     @piper.strategy
     def python_form(s):
@@ -507,7 +507,7 @@ def test_an_expert_weight_that_is_not_passed_straight_in_stays_replicated_and_ex
     # and each device's expert_mm takes its own experts' rows of it.
     layer = lambda: SkewedMoE(8, 8, 4, 2, scale=2.0)  # noqa: E731
     model = Tiny(1, layer).double()
-    from piper import experts
+    from piper.ir import experts
     program = capture(copy.deepcopy(model), tiny_batches(1, batch=4)[0])
     assert sorted(experts.expert_params(program)) == ["layers.0.w_out"]
     assert_same(train_both(model, script("use dp() on dp\n" + EP), mesh={"dp": 2}, batches=tiny_batches()))

@@ -5,7 +5,7 @@ import os
 import pytest
 
 import piper
-from piper.cluster import describe_rank, interface_of, plan_placement
+from piper.runtime.cluster import describe_rank, interface_of, plan_placement
 from piper.runtime.faults import Fault
 from tests.helpers import wait_gone
 from tests.test_train import gpt, gpt_batches, pipeline

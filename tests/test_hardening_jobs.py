@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import piper
-from piper.batch_check import check_step_inputs, input_names
-from piper.capture import TensorSpec, capture
-from piper.models import load_model
-from piper.optim_check import check_optimizer
+from piper.frontend.batch_check import check_step_inputs, input_names
+from piper.frontend.capture import TensorSpec, capture
+from piper.frontend.models import load_model
+from piper.frontend.optim_check import check_optimizer
 
 
 class Net(torch.nn.Module):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import piper
 import piper.job
-from piper.capture import capture
+from piper.frontend.capture import capture
 from piper.dsl import load_strategy
 from piper.testing import train_both
 from tests.helpers import assert_same
@@ -284,7 +284,7 @@ def test_nested_tags_by_calling_again():
 
 def test_benchmark_workload_is_the_example_model_cut_into_stages():
     from benchmarks.workloads import HFWorkload, make_hf
-    from piper.modules import module_groups
+    from piper.frontend.modules import module_groups
 
     model, stream = make_hf(HFWorkload(family="gpt2", layers=4, hidden=16, heads=2, batch=2), 2)
     groups = module_groups(model)

@@ -1,4 +1,4 @@
-"""Interop with torch.distributed.pipelining's compute-only schedule CSV (piper/interop.py):
+"""Interop with torch.distributed.pipelining's compute-only schedule CSV (piper/frontend/interop.py):
 what Piper exports, torch's own `_load_csv` reads back and lowers; what torch
 generates, Piper imports as a .pps script that plans the same order; and
 export -> import -> export is the identity."""
@@ -16,10 +16,9 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime  # n
 from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 
 from piper import PiperError  # noqa: E402
-from piper.capture import Program  # noqa: E402
+from piper.frontend.capture import Program  # noqa: E402
 from piper.dsl import load_strategy  # noqa: E402
-from piper.interop import (  # noqa: E402
-    compute_slots, export_main, export_torch_csv, import_main, import_torch_csv, overlapped_slots, read_torch_csv)
+from piper.frontend.interop import compute_slots, export_main, export_torch_csv, import_main, import_torch_csv, overlapped_slots, read_torch_csv
 from piper.job import plan  # noqa: E402
 
 STDLIB = Path(__file__).resolve().parents[1] / "stdlib"

@@ -1,4 +1,4 @@
-"""Memory prediction (piper/memory_model.py) against the runtime's measured step peak.
+"""Memory prediction (piper/compiler/memory_model.py) against the runtime's measured step peak.
 
 Each composition of a stdlib pipeline schedule with a stdlib data-parallel
 strategy trains the example GPT for two steps; the predicted per-device peak
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import piper
-from piper import experts
-from piper.capture import Program
+from piper.ir import experts
+from piper.frontend.capture import Program
 from piper.dsl import load_strategy
 from piper.job import plan
-from piper.memory_model import RegionBytes, optimizer_states, predict_job, predict_memory
+from piper.compiler.memory_model import RegionBytes, optimizer_states, predict_job, predict_memory
 from tests.test_train import gpt, gpt_batches
 
 FULL = bool(os.environ.get("PIPER_FULL"))
@@ -180,7 +180,7 @@ def test_parts_follow_the_zero_formulas_between_steps():
     """Parameters, gradients and optimizer state between steps: ZeRO's 4/4/8 bytes per parameter, sharded."""
     model = gpt(2)
     x, y = gpt_batches(steps=1, batch=8)[0]
-    from piper.capture import capture
+    from piper.frontend.capture import capture
 
     program = capture(model, (x[:2], y[:2]))
     psi = sum(p.numel() for p in model.parameters())
@@ -218,7 +218,7 @@ def test_precision_adds_a_16_bit_copy_and_gathers_it_under_zero3():
     parameter); ZeRO-3 holds the float32 shard and gathers 16 bits (half the float32 unit)."""
     model = gpt(2)
     x, y = gpt_batches(steps=1, batch=8)[0]
-    from piper.capture import capture
+    from piper.frontend.capture import capture
 
     program = capture(model, (x[:2], y[:2]))
     psi = sum(p.numel() for p in model.parameters())
@@ -251,7 +251,7 @@ def test_recompute_keeps_the_inputs_and_reruns_in_backward():
 def test_expert_rows_divide_over_the_expert_axis():
     """shard experts over dp=2: each device holds half of w1/w2/w3 (and their AdamW state);
     the dense parameters stay whole in the flat unit."""
-    from piper.capture import capture
+    from piper.frontend.capture import capture
 
     model = _moe()
     program = capture(model, tuple(t[:4] for t in _moe_batches(1)[0]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import piper
-from piper.capture import capture, describe
+from piper.frontend.capture import capture, describe
 from piper.cli import main
 
 

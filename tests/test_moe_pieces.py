@@ -1,4 +1,4 @@
-"""The MoE cut (`piper.moe_cut`) and its runner (`piper.runtime.moe_pieces`) on one
+"""The MoE cut (`piper.ir.moe_cut`) and its runner (`piper.runtime.moe_pieces`) on one
 process: the pieces and exchanges of a region, run one action at a time as a plan
 would, give the region graph's own loss and gradients (float64, exact to 1e-12)."""
 import copy
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from piper.capture import capture
-from piper.ir import Node
-from piper.moe_cut import COMBINE, DISPATCH, count_exchanges, cut, cuttable
+from piper.frontend.capture import capture
+from piper.ir.dag import Node
+from piper.ir.moe_cut import COMBINE, DISPATCH, count_exchanges, cut, cuttable
 from piper.runtime import experts as expert_groups
 from piper.runtime.graphs import pack, unpack
 from piper.runtime.moe_pieces import Pieces
@@ -133,7 +133,7 @@ def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward, 
     ex.batch, ex.value = batch, value
     lg = expert_groups.lane_group([OneMember()], 0)
     with lg:
-        # the plan's forward, then its backward, as `piper.experts.add_all_to_alls` lays them out
+        # the plan's forward, then its backward, as `piper.ir.experts.add_all_to_alls` lays them out
         for node in (Node("F", 0, 0), Node("ALL_TO_ALL", 0, 0, "F", 0), Node("F", 0, 0, value=1),
                      Node("ALL_TO_ALL", 0, 0, "F", 1), Node("F", 0, 0, value=2)):
             ex.run(node, pieces)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from piper.capture import Program
-from piper.compiler import _compute_entries, _priority, compile_ir, schedule
+from piper.frontend.capture import Program
+from piper.compiler.plans import _compute_entries, _priority, compile_ir, schedule
 from piper.dsl import load_strategy
-from piper.ir import COMPUTE
-from piper.lower import add_transfers, resolve_placement
-from piper.simulate import simulate, verify
-from piper.statements import apply_all, initial_ir
+from piper.ir.dag import COMPUTE
+from piper.ir.lower import add_transfers, resolve_placement
+from piper.compiler.simulate import simulate, verify
+from piper.ir.statements import apply_all, initial_ir
 
 CASES = [
     ("mesh dp=2, pp=4\nuse one_f_one_b(microbatches=6) on pp\nuse zero3() on dp\n", 4),
@@ -50,7 +50,7 @@ def test_packed_heap_entries_order_as_priority_then_key(text, regions):
 
 def test_schedule_reports_an_edge_to_an_unknown_node():
     ir = add_transfers(lowered(*CASES[0]))
-    from piper.ir import Edge
+    from piper.ir.dag import Edge
 
     broken = ir.with_(edges=ir.edges + (Edge("0F0", "9F9"),))
     with pytest.raises(AssertionError, match="unknown node"):
@@ -70,8 +70,8 @@ def test_one_replica_per_group_simulates_as_every_device(text, regions):
 
 def _lowered_and_final(text: str, regions: int):
     """The lowered IR and the final one `compile_ir` projects, with its order."""
-    from piper.compiler import _units_used, _with_new_edges, add_collectives, add_tie_exchanges
-    from piper.lower import zero_levels
+    from piper.compiler.plans import _units_used, _with_new_edges, add_collectives, add_tie_exchanges
+    from piper.ir.lower import zero_levels
 
     ir = add_transfers(lowered(text, regions))
     order, extra, _ = add_collectives(ir, schedule(ir), zero_levels(ir))
@@ -82,8 +82,8 @@ def _lowered_and_final(text: str, regions: int):
 @pytest.mark.parametrize("text,regions", CASES + [
     ("mesh dp=2, pp=2\nuse one_f_one_b(microbatches=12) on pp\nuse zero3() on dp\n", 2)])
 def test_waits_found_through_edge_ids_are_those_a_look_up_finds(text, regions):
-    from piper.compiler import _waits_of
-    from piper.plan_waits import waits_after_lowering
+    from piper.compiler.plans import _waits_of
+    from piper.compiler.plan_waits import waits_after_lowering
 
     ir, final, order = _lowered_and_final(text, regions)
     found = waits_after_lowering(final, order, ir)
@@ -92,7 +92,7 @@ def test_waits_found_through_edge_ids_are_those_a_look_up_finds(text, regions):
 
 
 def test_waits_through_edge_ids_decline_edges_that_are_not_the_lowered_ones():
-    from piper.plan_waits import waits_after_lowering
+    from piper.compiler.plan_waits import waits_after_lowering
 
     ir, final, order = _lowered_and_final(*CASES[0])
     assert waits_after_lowering(final.with_(edges=final.edges[1:]), order, ir) is None
@@ -100,7 +100,7 @@ def test_waits_through_edge_ids_decline_edges_that_are_not_the_lowered_ones():
 
 @pytest.mark.parametrize("text,regions", CASES)
 def test_the_replay_as_plans_are_made_is_verifys_simulation(text, regions):
-    from piper.simulate import _Run
+    from piper.compiler.simulate import _Run
 
     compiled = compile_ir(lowered(text, regions))
     replayed = compiled.plans.replayed
@@ -111,7 +111,7 @@ def test_the_replay_as_plans_are_made_is_verifys_simulation(text, regions):
 
 
 def test_a_wait_on_a_later_receive_stops_the_replay_and_verify_finds_the_deadlock():
-    from piper.compiler import Compiled, project
+    from piper.compiler.plans import Compiled, project
     from piper.diagnostics import PiperError
 
     compiled = compile_ir(lowered("mesh pp=2\nuse gpipe(microbatches=2) on pp\n", 2))
@@ -133,10 +133,10 @@ def test_transfers_to_several_consumers_on_one_group(split_backward):
     consumer there, whose receives feed the other; the gradients come back one per consumer."""
     from types import SimpleNamespace as R
 
-    from piper.directives import Place, Split
+    from piper.frontend.directives import Place, Split
     from piper.mesh import Mesh
-    from piper.selectors import Selector
-    from piper.statements import apply
+    from piper.frontend.selectors import Selector
+    from piper.ir.statements import apply
 
     regions = [R(index=i, tags=(("PP", i),), params=(f"w{i}",), loss=i == 3) for i in range(4)]
     values = [R(producer=0, index=0, consumers=(1, 2, 3), differentiable=True),

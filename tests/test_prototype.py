@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from piper.capture import Program
+from piper.frontend.capture import Program
 from piper.cli import main
 from piper.diagnostics import PiperError
 from piper.dsl import load_strategy
-from piper.interop import compute_slots
+from piper.frontend.interop import compute_slots
 from piper.job import plan
-from piper.prototype import program_of, program_to_pps
+from piper.frontend.prototype import program_of, program_to_pps
 
 DATA = Path(__file__).resolve().parent / "data" / "prototype"
 # fixture -> (the stdlib script it expresses, the regions)

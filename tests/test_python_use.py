@@ -3,7 +3,7 @@ and `piper export` on the script's own mesh."""
 import pytest
 
 import piper
-from piper.capture import Program
+from piper.frontend.capture import Program
 from piper.cli import main
 from piper.dsl import load_strategy
 from piper.dsl.codes import CODES

@@ -58,9 +58,9 @@ def test_recompute_one_region_under_zero3_python_strategy():
 
 
 def _ir(strategy, regions=4, mesh=None):
-    from piper.capture import Program
+    from piper.frontend.capture import Program
     from piper.job import build_strategy
-    from piper.statements import apply_all, initial_ir
+    from piper.ir.statements import apply_all, initial_ir
 
     mesh, directives = build_strategy(strategy, {"pp": 2} if mesh is None else mesh)
     return apply_all(initial_ir(Program.chain({"PP": regions}), mesh), directives)

@@ -1,4 +1,4 @@
-"""Recovery (`piper.recovery`): a run that loses a worker restarts, reloads its last
+"""Recovery (`piper.job.recovery`): a run that loses a worker restarts, reloads its last
 checkpoint, replays from its step, and ends exactly where an uninterrupted run does."""
 import functools
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import piper
-from piper.recovery import Checkpoints, StepData, train
+from piper.job.recovery import Checkpoints, StepData, train
 from piper.testing import single_device
 from tests.test_train import gpt, gpt_batches, pipeline
 

@@ -1,16 +1,16 @@
-"""The runtime's own time outside its computes as a cost model (piper/runtime_costs.py) and as the
+"""The runtime's own time outside its computes as a cost model (piper/compiler/runtime_costs.py) and as the
 runtime records it (piper/runtime/dispatch.py, job.overheads()). No timing assertions: the runtime
 test checks what is counted (ops, entries, non-negative seconds), the model tests exact arithmetic."""
 from __future__ import annotations
 
 import pytest
 
-from piper.capture import Program
-from piper.runtime_costs import RuntimeModel, other_threads
+from piper.frontend.capture import Program
+from piper.compiler.runtime_costs import RuntimeModel, other_threads
 from piper.dsl.script import load_strategy
-from piper.ir import Node
+from piper.ir.dag import Node
 from piper.job import plan
-from piper.simulate import simulate
+from piper.compiler.simulate import simulate
 
 ONE_F_ONE_B = "use one_f_one_b(microbatches=4) on pp\n"
 
@@ -28,7 +28,7 @@ def test_skews_and_latencies_from_traced_steps():
     """Rank 1's clock reads 10 s behind rank 0's; its step started 0.002 s after rank 0's. Rank 0 sent F0
     at 0.010 (its clock); rank 1 issued the receive at 0.004, blocked after it, and had F0 at 0.013: 3 ms
     from the send. Its F1 arrived while it computed: not a sample."""
-    from piper.runtime_costs import receive_latencies, start_skews
+    from piper.compiler.runtime_costs import receive_latencies, start_skews
 
     plans = _plans()
     rank0 = _trace(0.0, 0.0, [("0F0", 0.001, 0.009, 1), ("0SEND_F0>1.0", 0.010, 0.0101, 1),
@@ -102,7 +102,7 @@ def test_a_device_that_starts_late_delays_what_waits_for_it():
 
 
 def test_an_overlapped_slot_timed_as_a_unit_gets_its_members_shares():
-    from piper.interop import overlapped_slots
+    from piper.frontend.interop import overlapped_slots
 
     from tests.test_slots import DUALPIPEV, compiled
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from piper.capture import Program
+from piper.frontend.capture import Program
 from piper.dsl.script import load_strategy
-from piper.interop import compute_slots
+from piper.frontend.interop import compute_slots
 from piper.job import plan
 from piper.runtime.slots import span, spans, whole_backwards
 
@@ -100,8 +100,8 @@ def test_items_sharing_parameters_run_in_turn():
 
 def test_simulator_costs_a_slot_by_its_timed_key():
     """job.timings() reports a slot run in lanes as 'a&b'; simulate(overlap=...) takes that as the slot's cost."""
-    from piper.interop import overlapped_slots
-    from piper.simulate import simulate
+    from piper.frontend.interop import overlapped_slots
+    from piper.compiler.simulate import simulate
 
     c = compiled(DUALPIPEV, (("pp", 2),))
     groups = overlapped_slots(c)
@@ -115,7 +115,7 @@ def test_simulator_costs_a_slot_by_its_timed_key():
 
 def test_devices_sharing_cores_stretch_the_step():
     """simulate(cores=...): more devices computing than cores slows them all down (mean field)."""
-    from piper.simulate import simulate
+    from piper.compiler.simulate import simulate
 
     c = plan(load_strategy("use gpipe(microbatches=8) on pp\n"), mesh={"pp": 4}, program=Program.chain("PP=4"))
     alone = simulate(c.plans)
@@ -129,7 +129,7 @@ def test_devices_sharing_cores_stretch_the_step():
 
 
 def test_background_cpu_competes_for_the_cores_too():
-    from piper.simulate import simulate
+    from piper.compiler.simulate import simulate
 
     c = plan(load_strategy("use gpipe(microbatches=8) on pp\n"), mesh={"pp": 4}, program=Program.chain("PP=4"))
     busy = simulate(c.plans).busy
@@ -142,7 +142,7 @@ def test_background_cpu_competes_for_the_cores_too():
 def layered_program(stages: int):
     """The example GPT with 4 blocks over `stages` PP stages; every block, the embeddings and the head an `L` region."""
     from examples.gpt import example_batch, make_model
-    from piper.capture import capture
+    from piper.frontend.capture import capture
 
     model, _ = make_model(n_layer=4, n_regions=stages, layer_regions=True, n_embd=32, n_head=2, block_size=16)
     return capture(model, example_batch(4, block_size=16))

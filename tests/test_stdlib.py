@@ -23,13 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # plain `pytest` does not put the repo root (examples/) on sys.path
 
 from piper import PiperError  # noqa: E402
-from piper.capture import Program  # noqa: E402
+from piper.frontend.capture import Program  # noqa: E402
 from piper.dsl import load_strategy  # noqa: E402
-from piper.interop import overlapped_slots  # noqa: E402
+from piper.frontend.interop import overlapped_slots  # noqa: E402
 from piper.job import build_strategy, plan  # noqa: E402
 from piper.mesh import Mesh  # noqa: E402
-from piper.simulate import simulate  # noqa: E402
-from piper.statements import apply_all, initial_ir  # noqa: E402
+from piper.compiler.simulate import simulate  # noqa: E402
+from piper.ir.statements import apply_all, initial_ir  # noqa: E402
 
 STDLIB = ROOT / "stdlib"
 F, B, W = 1.0, 2.0, 1.0                  # B is the whole backward, W its weight half

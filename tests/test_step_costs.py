@@ -1,15 +1,15 @@
-"""Costs that follow the training options (piper/step_costs.py): a recomputed region's backward
+"""Costs that follow the training options (piper/compiler/step_costs.py): a recomputed region's backward
 costs its forward again, and 16-bit precision halves the bytes of ZeRO-3 gathers and of the
 activations sent between stages (reductions stay float32). No Ray."""
 from __future__ import annotations
 
-from piper.capture import Program
+from piper.frontend.capture import Program
 from piper.cli import main
 from piper.dsl import load_strategy
-from piper.ir import Node
+from piper.ir.dag import Node
 from piper.job import plan
-from piper.simulate import UNIT_COSTS, simulate
-from piper.step_costs import comm_bytes, comm_cost, recompute_costs
+from piper.compiler.simulate import UNIT_COSTS, simulate
+from piper.compiler.step_costs import comm_bytes, comm_cost, recompute_costs
 
 
 def _plan(text, regions=2):
@@ -76,8 +76,8 @@ def test_simulate_predicts_memory_with_precision(capsys):
     """`piper simulate --precision bf16` captures the model in 16 bits (float32 masters) and predicts
     less memory than float32: half-size gathers and activations, against a 16-bit copy only
     ZeRO-3 does not keep."""
-    from piper.analysis import compile_with_program
-    from piper.memory_model import predict_memory
+    from piper.compiler.analysis import compile_with_program
+    from piper.compiler.memory_model import predict_memory
 
     script, model = "examples/gpt_zero3_1f1b.pps", "examples/gpt.py:two_stage_gpt"
     assert main(["simulate", script, "--model", model, "--precision", "bf16"]) == 0

@@ -23,11 +23,11 @@ pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # noqa: E402
 
 from piper import PiperError  # noqa: E402
-from piper.capture import Program  # noqa: E402
+from piper.frontend.capture import Program  # noqa: E402
 from piper.dsl import load_strategy  # noqa: E402
-from piper.interop import compute_slots, import_torch_csv  # noqa: E402
+from piper.frontend.interop import compute_slots, import_torch_csv  # noqa: E402
 from piper.job import plan  # noqa: E402
-from piper.simulate import simulate  # noqa: E402
+from piper.compiler.simulate import simulate  # noqa: E402
 
 STDLIB = Path(__file__).resolve().parents[1] / "stdlib"
 TORCH_PASS = {"F": "F", "B": "B", "I": "BI", "W": "BW"}

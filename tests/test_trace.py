@@ -4,12 +4,12 @@ import json
 import pytest
 
 import piper
-from piper.capture import Program
+from piper.frontend.capture import Program
 from piper.cli import main
 from piper.job import plan
 from piper.dsl.script import load_strategy
-from piper.simulate import simulate
-from piper.trace import COMM_TID, simulation_trace
+from piper.compiler.simulate import simulate
+from piper.compiler.trace import COMM_TID, simulation_trace
 from tests.test_train import gpt, gpt_batches
 
 SCRIPT = "mesh pp=2\nuse one_f_one_b(microbatches=4) on pp\n"

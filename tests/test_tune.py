@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from piper.capture import Program
+from piper.frontend.capture import Program
 from piper.cli import main
 from piper.dsl import load_strategy
 from piper.job import plan
-from piper.memory_model import parse_bytes, predict_memory
-from piper.tune import Candidate, candidates
+from piper.compiler.memory_model import parse_bytes, predict_memory
+from piper.compiler.tune import Candidate, candidates
 
 MODEL = "examples/gpt.py:small_gpt"          # 4 PP regions
 
@@ -71,8 +71,8 @@ def test_tune_ranks_what_fits_and_writes_the_best(tmp_path, capsys):
     text = best.read_text()
     assert rows[0]["script"] in text and text.splitlines()[1].startswith("mesh ")
     # the best's predicted peak is the memory model's for its script at its microbatch size
-    from piper.capture import capture
-    from piper.models import example_batch, load_model
+    from piper.frontend.capture import capture
+    from piper.frontend.models import example_batch, load_model
 
     model, module = load_model(MODEL)
     m, dp = rows[0]["microbatches"], rows[0]["mesh"]["dp"]
@@ -90,7 +90,7 @@ def test_a_budget_that_only_recompute_fits_picks_recompute(tmp_path, capsys):
     """Below the smallest peak of every composition without `recompute`, the best that fits
     recomputes its PP regions; -o writes the statement, and the memory model agrees with the
     written script's prediction."""
-    from piper.tune import Search
+    from piper.compiler.tune import Search
 
     _, every = Search(MODEL, 4, 2**40, 16).run()
     assert every and not any(r.candidate.recompute for r in every)    # nothing needed it
@@ -104,7 +104,7 @@ def test_a_budget_that_only_recompute_fits_picks_recompute(tmp_path, capsys):
     # the same candidate without recompute is predicted over the budget
     from dataclasses import replace
 
-    from piper.tune import Candidate
+    from piper.compiler.tune import Candidate
 
     c = rows[0]
     plain = Candidate(c["mesh"]["dp"], c["mesh"]["pp"], c["schedule"], c["microbatches"], c["virtual"],

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from piper.capture import TensorSpec
+from piper.frontend.capture import TensorSpec
 from piper.runtime import comm
 from piper.runtime.executor import Unit
 from piper.runtime.flat import layout_unit

@@ -14,26 +14,26 @@ from collections.abc import Mapping
 
 import torch
 
-from .. import checkpoint
-from .. import experts
-from ..batch_check import input_names
-from ..capture import Program, capture
-from ..checkpoint import describe_strategy
-from ..compiler import Compiled
+from . import checkpoint
+from ..ir import experts
+from ..frontend.batch_check import input_names
+from ..frontend.capture import Program, capture
+from .checkpoint import describe_strategy
+from ..compiler.plans import Compiled
 from ..diagnostics import error
-from ..directives import Shard, Split
+from ..frontend.directives import Shard, Split
 from .inspection import JobInspection
 from .startup import JobStartup
 from .state import JobState
 from .steps import JobSteps
 from .worker_specs import WorkerSpecs
 from ..mesh import Mesh
-from ..loss_scaling import loss_scaling
-from ..options import TrainingOptions, check_clip, compute_dtype
-from ..planning import _no_cycle_collection, compile_directives
+from ..frontend.loss_scaling import loss_scaling
+from ..frontend.options import TrainingOptions, check_clip, compute_dtype
+from ..compiler.planning import _no_cycle_collection, compile_directives
 from ..runtime.flat import UnitLayout, layout_unit
-from ..strategy import as_strategy
-from ..tied import state_keys, tie_ids, tied_params
+from ..frontend.strategy import as_strategy
+from ..ir.tied import state_keys, tie_ids, tied_params
 
 def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
     """Build and compile a strategy against a captured (or abstract) program."""
@@ -98,7 +98,7 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     `worker_env` sets environment variables in the worker processes before
     they start (Ray's runtime_env), e.g. allocator settings.
     `address` joins an existing Ray cluster ("auto", "ray://head:10001" or
-    "head:6379"); workers are placed by the mesh (`piper.cluster`), and
+    "head:6379"); workers are placed by the mesh (`piper.runtime.cluster`), and
     `job.placement()` says where each rank went. Starting the workers has its
     own limit, `startup_timeout` seconds, and reports each stage to
     `progress(message)` when given. A lost worker makes `step` raise
@@ -116,7 +116,7 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
                          "'auto' picks CUDA when the cluster has a GPU for every device")
-    from ..optim_check import check_optimizer
+    from ..frontend.optim_check import check_optimizer
 
     check_optimizer(optimizer)    # before capture: a wrong optimizer is a one-line fix
     mesh, directives = build_strategy(strategy, mesh, overrides)

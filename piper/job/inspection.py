@@ -33,7 +33,7 @@ class JobInspection:
         """Per rank: the worker thread's seconds in the last step outside its computes and its blocking
         waits for communication, `start` (before the first action), `end` (after the last) and per op of
         the plan (seconds, actions) (`piper/runtime/dispatch.py`); `cpu=True`: the thread's CPU seconds
-        outside its computes. `piper.runtime_costs.RuntimeModel` makes a cost model of them."""
+        outside its computes. `piper.compiler.runtime_costs.RuntimeModel` makes a cost model of them."""
         self._check_open()
         from ..runtime.dispatch import read_overheads
 
@@ -42,7 +42,7 @@ class JobInspection:
 
     def traced(self) -> list[dict]:
         """Per rank, the last steps' action spans, communication completions and the worker's clocks
-        (what `trace` draws), as data: `piper.runtime_costs.start_skews` and `receive_latencies` read it."""
+        (what `trace` draws), as data: `piper.compiler.runtime_costs.start_skews` and `receive_latencies` read it."""
         self._check_open()
         return self._get([a.trace.remote() for a in self.actors], "trace")
 
@@ -54,9 +54,9 @@ class JobInspection:
     def trace(self, path: str, steps: int | None = None) -> str:
         """Write the last steps (up to `piper.runtime.executor.TRACE_STEPS`; `steps` to keep fewer) as a
         Chrome/Perfetto trace: one process per device, a track per lane and one for communication,
-        flow arrows from each send to its receive (`piper/trace.py`). Returns `path`."""
+        flow arrows from each send to its receive (`piper/compiler/trace.py`). Returns `path`."""
         self._check_open()
-        from ..trace import job_trace
+        from ..compiler.trace import job_trace
 
         return job_trace(self, path, steps)
 

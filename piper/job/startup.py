@@ -34,7 +34,7 @@ class JobStartup:
                         f"cluster has {gpus:g}", hint="shrink the mesh, add GPUs to the cluster, or run on CPU "
                         "(device='cpu', Gloo)")
         self.device = device
-        from ..cluster import node_capacity, plan_placement
+        from ..runtime.cluster import node_capacity, plan_placement
         from ..runtime.health import Watch
 
         started = time.monotonic()

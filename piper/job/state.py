@@ -1,4 +1,4 @@
-"""A job's state: checkpoints (`save`, `load`, see `piper.checkpoint`) and the full parameters (`state_dict`).
+"""A job's state: checkpoints (`save`, `load`, see `piper.job.checkpoint`) and the full parameters (`state_dict`).
 
 Mixed into `piper.job.Job`.
 """
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import checkpoint
-from ..experts import expert_state
+from . import checkpoint
+from ..ir.experts import expert_state
 from ..runtime.flat import unflatten
 
 
@@ -17,7 +17,7 @@ class JobState:
     def save(self, path) -> str:
         """Write a checkpoint directory (torch.distributed.checkpoint format) at `path`: every
         worker writes its own shards; parameters and optimizer state per parameter under
-        model.state_dict() names, the step count, strategy and mesh. See `piper.checkpoint`."""
+        model.state_dict() names, the step count, strategy and mesh. See `piper.job.checkpoint`."""
         return checkpoint.save(self, path)
 
     def load(self, path) -> dict:

@@ -4,8 +4,8 @@ Mixed into `piper.job.Job`.
 """
 from __future__ import annotations
 
-from ..batch_check import check_step_inputs
-from ..capture import BATCH
+from ..frontend.batch_check import check_step_inputs
+from ..frontend.capture import BATCH
 from ..diagnostics import PiperError, error
 
 

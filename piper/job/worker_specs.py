@@ -4,12 +4,12 @@ Mixed into `piper.job.Job`; builds the `WorkerSpec` (`runtime/specs.py`) that th
 """
 from __future__ import annotations
 
-from ..capture import BUFFER
-from ..experts import expert_spec, slots_lanes
+from ..frontend.capture import BUFFER
+from ..ir.experts import expert_spec, slots_lanes
 from ..runtime.flat import flatten
 from ..runtime.graphs import pack
 from ..runtime.specs import RegionSpec, WorkerSpec
-from ..tied import units_used
+from ..ir.tied import units_used
 
 
 class WorkerSpecs:
@@ -17,7 +17,7 @@ class WorkerSpecs:
 
     def _multi_slots(self) -> dict[int, tuple]:
         """Per rank, the `order` slots holding several computes (tuples of keys)."""
-        from ..interop import compute_slots
+        from ..frontend.interop import compute_slots
 
         return {rank: tuple(slot for slot in slots if len(slot) > 1)
                 for rank, slots in compute_slots(self.compiled).items()}

@@ -18,7 +18,7 @@ simulator's own business): what is left is routing, issuing, the loop, and
 stalls inside communication calls. In CPU seconds, the loop's CPU time outside
 computes is shared out over the ops by that wall time. An overlapped slot run in lanes counts as one entry, op
 `SLOT` (its other lanes run in other threads). CPU devices: on a GPU the wall
-times of computes are the device's, not the host's. `piper.runtime_costs`
+times of computes are the device's, not the host's. `piper.compiler.runtime_costs`
 makes these a per-action cost for the simulator.
 """
 from __future__ import annotations

@@ -34,7 +34,7 @@ class Bucket:
     entries: tuple[Entry, ...]
     padded: int               # flat length, a multiple of the group size
     group_size: int
-    tied: int | None = None   # a tied parameter's bucket of its own: the tie's number (piper.tied)
+    tied: int | None = None   # a tied parameter's bucket of its own: the tie's number (piper.ir.tied)
     counted: bool = True      # False on a tied weight's second copy: a global norm counts the weight once
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from ..cluster import describe_rank
+from .cluster import describe_rank
 from ..diagnostics import PiperError, error
 from .health_messages import FailureMessages
 from .health_probe import Probing, _death_reason, _lost_nodes_confirmed

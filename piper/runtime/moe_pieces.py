@@ -1,4 +1,4 @@
-"""Running a region cut at its all-to-alls (`piper.moe_cut`): its pieces and the
+"""Running a region cut at its all-to-alls (`piper.ir.moe_cut`): its pieces and the
 exchanges between them, each one action of the plan.
 
 Under `shard experts` the plan holds, for one forward of a region with one MoE
@@ -25,8 +25,8 @@ reached, so all members of a group issue the same collectives in the same order.
 """
 from __future__ import annotations
 
-from ..ir import node_key
-from ..moe_cut import Cut, cut
+from ..ir.dag import node_key
+from ..ir.moe_cut import Cut, cut
 from .moe_pass import PARAM, VALUE, _Pass  # noqa: F401 - the pass and its input kinds stay importable from here
 from .piece_backward import PieceBackward
 from .piece_exchanges import PieceExchanges

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..moe_cut import Cut, Source
+from ..ir.moe_cut import Cut, Source
 from . import recompute
 from .moe_pass import PARAM, _add, _count, _no_views, _Pass
 

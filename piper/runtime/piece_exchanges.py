@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..moe_cut import DISPATCH, Source
+from ..ir.moe_cut import DISPATCH, Source
 from . import experts as expert_groups
 from .moe_pass import _add, _Pass
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..moe_cut import Source
+from ..ir.moe_cut import Source
 from . import recompute
 from .moe_pass import _count, _no_views, _Pass
 from .saved import SavedBytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..moe_cut import Cut
+from ..ir.moe_cut import Cut
 from .moe_pass import PARAM, VALUE, _add, _Pass
 from .split_backward import backward_inputs, backward_weights, can_split
 

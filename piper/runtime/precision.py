@@ -104,7 +104,7 @@ def make_unit(dtype: torch.dtype | None):
     return lambda *args: LowPrecisionUnit(*args, dtype=dtype)
 
 
-# -- fp16: dynamic loss scaling (`piper/loss_scaling.py`) -----------------------------------------------
+# -- fp16: dynamic loss scaling (`piper/frontend/loss_scaling.py`) -----------------------------------------------
 
 class DynamicLossScale(Deferring):
     """Per worker: torch.amp.GradScaler's rule over the whole job.

@@ -1,4 +1,4 @@
-"""Running a region marked by `recompute` (piper/recompute.py): forward without a
+"""Running a region marked by `recompute` (piper/ir/recompute.py): forward without a
 graph, keeping only the inputs; the first backward pass of the microbatch (B, or
 BI under a split backward) runs the forward again with gradients on.
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import node_key
+from ..ir.dag import node_key
 
 @dataclass(frozen=True)
 class Span:
@@ -35,7 +35,7 @@ class Span:
 
     start: int
     stop: int
-    key: str                  # the members' keys in plan order, joined by "&" (piper.simulate.SLOT)
+    key: str                  # the members' keys in plan order, joined by "&" (piper.compiler.simulate.SLOT)
     before: tuple
     lanes: tuple[tuple, ...]
     after: tuple
@@ -50,7 +50,7 @@ def _pass_of(node) -> tuple[int, int, str]:
 
 def _member(node, members: set[str]) -> bool:
     """Whether the action is part of a slot member: the member itself, or a piece or an expert
-    exchange of a pass cut at its all-to-alls (`piper.moe_cut`), which run in the member's lane
+    exchange of a pass cut at its all-to-alls (`piper.ir.moe_cut`), which run in the member's lane
     (an exchange on that lane's own expert group)."""
     if node.is_compute:
         return node_key(node.op, node.region, node.mb) in members
@@ -60,7 +60,7 @@ def _member(node, members: set[str]) -> bool:
 def whole_backwards(plan, slots) -> tuple[frozenset, frozenset]:
     """(BI keys to run as one whole backward, the BW keys that become no-ops) from the device's slots.
 
-    `slots` are tuples of compute keys per slot (`piper.interop.compute_slots`)
+    `slots` are tuples of compute keys per slot (`piper.frontend.interop.compute_slots`)
     of the device's `plan`.
     """
     nodes = {a.key: a.node for a in plan}

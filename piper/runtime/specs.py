@@ -1,7 +1,7 @@
 """What the driver hands each worker: its plan, regions, values and units (`WorkerSpec`).
 
 Plain records, built by `piper.job` and read by the `Executor`; the input kinds
-repeat `piper.capture`'s, so the runtime needs nothing from capture.
+repeat `piper.frontend.capture`'s, so the runtime needs nothing from capture.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch
 from .dispatch import StepMarks
 from .step_state import StepState
 
-TRACE_STEPS = 2      # steps whose action spans `job.trace` can show (piper/trace.py)
+TRACE_STEPS = 2      # steps whose action spans `job.trace` can show (piper/compiler/trace.py)
 
 
 class StepLoop(StepState):
@@ -45,7 +45,7 @@ class StepLoop(StepState):
             self._marks.done()
             # The whole process, every thread (lanes, communication): with the actions'
             # own CPU seconds this gives what the step costs outside them.
-            self.cpu_timings["step"] = time.process_time() - cpu      # piper.simulate.STEP
+            self.cpu_timings["step"] = time.process_time() - cpu      # piper.compiler.simulate.STEP
 
     def _run_step(self, batch: dict[int, list[torch.Tensor]]) -> list[float]:
         self._spans_now, self._done_at = [], {}

@@ -1,4 +1,4 @@
-"""The runtime half of tied weights (see `piper.tied`): a SEND_T sends this
+"""The runtime half of tied weights (see `piper.ir.tied`): a SEND_T sends this
 copy's reduced gradient of a tied parameter to the other copy's device, a
 RECV_T adds the other copy's into this one, before either steps."""
 from __future__ import annotations

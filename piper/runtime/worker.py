@@ -29,7 +29,7 @@ class Worker(WorkerQueries):
             if "GLOO_SOCKET_IFNAME" not in os.environ:
                 # Gloo would bind to what the host name resolves to, often 127.0.0.1: peers on other
                 # nodes could not connect. Use the interface of this node's Ray address.
-                from ..cluster import interface_of
+                from .cluster import interface_of
 
                 interface = interface_of(ray.util.get_node_ip_address())
                 if interface:

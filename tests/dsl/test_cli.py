@@ -88,7 +88,7 @@ def test_help_exits_0(capsys):
 
 
 def test_model_checks_without_analysis(script, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "piper.analysis", None)  # as if the module were missing
+    monkeypatch.setitem(sys.modules, "piper.compiler.analysis", None)  # as if the module were missing
     assert main(["check", script("mesh pp=2\nplace PP=0 on pp[0]\n"), "--regions", "PP=2"]) == 0
     assert "note[analysis-unavailable]" in capsys.readouterr().out
 
@@ -101,7 +101,7 @@ def test_model_checks_call_analysis(script, capsys, monkeypatch):
         span = Span(script_.file, 2, 1, 2, 6, script_.module.source)
         return [Diagnostic("deadlock", "device 0 waits for itself", span=span)]
 
-    monkeypatch.setitem(sys.modules, "piper.analysis", types.SimpleNamespace(analyze=analyze))
+    monkeypatch.setitem(sys.modules, "piper.compiler.analysis", types.SimpleNamespace(analyze=analyze))
     path = script("mesh pp=2\nplace PP=0 on pp[0]\n")
     assert main(["check", path, "--regions", "PP=2,EP=4", "--model", "m.py:Net"]) == 1
     assert calls == [(path, "pp=2", "m.py:Net", {"PP": 2, "EP": 4})]

@@ -5,10 +5,10 @@ import pytest
 
 import piper
 from piper.diagnostics import PiperError
-from piper.directives import Order, Place, Shard, Split
+from piper.frontend.directives import Order, Place, Shard, Split
 from piper.dsl import Limits, load_strategy
 from piper.mesh import Mesh
-from piper.selectors import Selector, parse_selector
+from piper.frontend.selectors import Selector, parse_selector
 
 from .util import strip_spans
 
@@ -232,7 +232,7 @@ def test_python_strategies_can_use_scripts():
 
     mesh = Mesh.of("dp=2")
     assert strip_spans(hybrid.build(mesh)[1]) == strip_spans(zero3.build(mesh)[1])
-    assert piper.strategy.__module__ == "piper.strategy"
+    assert piper.strategy.__module__ == "piper.frontend.strategy"
 
 
 @pytest.mark.parametrize("region, item", [("PP=1", "F(MB=0)"), ("PP=1 EP=*", "BW(PP=2, MB=3)"),

@@ -1,7 +1,7 @@
 """Helpers for the language tests."""
 import dataclasses
 
-from piper.directives import Order
+from piper.frontend.directives import Order
 
 
 def strip_spans(directives) -> tuple:

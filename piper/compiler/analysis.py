@@ -1,0 +1,67 @@
+"""Compile a strategy script without running it: for `piper check --model/--regions`,
+`piper show`, `piper simulate` and `piper export`. Errors come back as
+diagnostics against the script's spans."""
+from __future__ import annotations
+
+from ..frontend.capture import Program, capture
+from .plans import Compiled
+from ..diagnostics import Diagnostic, PiperError, error
+from .planning import compile_directives
+
+
+def program_for(mesh, directives, *, model_spec: str | None = None, regions=None,
+                batch_size: int | None = None, precision: str = "fp32") -> Program:
+    """The regions to plan for: an abstract chain (`PP=8`) or a model captured on meta
+    (in the compute dtype of `precision`, with float32 masters, as `piper.compile` captures it)."""
+    if regions:
+        if len(regions) > 1:
+            shown = ",".join(f"{k}={v}" for k, v in regions.items())
+            raise error("bad-flag", f"--regions {shown} names {len(regions)} kinds of region; an abstract model "
+                        "is one chain of a single kind", hint=f"pass one, e.g. --regions "
+                        f"{next(iter(regions))}={next(iter(regions.values()))}, or --model PATH.py:FACTORY "
+                        "for a model whose regions nest")
+        return Program.chain(regions)
+    if not model_spec:
+        raise error("no-regions", "planning needs the model's regions",
+                    hint="pass --model PATH.py:FACTORY or --regions PP=N")
+    from ..job import _microbatch_inputs, split_counts
+    from ..frontend.models import example_batch, load_model
+
+    from ..frontend.options import TrainingOptions, compute_dtype
+
+    model, module = load_model(model_spec)
+    micro, shards = split_counts(mesh, directives)
+    inputs = example_batch(module, batch_size or micro * shards)
+    training = TrainingOptions(compute_dtype(precision))
+    mb_inputs = _microbatch_inputs(inputs, mesh, directives)[0]
+    program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)))
+    training.master_specs(program, model, mb_inputs)
+    return program
+
+
+def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=None,
+                   batch_size: int | None = None) -> Compiled:
+    """Build, lower, schedule and verify `script` (a loaded script or strategy)."""
+    return compile_with_program(script, mesh=mesh, model_spec=model_spec, regions=regions,
+                                batch_size=batch_size)[0]
+
+
+def compile_with_program(script, *, mesh=None, model_spec: str | None = None, regions=None,
+                         batch_size: int | None = None, precision: str = "fp32") -> tuple[Compiled, Program]:
+    """`compile_script`, and the program it planned for (for memory prediction)."""
+    mesh, directives = script.build(mesh)
+    program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size,
+                          precision=precision)
+    compiled = compile_directives(program, mesh, directives)
+    compiled.program = program       # for `piper show --what ir`: where each op went
+    return compiled, program
+
+
+def analyze(script, *, mesh, model_spec: str | None = None, regions: dict | None = None,
+            batch_size: int | None = None) -> list[Diagnostic]:
+    """Every problem the compiler finds for `script` on `mesh`; [] when it would run."""
+    try:
+        compiled = compile_script(script, mesh=mesh, model_spec=model_spec, regions=regions, batch_size=batch_size)
+        return list(compiled.warnings)
+    except PiperError as err:
+        return list(err.diagnostics)

@@ -1,0 +1,26 @@
+"""Directives -> IR -> lowered, scheduled, verified plans, without torch or Ray.
+
+`piper.compile` and `piper check --regions` both come through here, so the
+linter plans exactly what a job would run.
+"""
+from __future__ import annotations
+
+from .plans import Compiled, compile_ir
+from ..gc_guard import no_cycle_collection as _no_cycle_collection
+from .simulate import verify
+from ..ir.statements import apply_all, initial_ir
+
+
+def compile_directives(program, mesh, directives) -> Compiled:
+    """Apply the directives to the program's DAG, lower, schedule and verify."""
+    from .stage_count import explain_unplaced   # a schedule placing fewer stages than the model has
+
+    with _no_cycle_collection(), explain_unplaced(program, directives):
+        compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
+        if compiled.ir.sharded("experts") is not None:      # expert parallelism: check it, add ALL_TO_ALLs
+            from ..ir import experts
+
+            experts.check(program, compiled.ir)
+            compiled = experts.add_all_to_alls(compiled, program)
+        verify(compiled)       # raises on deadlock before anything runs
+    return compiled

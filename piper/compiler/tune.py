@@ -1,0 +1,490 @@
+"""`piper tune`: search strategies for a model, a number of devices and a memory budget.
+
+    piper tune --model examples/gpt.py:small_gpt --devices 4 --memory 8MiB [--batch-size 16]
+               [--verify 2] [-o best.pps] [--format text|json]
+
+The search covers mesh factorisations (dp x pp), the stdlib pipeline
+schedules the model's regions allow (a schedule with one region per device
+needs p PP regions, a V or interleaved one v*p), microbatch counts, the
+data-parallel strategies (dp, ZeRO-1/2/3), and `recompute PP=*` for the
+candidates that do not fit without it (recomputing only adds compute, so it
+never beats the same candidate that fits without). Each candidate is compiled (so
+only strategies that compile and verify are kept), its peak memory per
+device is predicted (`piper.compiler.memory_model`), and its step time simulated
+(`piper.compiler.simulate`) with costs measured on this machine:
+
+- each region's forward and backward at one microbatch size (the best of a
+  few runs, in CPU seconds on one thread, as `job.timings(cpu=True)` reports a
+  worker's), scaled linearly to other microbatch sizes,
+  as are its saved activations; a split backward's halves cost 0.6 of the
+  whole each (a split backward costs 1.2x on CPU); a recomputed region's B
+  (or BI) also costs its forward (`piper.compiler.step_costs`);
+- the optimizer's update per parameter element (AdamW's step, timed);
+- communication by its bytes over a measured loopback TCP throughput (what
+  Gloo moves between processes on one machine);
+- devices that outnumber the CPU cores share them (`simulate(cores=...)`).
+
+The measurements are cached (`$PIPER_CACHE`, default ~/.cache/piper) by
+model file, factory and microbatch size, so a second search skips them.
+The few best candidates are re-predicted with activations measured at their
+exact microbatch size before the ranking is final.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+SCHEDULES_ONE = ("one_f_one_b", "gpipe", "zero_bubble")          # p regions on p devices
+SCHEDULES_TWO = ("zbv", "dualpipev")                             # 2p regions, a V
+SCHEDULES_VIRTUAL = ("interleaved_1f1b", "interleaved_zero_bubble")   # v*p regions, v >= 2
+DATA = ("dp", "zero1", "zero2", "zero3")
+SPLIT_HALF = 0.6           # BI and BW each cost this much of a whole backward (CPU: 1.2x in all)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int
+    pp: int
+    schedule: str | None
+    microbatches: int
+    virtual: int | None = None
+    data: str | None = None
+    recompute: bool = False        # `recompute PP=*`: every PP region keeps only its inputs
+
+    def script(self) -> str:
+        axes = [f"{a}={n}" for a, n in (("dp", self.dp), ("pp", self.pp)) if n > 1]
+        lines = [f"mesh {', '.join(axes)}"] if axes else []
+        if self.schedule:
+            extra = f", virtual={self.virtual}" if self.virtual else ""
+            lines.append(f"use {self.schedule}(microbatches={self.microbatches}{extra}) on pp")
+        if self.data:
+            lines.append(f"use {self.data}() on dp")
+        if not self.schedule and self.microbatches > 1:
+            lines.append(f"split MB into {self.microbatches}")
+        if self.recompute:
+            lines.append("recompute PP=*")
+        return "\n".join(lines) + "\n"
+
+    def label(self) -> str:
+        parts = [f"dp={self.dp} pp={self.pp}"]
+        if self.schedule:
+            parts.append(f"{self.schedule}" + (f" v={self.virtual}" if self.virtual else ""))
+        parts.append(f"m={self.microbatches}")
+        if self.data:
+            parts.append(self.data)
+        if self.recompute:
+            parts.append("recompute")
+        return " · ".join(parts)
+
+
+@dataclass
+class Result:
+    candidate: Candidate
+    step_s: float
+    peak_bytes: int
+    bubble: float
+    memory: dict = field(default_factory=dict)     # the peak's parts on the fullest device
+    exact: bool = False                            # activations measured at this microbatch size
+
+    def as_dict(self) -> dict:
+        c = self.candidate
+        return {"script": c.script(), "step_s": self.step_s, "peak_bytes": self.peak_bytes,
+                "label": c.label(), "mesh": {"dp": c.dp, "pp": c.pp}, "schedule": c.schedule,
+                "microbatches": c.microbatches, "virtual": c.virtual, "data_parallel": c.data,
+                "recompute": c.recompute, "bubble": self.bubble, "memory": self.memory,
+                "exact_activations": self.exact}
+
+
+# ---- measuring this machine ---------------------------------------------------------------------
+
+
+def _cache_dir() -> str:
+    path = os.environ.get("PIPER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "piper")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _cached(key: dict, make):
+    """A pickled value on disk under a hash of `key` (and this machine and torch), else `make()`."""
+    import torch
+
+    full = {**key, "host": socket.gethostname(), "torch": torch.__version__, "version": 2}
+    digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = os.path.join(_cache_dir(), f"tune-{digest}.pkl")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ModuleNotFoundError):
+        pass
+    value = make()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump(value, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
+
+
+@dataclass
+class Profile:
+    """What one microbatch size costs: a graph-less copy of the program, and per region its
+    forward and backward seconds and the bytes its forward saves."""
+
+    microbatch: int
+    program: object
+    forward: dict[int, float]
+    backward: dict[int, float]
+    saved: dict    # region -> memory_model.RegionBytes
+
+
+def _graphless(program):
+    from ..frontend.capture import Program
+
+    regions = tuple(replace(r, graph=None) for r in program.regions)
+    return Program(regions, program.values, program.params, program.buffers, program.batch)
+
+
+def profile(model_spec: str, microbatch: int, *, repeats: int = 3) -> Profile:
+    """Capture the model at `microbatch` sequences and time each region (cached on disk)."""
+    path, _, factory = model_spec.rpartition(":")
+    key = {"model": os.path.abspath(path), "mtime": os.path.getmtime(path) if os.path.exists(path) else 0,
+           "factory": factory, "microbatch": microbatch, "repeats": repeats, "clock": "thread"}
+
+    def make():
+        import torch
+
+        from ..frontend.capture import capture
+        from .memory_model import run_regions
+        from ..frontend.models import example_batch, load_model
+
+        model, module = load_model(model_spec)
+        inputs = example_batch(module, microbatch)
+        program = capture(model, inputs)
+        times: dict[tuple, list] = {}
+        saved = {}
+        with torch.random.fork_rng(devices=[]):
+            for _ in range(repeats):
+                saved = run_regions(program, backward=True,
+                                    timer=lambda r, p, s: times.setdefault((r, p), []).append(s))
+        fwd = {r: min(v) for (r, p), v in times.items() if p == "F"}
+        bwd = {r: min(v) for (r, p), v in times.items() if p == "B"}
+        return Profile(microbatch, _graphless(program), fwd, bwd, saved)
+
+    return _cached(key, make)
+
+
+def _loopback_bytes_per_s(size: int = 16 << 20) -> float:
+    """Bytes per second through a loopback TCP connection (Gloo's path between local processes)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    payload = b"\0" * size
+    received = [0]
+
+    def sink():
+        conn, _ = server.accept()
+        with conn:
+            while received[0] < size:
+                chunk = conn.recv(1 << 20)
+                if not chunk:
+                    break
+                received[0] += len(chunk)
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    with socket.create_connection(server.getsockname()) as client:
+        start = time.perf_counter()
+        client.sendall(payload)
+        thread.join(timeout=30)
+        elapsed = time.perf_counter() - start
+    server.close()
+    return size / max(elapsed, 1e-6)
+
+
+def _update_s_per_element(optimizer=None) -> float:
+    import torch
+
+    optimizer = optimizer or functools.partial(torch.optim.AdamW, lr=1e-3)
+    p = torch.nn.Parameter(torch.zeros(1 << 20))
+    opt = optimizer([p])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    best = float("inf")
+    for _ in range(3):
+        start = time.thread_time()
+        opt.step()
+        best = min(best, time.thread_time() - start)
+    return best / (1 << 20)
+
+
+def machine() -> dict:
+    """Measured (cached): loopback throughput and the optimizer's update cost per element."""
+    return _cached({"what": "machine"}, lambda: {"bandwidth": _loopback_bytes_per_s(),
+                                                 "update": _update_s_per_element(),
+                                                 "cores": os.cpu_count() or 1})
+
+
+# ---- the search ----------------------------------------------------------------------------------
+
+
+def pp_regions(program) -> int:
+    return len({dict(r.tags).get("PP") for r in program.regions if "PP" in dict(r.tags)}) or 1
+
+
+def candidates(devices: int, batch: int, regions: int, *, max_microbatches: int = 64) -> list[Candidate]:
+    """Every composition to try: meshes dp x pp = devices, schedules the regions allow, microbatches, dp/ZeRO."""
+    out = []
+    for pp in range(1, devices + 1):
+        if devices % pp:
+            continue
+        dp = devices // pp
+        if batch % dp:
+            continue
+        per = batch // dp
+        ms = sorted({m for m in range(1, min(per, max_microbatches) + 1) if per % m == 0
+                     and (m & (m - 1) == 0 or m % pp == 0)})
+        if pp == 1:
+            schedules = [(None, None)]
+        else:
+            schedules = []
+            if regions == pp:
+                schedules += [(s, None) for s in SCHEDULES_ONE]
+            if regions == 2 * pp:
+                schedules += [(s, None) for s in SCHEDULES_TWO]
+            if regions % pp == 0 and regions // pp >= 2:
+                schedules += [(s, regions // pp) for s in SCHEDULES_VIRTUAL]
+        datas = DATA if dp > 1 else (None,)
+        for schedule, virtual in schedules:
+            for m in ms:
+                if schedule == "dualpipev" and m < 2 * pp:
+                    continue
+                for data in datas:
+                    out.append(Candidate(dp, pp, schedule, m, virtual, data))
+    return out
+
+
+class Search:
+    """The state of one search: the model's measured profiles, the machine, the budget."""
+
+    def __init__(self, model_spec: str, devices: int, memory: int, batch: int, *, optimizer=None, log=None):
+        self.model_spec = model_spec
+        self.devices = devices
+        self.memory = memory
+        self.batch = batch
+        self.optimizer = optimizer
+        self.log = log or (lambda msg: None)
+        self.machine = machine()
+        self.reference = profile(model_spec, max(1, batch // max(devices, 1)))
+        self.regions = pp_regions(self.reference.program)
+        self.skipped: list[tuple[Candidate, str]] = []
+
+    def _scaled(self, b: int, exact: Profile | None = None):
+        ref = exact or self.reference
+        k = b / ref.microbatch
+        return ({r: t * k for r, t in ref.forward.items()}, {r: t * k for r, t in ref.backward.items()},
+                {r: s.scaled(k) for r, s in ref.saved.items()})
+
+    def evaluate(self, c: Candidate, exact: Profile | None = None) -> Result | None:
+        from ..dsl import load_strategy
+        from ..diagnostics import PiperError
+        from ..frontend.interop import overlapped_slots
+        from ..job import plan
+        from .memory_model import predict_memory
+        from .simulate import simulate
+        from .step_costs import comm_cost, recompute_costs
+
+        program = (exact or self.reference).program
+        try:
+            compiled = plan(load_strategy(c.script(), file="<tune>"), program=program)
+        except PiperError as err:
+            self.skipped.append((c, err.diagnostics[0].message))
+            return None
+        b = self.batch // (c.dp * c.microbatches)
+        fwd, bwd, saved = self._scaled(b, exact)
+        memory = predict_memory(compiled, program, optimizer=self.optimizer, saved=saved,
+                                ranks=compiled.plans.representatives())
+        fullest = max(memory.values(), key=lambda m: m.peak)
+        costs = {}
+        bandwidth, per_element = self.machine["bandwidth"], self.machine["update"]
+        owned = {r.index: sum(program.params[p].nbytes for p in r.owned) for r in compiled.ir.regions}
+        for n in compiled.ir.nodes:
+            if n.op == "F":
+                costs[n.key] = fwd.get(n.region, 0.0)
+            elif n.op == "B":
+                costs[n.key] = bwd.get(n.region, 0.0)
+            elif n.op in ("BI", "BW"):
+                costs[n.key] = SPLIT_HALF * bwd.get(n.region, 0.0)
+            elif n.op == "UPD":
+                shard = owned.get(n.region, 0) / 4 / (c.dp if c.data in ("zero1", "zero2", "zero3") else 1)
+                costs[n.key] = shard * per_element
+        costs = recompute_costs(compiled, costs, measured=())      # B/BI of `recompute` regions: + their F
+        comm = comm_cost(compiled, program, bandwidth=bandwidth,
+                         value_scale=b / (exact or self.reference).microbatch)
+        sim = simulate(compiled.plans.representatives(), costs=costs, comm_cost=comm,
+                       overlap=overlapped_slots(compiled), cores=self.machine["cores"], devices=self.devices)
+        return Result(c, sim.step_time, fullest.peak, sim.bubble_fraction, fullest.as_dict(), exact is not None)
+
+    def run(self, *, refine: int = 3) -> tuple[list[Result], list[Result]]:
+        """(the results that fit, best first; every result) for every candidate."""
+        every = []
+        # A recomputing candidate computes more than the same one without, so it can only win
+        # where that one does not fit: it is tried for those that miss the budget (or come
+        # within the refinement's margin of it, where exact activations may still push them out).
+        recomputable = any("PP" in dict(r.tags) for r in self.reference.program.regions)
+        for c in candidates(self.devices, self.batch, self.regions):
+            r = self.evaluate(c)
+            if r is not None:
+                every.append(r)
+            if recomputable and (r is None or r.peak_bytes > self.memory / 1.25):
+                again = self.evaluate(replace(c, recompute=True))
+                if again is not None:
+                    every.append(again)
+        # Re-predict the best few that fit, or nearly, with activations measured at their own
+        # microbatch size (each size measured once, then cached), until the best few are exact.
+        for _ in range(len(every)):     # each round makes at least one result exact
+            every.sort(key=lambda r: (r.step_s, r.peak_bytes))
+            top = [i for i, r in enumerate(every) if r.peak_bytes <= self.memory * 1.25][:refine]
+            top += [i for i, r in enumerate(every) if r.peak_bytes <= self.memory][:1]   # the best that fits
+            todo = [i for i in top if not every[i].exact]
+            if not todo:
+                break
+            for i in todo:
+                r = every[i]
+                b = self.batch // (r.candidate.dp * r.candidate.microbatches)
+                if b == self.reference.microbatch:
+                    r.exact = True
+                    continue
+                self.log(f"measuring the model at {b} sequence(s) per microbatch")
+                exact = self.evaluate(r.candidate, profile(self.model_spec, b))
+                if exact is None:
+                    del every[i]
+                    break
+                every[i] = exact
+        every.sort(key=lambda r: (r.step_s, r.peak_bytes))
+        fits = [r for r in every if r.peak_bytes <= self.memory]
+        return fits, every
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) -> list[tuple[float, int]]:
+    """Run each result for `steps` steps: (median step seconds after the first, the largest step_peak)."""
+    import statistics
+
+    import piper
+
+    from ..dsl import load_strategy
+    from ..frontend.models import example_batch, load_model
+
+    import ray
+
+    out = []
+    owned = not ray.is_initialized()
+    if owned:                        # one local cluster for every run, not one each
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        for r in results:
+            model, module = load_model(model_spec)
+            data = example_batch(module, batch)
+            with piper.compile(model, data, strategy=load_strategy(r.candidate.script(), file="<tune>"),
+                               timeout=300) as job:
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    job.step(*data)
+                    times.append(time.perf_counter() - start)
+                peak = max(m["step_peak"] for m in job.memory().values())
+            out.append((statistics.median(times[1:] or times), peak))
+    finally:
+        if owned:
+            ray.shutdown()
+    return out
+
+
+def main(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..diagnostics import error
+    from .memory_model import format_bytes, parse_bytes
+
+    try:
+        budget = parse_bytes(args.memory)
+    except ValueError as err:
+        raise _usage(str(err)) from None
+    if args.devices < 1:
+        raise _usage("--devices takes a number of devices >= 1")
+    err_console = Console(stderr=True)
+    log = (lambda msg: err_console.print(f"[dim]piper tune: {msg}[/]")) if args.format != "json" else None
+    batch = args.batch_size or 16
+    start = time.perf_counter()
+    search = Search(args.model, args.devices, budget, batch, log=log)
+    fits, every = search.run()
+    elapsed = time.perf_counter() - start
+    if not fits:
+        if not every:
+            raise error("no-fit", f"no strategy compiles for {args.devices} device(s) and a batch of {batch}",
+                        hint=f"the model has {search.regions} PP region(s); use a device count its pipeline "
+                             "schedules fit (p or 2p regions over p devices) or a batch that divides over the devices")
+        smallest = min(every, key=lambda r: r.peak_bytes)
+        raise error("no-fit", f"nothing fits {format_bytes(budget)} per device: the smallest predicted peak is "
+                    f"{format_bytes(smallest.peak_bytes)} ({smallest.candidate.label()})",
+                    notes=(f"searched {len(every)} strategies in {elapsed:.1f} s",),
+                    hint=f"raise --memory to at least {format_bytes(smallest.peak_bytes)} "
+                         f"({smallest.peak_bytes} bytes), use more devices, or a smaller --batch-size")
+    shown = fits[: args.top]
+    measured = _verify(args.model, fits[: args.verify], batch) if args.verify else []
+    if args.output:
+        best = fits[0].candidate
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(f"# chosen by `piper tune --devices {args.devices} --memory {args.memory} --batch-size {batch}`: "
+                    f"predicted step {fits[0].step_s * 1e3:.1f} ms, peak {format_bytes(fits[0].peak_bytes)} per device\n"
+                    + best.script())
+    if args.format == "json":
+        rows = []
+        for i, r in enumerate(shown):
+            d = r.as_dict()
+            if i < len(measured):
+                d["measured_step_s"], d["measured_peak_bytes"] = measured[i]
+            rows.append(d)
+        sys.stdout.write(json.dumps(rows, indent=1) + "\n")
+        return 0
+    table = Table(title=f"piper tune: {len(fits)} of {len(every)} strategies fit {format_bytes(budget)} per device "
+                        f"({args.devices} devices, batch {batch}; searched in {elapsed:.1f} s)")
+    columns = ["#", "strategy", "step (predicted)", "bubble", "peak / device (predicted)"]
+    if measured:
+        columns += ["step (measured)", "peak (measured)"]
+    for col in columns:
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for i, r in enumerate(shown):
+        row = [str(i + 1), r.candidate.label(), f"{r.step_s * 1e3:.1f} ms", f"{r.bubble:.0%}",
+               format_bytes(r.peak_bytes) + ("" if r.exact else " ~")]
+        if measured:
+            row += ([f"{measured[i][0] * 1e3:.1f} ms", format_bytes(measured[i][1])] if i < len(measured)
+                    else ["", ""])
+        table.add_row(*row)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console.print(table)
+    console.print("[dim]~: activations scaled from another microbatch size; costs measured on this machine "
+                  "(cached); -o writes the best as a .pps[/]")
+    if args.output:
+        console.print(f"wrote {args.output}: {fits[0].candidate.label()}")
+    return 0
+
+
+def _usage(message: str):
+    from ..cli import _Usage
+
+    return _Usage(message)

@@ -1,0 +1,289 @@
+"""`shard experts over AXIS` on the driver: find the MoE layers of a captured
+program, check the statement against them, and say what each device holds.
+
+A MoE layer is a `piper::moe_dispatch` node in a region graph (`piper.nn.MoE`
+or any layer built on `piper.nn.dispatch`); an expert weight is a parameter
+fed straight into `piper::expert_mm`. Under `shard experts over dp` member `i`
+of each expert group (the devices of a region, ordered along dp) holds rows
+`[i * E/n, (i + 1) * E/n)` of every expert weight, with its gradients and
+optimizer state; the rest of the model keeps whatever dp/ZeRO says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..diagnostics import Label, error
+from .dag import IR
+
+if TYPE_CHECKING:
+    from ..frontend.capture import Program
+
+DISPATCH = "piper.moe_dispatch.default"
+EXPERT_MM = "piper.expert_mm.default"
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    region: int
+    num_experts: int
+    source: str | None        # "file:line" of the layer's dispatch
+
+
+def _op_name(node) -> str:
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return ""
+    return f"{target.namespace}.{schema.name.split('::')[1]}.{target._overloadname}"
+
+
+def moe_layers(program: Program) -> list[MoELayer]:
+    """Every dispatch in the program's region graphs, in region order."""
+    from ..frontend.capture import _stack_line
+
+    layers = []
+    for region in program.regions:
+        if region.graph is None:
+            continue
+        for node in region.graph.graph.nodes:
+            if node.op == "call_function" and _op_name(node) == DISPATCH:
+                layers.append(MoELayer(region.index, int(node.args[2]), _stack_line(node)))
+    return layers
+
+
+def expert_params(program: Program) -> dict[str, int]:
+    """Expert weight name -> its number of experts (dim 0), for weights fed straight into expert_mm."""
+    from ..frontend.capture import PARAM
+
+    found: dict[str, int] = {}
+    for region in program.regions:
+        if region.graph is None:
+            continue
+        placeholders = [n for n in region.graph.graph.nodes if n.op == "placeholder"]
+        ref = {p: inp for p, inp in zip(placeholders, region.inputs)}
+        for node in region.graph.graph.nodes:
+            if node.op == "call_function" and _op_name(node) == EXPERT_MM:
+                weight = node.args[2]
+                inp = ref.get(weight)
+                if inp is not None and inp.kind == PARAM:
+                    found[inp.ref] = program.params[inp.ref].shape[0]
+    return found
+
+
+def check(program: Program, ir: IR) -> None:
+    """Errors for a `shard experts` the program cannot take (none without the statement).
+
+    Abstract programs (`--regions PP=4`, no graphs) have no layers to check.
+    """
+    axis = ir.sharded("experts")
+    if axis is None:
+        return
+    span = ir.sharding_span("experts")
+    batch = ir.batch_axes()
+    if tuple(batch) != (axis,):
+        first = ir.sharding_span("batch")
+        raise error("unsupported-sharding", f"experts are sharded over `{axis}` but the batch is sharded over "
+                    f"{', '.join(f'`{a}`' for a in batch) or 'nothing'}", span=span,
+                    labels=(Label(first, "batch sharded here"),) if first else (),
+                    hint=f"shard the batch over `{axis}` alone (`shard batch over {axis}`): expert parallelism "
+                         "sends each replica's tokens to the replica holding their expert")
+    if any(r.graph is None for r in program.regions):
+        return
+    size = ir.mesh.size(axis)
+    layers = moe_layers(program)
+    if not layers:
+        raise error("no-experts", f"`shard experts over {axis}` but the model has no MoE layer", span=span,
+                    notes=("a MoE layer is a piper.nn.MoE, or a layer that calls piper.nn.dispatch/combine",),
+                    hint="drop the statement, or build the feed-forward with piper.nn.MoE")
+    for layer in layers:
+        if layer.num_experts % size:
+            where = f" (at {layer.source})" if layer.source else ""
+            raise error("indivisible-experts", f"a MoE layer in region {ir.regions[layer.region].label}{where} has "
+                        f"{layer.num_experts} experts, which do not divide over `{axis}` of size {size}",
+                        span=span,
+                        hint=f"use a multiple of {size} experts, or shard them over an axis whose size divides "
+                             f"{layer.num_experts}")
+    for name, experts in expert_params(program).items():
+        if experts % size:
+            raise error("indivisible-experts", f"expert weight `{name}` has {experts} experts, which do not divide "
+                        f"over `{axis}` of size {size}", span=span,
+                        hint=f"use a multiple of {size} experts")
+
+
+def groups(ir: IR) -> tuple[tuple[int, ...], ...]:
+    """The expert groups: each region's devices, ordered along the experts' axis."""
+    axis = ir.sharded("experts")
+    if axis is None:
+        return ()
+    mesh = ir.mesh
+    found = []
+    for r in ir.regions:
+        ranks = tuple(sorted(ir.devices_of(r.index), key=lambda rank: mesh.coords(rank)[axis]))
+        if ranks not in found:
+            found.append(ranks)
+    return tuple(found)
+
+
+def holdings(program: Program, ir: IR, rank: int) -> dict[int, dict[str, tuple[int, int]]]:
+    """Unit (owner region) -> expert weight -> the rows `[lo, hi)` of dim 0 this rank holds."""
+    axis = ir.sharded("experts")
+    if axis is None:
+        return {}
+    out: dict[int, dict[str, tuple[int, int]]] = {}
+    for name, experts in expert_params(program).items():
+        owner = program.owner(name)
+        devices = ir.devices_of(owner)
+        if rank not in devices:
+            continue
+        ranks = sorted(devices, key=lambda r: ir.mesh.coords(r)[axis])
+        per = experts // len(ranks)
+        i = ranks.index(rank)
+        out.setdefault(owner, {})[name] = (i * per, (i + 1) * per)
+    return out
+
+
+def slots_lanes(job) -> int:
+    """How many lanes the job's overlapped slots can run at once (1: every item in turn)."""
+    if not job.concurrent:
+        return 1
+    lanes = getattr(job, "_expert_lanes", None)     # the same for every rank: computed once per job
+    if lanes is None:
+        lanes = job._expert_lanes = max([len(slot) for slots in job._multi_slots().values() for slot in slots] + [1])
+    return lanes
+
+
+def expert_spec(program: Program, ir: IR, rank: int, params: dict, lanes: int):
+    """(the worker's `ExpertSpec`, its initial expert rows by weight name)."""
+    from ..runtime.experts import ExpertSpec
+
+    held = holdings(program, ir, rank)
+    init = {name: params[name].detach()[lo:hi].cpu().clone()
+            for names in held.values() for name, (lo, hi) in names.items()}
+    shapes = {name: tuple(params[name].shape) for names in held.values() for name in names}
+    return ExpertSpec(groups(ir), lanes, held, shapes), init
+
+
+def expert_state(ir: IR, program: Program, weights: dict[str, int], shards: dict) -> dict:
+    """Full expert weights from every rank's rows (`Job.state_dict`)."""
+    import torch
+
+    axis = ir.sharded("experts")
+    out = {}
+    for name in weights:
+        devices = ir.devices_of(program.owner(name))
+        ranks = sorted(devices, key=lambda r: ir.mesh.coords(r)[axis])
+        out[name] = torch.cat([shards[r]["experts"][name] for r in ranks])
+    return out
+
+
+def moe_regions(program: Program) -> dict[int, int]:
+    """Region -> how many MoE layers it holds."""
+    out: dict[int, int] = {}
+    for layer in moe_layers(program):
+        out[layer.region] = out.get(layer.region, 0) + 1
+    return out
+
+
+def exchanges_by_region(program: Program, ir: IR) -> dict[int, int]:
+    """Region -> how many exchanges its passes are cut into (`piper.ir.moe_cut`: two per MoE
+    layer), for the regions the plan cuts: under `shard experts`, on more than one
+    device, with MoE layers that alternate dispatch and combine. 0 for the other MoE
+    regions, whose compute issues its all-to-alls from inside its graph. (A recomputed
+    region is cut too: each piece keeps its inputs and runs again in its backward, so
+    no exchange is repeated.)"""
+    from .moe_cut import count_exchanges
+
+    out = {}
+    for region in moe_regions(program):
+        graph = program.regions[region].graph
+        cut = graph is not None and len(ir.devices_of(region)) > 1
+        out[region] = count_exchanges(graph) if cut else 0
+    return out
+
+
+def _cut_pass(n, exchanges: int) -> tuple[list, list]:
+    """The pieces and exchanges of pass `n` in run order, and the data edges between them.
+
+    before: 0F3                         after: 0F3 0ALL_TO_ALL_F3.0 0F3.1 0ALL_TO_ALL_F3.1 0F3.2
+    before: 0B3                         after: 0B3.2 0ALL_TO_ALL_B3.1 0B3.1 0ALL_TO_ALL_B3.0 0B3
+    Piece 0 keeps the pass's token: it is where a forward starts and a backward ends.
+    """
+    from .dag import Edge, Node
+
+    def piece(p):
+        return n if p == 0 else Node(n.op, n.region, n.mb, value=p, devices=n.devices, stream=n.stream)
+
+    def exchange(k):
+        return Node("ALL_TO_ALL", n.region, n.mb, n.op, value=k, devices=n.devices, stream="ep")
+
+    if n.op == "F":
+        seq = [piece(0)]
+        for k in range(exchanges):
+            seq += [exchange(k), piece(k + 1)]
+    else:
+        seq = [piece(exchanges)]
+        for k in reversed(range(exchanges)):
+            seq += [exchange(k), piece(k)]
+    return seq, [Edge(a.key, b.key) for a, b in zip(seq, seq[1:])]
+
+
+def add_all_to_alls(compiled, program: Program):
+    """Under `shard experts`: cut every pass that moves tokens at its all-to-alls.
+
+    before: 0F3 0SEND_F3>1.0            after: 0F3 0ALL_TO_ALL_F3.0 0F3.1 0ALL_TO_ALL_F3.1 0F3.2 0SEND_F3>1.0
+    A forward of a region with MoE layers becomes its pieces (before the first
+    dispatch, each layer's experts, after each combine) with an ALL_TO_ALL
+    action between each two: the layer's dispatch (counts, then rows) and its
+    combine. Its backward (B, or BI after `split B`) is the mirror image; BW
+    moves no tokens and stays one action. The executor issues each exchange
+    on the expert group of the lane that runs it and the next piece waits for
+    it, so work the plan puts between them runs while the tokens travel
+    (`piper.runtime.moe_pieces`). Data edges into a forward keep reaching its
+    first piece and those out of it leave from its last; a backward the other
+    way round. Temporal edges (the `order`) stay on the pass's own token.
+
+    A region that cannot be cut (`exchanges_by_region` gives 0) keeps one
+    ALL_TO_ALL after each such pass, standing for the exchanges its compute
+    issues from inside its graph: a marker for the plans, the collective-order
+    check and the simulator's costs.
+    """
+    from ..compiler.plans import Compiled, project
+    from .dag import Edge, Node
+
+    if compiled.ir.sharded("experts") is None:
+        return compiled
+    regions = moe_regions(program)
+    if not regions:
+        return compiled
+    ir = compiled.ir
+    cuts = exchanges_by_region(program, ir)
+    order, edges = [], []
+    moved_src, moved_dst = {}, {}          # a pass's token -> the piece its outgoing / incoming edges move to
+    release = {a.key: a.release for plan in compiled.plans.values() for a in plan
+               if a is not None and a.node.is_compute and a.release}
+    for n in compiled.order:
+        if n.op not in ("F", "B", "BI") or n.region not in regions or len(n.devices) < 2:
+            order.append(n)
+        elif cuts.get(n.region):
+            seq, inner = _cut_pass(n, cuts[n.region])
+            order += seq
+            edges += inner
+            if n.op == "F":
+                moved_src[n.key] = seq[-1].key
+                if n.key in release:           # the parameters stay until the last piece is done
+                    release[seq[-1].key] = release.pop(n.key)
+            else:
+                moved_dst[n.key] = seq[0].key
+        else:
+            order.append(n)
+            a2a = Node("ALL_TO_ALL", n.region, n.mb, n.op, devices=n.devices, stream="ep")
+            order.append(a2a)
+            edges.append(Edge(n.key, a2a.key))
+    kept = []
+    for e in ir.edges:
+        if e.kind == "data" and (e.src in moved_src or e.dst in moved_dst):
+            e = Edge(moved_src.get(e.src, e.src), moved_dst.get(e.dst, e.dst), e.kind, e.span)
+        kept.append(e)
+    ir = ir.with_(nodes=tuple(order), edges=tuple(kept) + tuple(edges))
+    return Compiled(ir, order, project(ir, order, release), compiled.zero, compiled.warnings)

@@ -1,0 +1,325 @@
+"""The four statements as rewrites of the IR: `split`, `place`, `shard`, `order`.
+
+Each takes an IR and a directive and returns a new IR; none mutates its input.
+The `.pps` interpreter and `@piper.strategy` both end here, through `apply`.
+Communication is not inserted here: the compiler's lowering passes add
+SEND/RECV and collectives once every statement has run, so `place` and `shard`
+commute.
+"""
+from __future__ import annotations
+
+
+from ..frontend.capture import Program
+from ..diagnostics import Label, did_you_mean, error
+from ..frontend.directives import Directive, Order, Place, Recompute, Shard, Split
+from .dag import _IDENTITY, _PASSES, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
+from ..mesh import Mesh
+from ..frontend.selectors import Selector
+
+_tuple_new = tuple.__new__
+
+
+def initial_ir(program: Program, mesh: Mesh) -> IR:
+    """The unsplit, unplaced DAG of a captured program: one microbatch.
+
+    For a chain of two regions:  0F0 -> 1F0 -> 1B0 -> 0B0 -> 0UPD, 1B0 -> 1UPD
+    (plus 0F0 -> 0B0: backward needs what forward saved).
+    """
+    owner = {}
+    for region in program.regions:
+        for p in region.params:
+            owner.setdefault(p, region.index)
+    regions = tuple(RegionInfo(r.index, r.tags, r.params, tuple(p for p in r.params if owner[p] == r.index), r.loss)
+                    for r in program.regions)
+    values = tuple(ValueInfo(v.producer, v.index, v.consumers, v.differentiable) for v in program.values)
+    nodes = []
+    for r in regions:
+        nodes += [Node("F", r.index, 0), Node("B", r.index, 0)]
+    nodes += [Node("UPD", r.index) for r in regions if r.owned]
+    edges: dict[tuple, Edge] = {}
+
+    def add(src: Node, dst: Node):
+        edges.setdefault((src.key, dst.key), Edge(src.key, dst.key))
+
+    for v in values:
+        for c in v.consumers:
+            add(Node("F", v.producer, 0), Node("F", c, 0))
+            if v.differentiable:
+                add(Node("B", c, 0), Node("B", v.producer, 0))
+    for r in regions:
+        add(Node("F", r.index, 0), Node("B", r.index, 0))
+        for o in sorted({owner[p] for p in r.params}):
+            add(Node("B", r.index, 0), Node("UPD", o))
+    return IR(mesh, regions, values, tuple(nodes), tuple(edges.values()))
+
+
+def apply(ir: IR, directive: Directive) -> IR:
+    """Apply one directive; dispatch to the function for its statement."""
+    if isinstance(directive, Split):
+        return split_backward(ir, directive) if directive.what == "B" else split_microbatches(ir, directive)
+    if isinstance(directive, Place):
+        return place(ir, directive)
+    if isinstance(directive, Shard):
+        return shard(ir, directive)
+    if isinstance(directive, Order):
+        return order(ir, directive)
+    if isinstance(directive, Recompute):
+        from .recompute import recompute
+
+        return recompute(ir, directive)
+    raise TypeError(f"not a directive: {directive!r}")
+
+
+def apply_all(ir: IR, directives) -> IR:
+    """Apply the directives in turn.
+
+    A run of `order` statements (a pipeline schedule has one per stage) adds
+    its edges in one go: `order` reads the nodes, never the edges, so this is
+    `apply` one at a time without copying the growing edge tuple per statement.
+    Two statements may order the same pair: the IR keeps its edges distinct.
+    """
+    pending: list[Edge] = []
+    for d in directives:
+        if isinstance(d, Order):
+            pending += order_edges(ir, d)
+            continue
+        if pending:
+            ir, pending = ir.with_(edges=_add_ordered(ir.edges, pending)), []
+        ir = apply(ir, d)
+    if pending:
+        ir = ir.with_(edges=_add_ordered(ir.edges, pending))
+    return ir
+
+
+def split_microbatches(ir: IR, d: Split) -> IR:
+    """`split MB into n`: copy every F/B/BI/BW per microbatch; UPD waits for all.
+
+    before: 0F0 -> 0B0 -> 0UPD
+    after (n=2): 0F0 -> 0B0 -> 0UPD, 0F1 -> 0B1 -> 0UPD
+    """
+    if d.what != "MB":
+        raise error("bad-split", f"cannot split `{d.what}`", span=d.span,
+                    hint="write `split MB into N` for microbatches or `split B into BI, BW`")
+    if ir.microbatches != 1:
+        raise error("split-twice", f"the batch is already split into {ir.microbatches} microbatches",
+                    span=d.span, labels=(Label(ir.split_span, "split here first"),) if ir.split_span else (),
+                    hint="keep one `split MB into N`")
+    if any(e.kind == "temporal" for e in ir.edges):
+        raise error("order-before-split", "`split MB` comes after an `order` statement", span=d.span,
+                    hint="split the batch first, then order the microbatches")
+    n = d.count
+    mbs = list(range(n))       # one int object per microbatch, shared by every copy
+    nodes = []
+    copies: dict[str, list[Node]] = {}     # key -> the node in each microbatch
+    for node in ir.nodes:
+        if node.mb is not None:
+            copies[node.key] = per = _per_microbatch(node, mbs)
+            nodes += per
+        else:
+            copies[node.key] = [node] * n
+            nodes.append(node)
+    keys = {key: [c[8] for c in per] for key, per in copies.items()}
+    edges = []
+    for src, dst, kind, span in ir.edges:
+        edges += [_tuple_new(Edge, (s, t, kind, span)) for s, t in zip(keys[src], keys[dst])]
+    # Copies of distinct edges are distinct unless both ends are once-per-step nodes (UPD).
+    once = {node.key for node in ir.nodes if node.mb is None}
+    if len(set(ir.edges)) != len(ir.edges) or any(e.src in once and e.dst in once for e in ir.edges):
+        edges = distinct_edges(edges)
+    return ir.with_(nodes=tuple(nodes), edges=tuple(edges), microbatches=n, split_span=d.span)
+
+
+def _per_microbatch(node: Node, mbs: list[int]) -> list[Node]:
+    """`[node.but(mb=m) for m in mbs]`; a pass's keys differ only in the
+    microbatch, so each is one join rather than a `node_key` call."""
+    op, region, _, phase, value, peer, devices, stream, _ = node
+    if op not in _PASSES or value:
+        return [node.but(mb=m) for m in mbs]
+    head = f"{region}{op}"
+    return [_tuple_new(Node, (op, region, m, phase, value, peer, devices, stream, f"{head}{m}")) for m in mbs]
+
+
+def split_backward(ir: IR, d: Split) -> IR:
+    """`split B into BI, BW`: backward for inputs, then backward for weights.
+
+    before: 1F0 -> 1B0 -> 0B0, 1B0 -> 1UPD
+    after:  1F0 -> 1BI0 -> 1BW0 -> 1UPD, 1BI0 -> 0BI0, 1BI0 -> 0BW0
+    BI carries the gradient on to earlier regions; BW may run later, filling bubbles.
+    """
+    if ir.backward_split:
+        raise error("split-twice", "backward is already split into BI and BW", span=d.span,
+                    labels=(Label(ir.split_b_span, "split here first"),) if ir.split_b_span else (),
+                    hint="keep one `split B into BI, BW`")
+    index = ir.index()
+    nodes = []
+    for node in ir.nodes:
+        if node.op == "B":
+            nodes += [node.but(op="BI"), node.but(op="BW")]
+        else:
+            nodes.append(node)
+    edges = []
+    for e in ir.edges:
+        src, dst = index[e.src], index[e.dst]
+        if src.op == "B" and dst.op == "B":       # gradient to an earlier region
+            bi = src.but(op="BI")
+            edges += [Edge(bi.key, dst.but(op="BI").key, e.kind, e.span),
+                      Edge(bi.key, dst.but(op="BW").key, e.kind, e.span)]
+        elif src.op == "B":                       # to UPD: weights' gradients
+            edges.append(Edge(src.but(op="BW").key, dst.key, e.kind, e.span))
+        elif dst.op == "B":                       # saved activations: both halves need them
+            edges += [Edge(src.key, dst.but(op="BI").key, e.kind, e.span),
+                      Edge(src.key, dst.but(op="BW").key, e.kind, e.span)]
+        else:
+            edges.append(e)
+    for node in ir.nodes:
+        if node.op == "B":
+            edges.append(Edge(node.but(op="BI").key, node.but(op="BW").key))
+    return ir.with_(nodes=tuple(nodes), edges=distinct_edges(edges), backward_split=True, split_b_span=d.span)
+
+
+def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
+    """The regions a selector's region tags pick; an error naming the known tags if none."""
+    found = [r for r in ir.regions if selector.matches_region(dict(r.tags))]
+    if not found:
+        known_tags = sorted({k for r in ir.regions for k, _ in r.tags})
+        labels = ", ".join(r.label for r in ir.regions) or "(none)"
+        hint = None
+        for name, _ in selector.region_tags():
+            if name not in known_tags:
+                hint = did_you_mean(name, known_tags)
+        raise error("unknown-region", f"`{selector}` matches no region of the model", span=span,
+                    notes=(f"the model's regions are {labels}",),
+                    hint=hint or "check the tag and index against the model's piper.annotate blocks")
+    return found
+
+
+def place(ir: IR, d: Place) -> IR:
+    """`place PP=1 on pp[1]`: the regions the selector picks run on that device group.
+
+    before: node 1F0          after: place 1 @1,3   (mesh dp=2, pp=2)
+    """
+    if d.selector.op is not None:
+        raise error("bad-place", f"place takes regions, not passes: `{d.selector}`", span=d.span,
+                    hint="write `place PP=1 on pp[1]`")
+    if d.group.mesh != ir.mesh:
+        raise error("mesh-mismatch", "this device group belongs to another mesh", span=d.span,
+                    hint="take groups from the job's mesh (s.mesh)")
+    ranks = d.group.ranks
+    placed = {r: ir.placement_span(r) for r, _ in ir.placement}
+    chosen = regions_matching(ir, d.selector, d.span)
+    for region in chosen:
+        if region.index in placed:
+            labels = (Label(placed[region.index], "first placed here"),) if placed[region.index] else ()
+            raise error("placed-twice", f"region {region.label} is placed twice", span=d.span, labels=labels,
+                        hint="place each region once; to run one region on several devices, place it on a "
+                             "group such as pp[0] and shard the batch over the other axis")
+    targets = {r.index for r in chosen}
+    placement = ir.placement + tuple((r, ranks) for r in sorted(targets))
+    spans = ir.placement_spans + tuple(d.span for _ in targets)
+    # Nodes get their devices in lowering (`resolve_placement`), in one pass.
+    return ir.with_(placement=placement, placement_spans=spans)
+
+
+def shard(ir: IR, d: Shard) -> IR:
+    """`shard batch over dp` (data parallel), `shard optimizer, grads, params over dp` (ZeRO-3).
+
+    Records what is divided over which axis; lowering inserts the collectives
+    (ALL_REDUCE for DP, REDUCE_SCATTER + ALL_GATHER for ZeRO).
+    """
+    ir.mesh.check_axis(d.over, span=d.span)
+    records, spans = list(ir.sharding), list(ir.sharding_spans)
+    for what in d.what:
+        previous = ir.sharded(what) if what != "batch" else (d.over if d.over in ir.batch_axes() else None)
+        if previous is not None:
+            first = ir.sharding_span(what)
+            raise error("sharded-twice", f"`{what}` is already sharded over `{previous}`", span=d.span,
+                        labels=(Label(first, "sharded here first"),) if first else (),
+                        hint="shard each thing once")
+        records.append((what, d.over))
+        spans.append(d.span)
+    return ir.with_(sharding=tuple(records), sharding_spans=tuple(spans))
+
+
+def order(ir: IR, d: Order) -> IR:
+    """`order PP=0: F(MB=0); F(MB=1); B(MB=0); ...`: the slots run one after another.
+
+    Adds a temporal edge from every node of a slot to every node of the next;
+    items inside one slot may overlap, so get no edge between them.
+    before: 0F0, 0F1, 0B0 unordered     after: order 0F0 -> 0F1, order 0F1 -> 0B0
+    After `split B into BI, BW`, an item `B(MB=m)` still names the whole
+    backward: its BI and BW together, in that slot (DualPipeV mixes whole and
+    split backwards in one schedule).
+    """
+    return ir.with_(edges=_add_ordered(ir.edges, order_edges(ir, d)))
+
+
+def _add_ordered(edges: tuple[Edge, ...], new: list[Edge]) -> tuple[Edge, ...]:
+    """`edges` and the temporal edges `new`, distinct. Two statements may order the same
+    pair; a new temporal edge can repeat only another temporal edge, so only those are checked."""
+    temporal = [e for e in edges if e[2] == "temporal"]
+    if len(dict.fromkeys(map(_IDENTITY, temporal + new))) == len(temporal) + len(new):
+        return edges + tuple(new)
+    return distinct_edges(edges + tuple(new))
+
+
+def order_edges(ir: IR, d: Order) -> list[Edge]:
+    """The temporal edges `order` adds (each node is in one slot, so none repeats)."""
+    scope = sorted({r.index for r in regions_matching(ir, d.selector, d.span)})
+    by_pass = ir.by_pass()
+    # The usual item, F(MB=3) in an order of one region, names one node: found directly.
+    ops = ("F", "BI", "BW") if ir.backward_split else ("F", "B", "BI", "BW")
+    direct = {op: by_pass.get((op, scope[0]), {}) for op in ops} if len(scope) == 1 else {}
+    seen: dict[str, object] = {}
+    slots: list[list[Node]] = []
+    for s, slot in enumerate(d.slots):
+        spans = d.item_spans[s] if d.item_spans and len(d.item_spans) > s else ()
+        chosen: list[Node] = []
+        for i, item in enumerate(slot):
+            span = spans[i] if len(spans) > i else d.span
+            tags = item.tags
+            found = direct.get(item.op) if len(tags) == 1 and tags[0][0] == "MB" else None
+            node = found.get(tags[0][1]) if found else None
+            matches = (node,) if node is not None else _item_nodes(ir, by_pass, item, scope, span, d)
+            for n in matches:
+                if n.key in seen:
+                    raise error("ordered-twice", f"`{item}` ({n.key}) appears twice in this order", span=span,
+                                labels=(Label(seen[n.key], "first here"),) if seen[n.key] else (),
+                                hint="list each pass of each microbatch once")
+                seen[n.key] = span
+                chosen.append(n)
+        slots.append(chosen)
+    added, span = [], d.span
+    for before, after in zip(slots, slots[1:]):
+        for a in before:
+            for b in after:
+                added.append(_tuple_new(Edge, (a[8], b[8], "temporal", span)))
+    return added
+
+
+def _item_nodes(ir: IR, by_pass: dict, item: Selector, scope: list[int], span, d: Order) -> list[Node]:
+    """The compute nodes one order item names, by (mb, region, op); an error if none."""
+    if item.op is None or item.op == "UPD":
+        raise error("bad-order-item", f"`{item}` is not a pass of a microbatch", span=span,
+                    hint="order items are F, B, BI or BW with a microbatch, e.g. F(MB=0)")
+    tags = item.tags
+    if len(tags) == 1 and tags[0][0] == "MB":      # the usual item, F(MB=3): no region tags
+        regions, mb = scope, tags[0][1]
+    else:
+        region_tags = item.region_tags()
+        regions = (sorted({r.index for r in regions_matching(ir, Selector(None, region_tags), span)})
+                   if region_tags else scope)
+        mb = item.tag("MB")
+    ops = ("BI", "BW") if item.op == "B" and ir.backward_split else (item.op,)
+    if mb is None or mb == "*":
+        matches = [n for op in ops for r in regions for n in by_pass.get((op, r), {}).values()]
+    else:
+        matches = [by_pass[(op, r)][mb] for op in ops for r in regions if mb in by_pass.get((op, r), ())]
+    if not matches:
+        raise error("unknown-node", f"no node `{item}` in {d.selector}", span=span,
+                    notes=(f"the batch is split into {ir.microbatches} microbatch(es)"
+                           + ("; backward is split into BI and BW" if ir.backward_split else
+                              "; backward is one B (split B into BI, BW to order them apart)"),),
+                    hint="order only microbatches that exist, after `split MB into N`")
+    if len(matches) > 1:
+        matches.sort(key=lambda n: (n.mb, n.region, n.op))
+    return matches
