@@ -200,6 +200,14 @@ def add_transfers(ir: IR) -> IR:
                 edges += (data_edge(b_c, gsend[8]), data_edge(gsend[8], grecv[8]))
                 src_ids += (bc_at[mb], at)
                 dst_ids += (at, at + 1)
+    return _with_transfers(ir, nodes, edges, drop, (src_ids, dst_ids), number, known)
+
+
+def _with_transfers(ir: IR, nodes: list, edges: list, drop: set, ids: tuple[list[int], list[int]], number: dict,
+                    known: bool) -> IR:
+    """`ir` with the transfers' nodes and edges in place of the data edges they replace; its
+    `edge_ids` set from `ids` (the new edges' ends) when every end's position is known."""
+    src_ids, dst_ids = ids
     kept = list(compress(ir.edges, map(not_, map(drop.__contains__, map(_IDENTITY, ir.edges)))))
     # Every new edge ends at or starts from a new SEND/RECV, once per (value, consumer,
     # microbatch): none repeats another or one kept, and the IR's own are distinct.
