@@ -25,16 +25,8 @@ import torch
 from . import probes
 from .baseline_builds import BUILDS, make_model, stages_of
 
-class TorchWorker:
-    """One baseline process: joins a process group once, then hosts one baseline at a time."""
-
-    def __init__(self, rank: int, world: int, device: str = "cpu"):
-        self.rank, self.world = rank, world
-        # Ray shows a GPU actor exactly its own GPU, as device 0.
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        self.kind = None
-        self.tracker = None
+class _GroupMember:
+    """Joins one torch.distributed process group (Gloo on CPU, NCCL on CUDA) over TCP."""
 
     def rendezvous_address(self) -> str:
         with socket.socket() as s:
@@ -50,6 +42,18 @@ class TorchWorker:
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
         return os.getpid()
+
+
+class TorchWorker(_GroupMember):
+    """One baseline process: joins a process group once, then hosts one baseline at a time."""
+
+    def __init__(self, rank: int, world: int, device: str = "cpu"):
+        self.rank, self.world = rank, world
+        # Ray shows a GPU actor exactly its own GPU, as device 0.
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.kind = None
+        self.tracker = None
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, kind: str, *, model_kw: dict, model: str = "gpt", microbatches: int = 1,
