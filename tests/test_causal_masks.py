@@ -1,5 +1,6 @@
-"""Attention masks that are the constant causal mask become `is_causal=True` at capture
-(`piper/frontend/causal_masks.py`): what eager Hugging Face runs, without computing the masked half."""
+"""Attention as eager Hugging Face calls it, from what export captured: a constant causal mask becomes
+`is_causal=True` (`piper/frontend/causal_masks.py`), and then key/value heads repeated for grouped
+queries become `enable_gqa=True` (`piper/frontend/repeated_heads.py`)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,3 +92,45 @@ def test_the_rewritten_model_trains_as_on_one_device():
                                                       mesh={"dp": 2}, batches=[batch(s) for s in range(3)],
                                                       timeout=120)
     assert_same((losses, ref_losses, state, ref_state))
+
+
+class GroupedQuery(torch.nn.Module):
+    """Attention with 4 query heads over 2 key/value heads, repeated as Hugging Face's `repeat_kv` does."""
+
+    def __init__(self, make_mask, d=8, vocab=16):
+        super().__init__()
+        self.make_mask = make_mask
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.q, self.kv = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        with piper.annotate("PP"):
+            x = self.emb(idx)
+            b, t, _ = x.shape
+            q = self.q(x).view(b, t, 4, 2).transpose(1, 2)
+            k, v = (y.view(b, t, 2, 2).transpose(1, 2) for y in self.kv(x).chunk(2, dim=-1))
+            k, v = (y[:, :, None].expand(b, 2, 2, t, 2).reshape(b, 4, t, 2) for y in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.make_mask(x, idx))
+            return F.cross_entropy(self.head(y.transpose(1, 2).reshape(b, t, 8)).flatten(0, 1), targets.flatten())
+
+
+def test_repeated_key_value_heads_become_enable_gqa_once_attention_has_no_mask():
+    # The causal mask goes first (test above), then the repeat: as eager Hugging Face calls attention.
+    (call,) = attention_calls(GroupedQuery(positions_causal), batch())
+    assert call.kwargs.get("is_causal") is True and call.kwargs.get("enable_gqa") is True
+    assert [tuple(a.meta["val"].shape) for a in call.args] == [(2, 4, 6, 2), (2, 2, 6, 2), (2, 2, 6, 2)]
+    assert not any(n.target is torch.ops.aten.expand.default for n in call.graph.nodes)
+
+
+def test_repeated_heads_stay_under_a_mask_that_reads_the_batch():
+    (call,) = attention_calls(GroupedQuery(padding_and_causal), batch())
+    assert not call.kwargs.get("enable_gqa") and tuple(call.args[1].meta["val"].shape) == (2, 4, 6, 2)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_grouped_query_attention_trains_as_on_one_device():
+    torch.manual_seed(0)
+    result = train_both(GroupedQuery(positions_causal).double(), data_parallel(), mesh={"dp": 2},
+                        batches=[batch(s) for s in range(3)], timeout=120)
+    assert_same(result)

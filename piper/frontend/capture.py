@@ -222,6 +222,7 @@ def _cut(exported, model) -> Program:
         raise _mutation_error(model, mutated[0])
     found = read_inputs(exported)
     from .causal_masks import causal_attention
+    from .repeated_heads import repeated_heads
     from .exported import inline_autocast, inline_grad_islands, keep_only_loss, materialise_constants
 
     inline_autocast(gm)
@@ -230,6 +231,7 @@ def _cut(exported, model) -> Program:
     check_in_place_updates(graph, found.kind_of, model)
     loss_node = keep_only_loss(graph, exported.call_spec.out_spec)
     causal_attention(graph)
+    repeated_heads(graph)           # after the masks: only unmasked attention takes enable_gqa
 
     compute = [n for n in graph.nodes if n.op == "call_function"]
     # Export adds shape asserts with no users; they carry no data, so drop them.
