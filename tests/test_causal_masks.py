@@ -134,3 +134,11 @@ def test_grouped_query_attention_trains_as_on_one_device():
     result = train_both(GroupedQuery(positions_causal).double(), data_parallel(), mesh={"dp": 2},
                         batches=[batch(s) for s in range(3)], timeout=120)
     assert_same(result)
+
+
+def test_a_mask_too_large_to_evaluate_at_capture_stays(monkeypatch):
+    from piper.frontend import causal_masks
+
+    monkeypatch.setattr(causal_masks, "MAX_ELEMENTS", 35)       # the [2, 1, 6, 6] mask has 72
+    (call,) = attention_calls(Attention(positions_causal), batch())
+    assert len(call.args) > 3 and not call.kwargs.get("is_causal")

@@ -66,9 +66,16 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+# The largest mask evaluated at capture (elements of any tensor on the way): a [8, 1, 8192, 8192]
+# boolean mask is 512 MiB of the driver's memory, so longer contexts keep their mask as it is.
+MAX_ELEMENTS = 1 << 26
+
+
 def _constant(mask: fx.Node) -> torch.Tensor | None:
     """The mask's value, computed on the CPU, when no input's values reach it; else None."""
     ancestors = _ancestors(mask)
+    if any(getattr(n.meta.get("val"), "numel", lambda: 0)() > MAX_ELEMENTS for n in ancestors):
+        return None
     env: dict[fx.Node, object] = {}
     for n in mask.graph.nodes:          # graph order is a topological order
         if n not in ancestors:
