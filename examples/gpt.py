@@ -98,9 +98,21 @@ class Block(nn.Module):
 
 
 class StagedLM(nn.Module):
-    """What the example language models share (this GPT, examples/moe.py's MoE transformer): GPT-2's
-    initialisation, and a forward in `cfg.region_blocks` PP regions, the embeddings in the first and
-    the head and loss in the last, each piece its own `L` region with `cfg.layer_regions`."""
+    """What the example language models share (this GPT, examples/moe.py's MoE transformer): token and
+    position embeddings, `cfg.n_layer` blocks made by `block(cfg)`, a final LayerNorm and an lm head,
+    with GPT-2's initialisation; and a forward in `cfg.region_blocks` PP regions, the embeddings in the
+    first and the head and loss in the last, each piece its own `L` region with `cfg.layer_regions`."""
+
+    def __init__(self, cfg, block):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        # Not tied to wte (nanoGPT ties them): Piper does not yet support a parameter used by two regions.
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)   # the leaves in the same order as a walk of self.modules()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -135,15 +147,7 @@ class GPT(StagedLM):
     """`GPT(cfg)(idx, targets)` is the mean cross-entropy over all B*T tokens. Seed with torch.manual_seed first."""
 
     def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        # Not tied to wte (nanoGPT ties them): Piper does not yet support a parameter used by two regions.
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        super().__init__(cfg, Block)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
                 # GPT-2: scale residual projections so the residual stream's variance does not grow with depth.

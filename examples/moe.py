@@ -63,14 +63,7 @@ class MoETransformer(StagedLM):
     """`MoETransformer(cfg)(idx, targets)`: the mean cross-entropy over all tokens."""
 
     def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)   # the leaves in the same order as a walk of self.modules()
+        super().__init__(cfg, MoEBlock)
 
 
 def make_model(*, seed: int = 0, dtype=torch.float32, **overrides) -> MoETransformer:
