@@ -109,27 +109,17 @@ def inline_autocast(gm: fx.GraphModule) -> None:
                         f"block{_at(node)}: {why}",
                         hint="compute in 16 bits with precision='bf16' on piper.compile instead of autocast "
                              "in forward") from None
-        env: dict[fx.Node, fx.Node] = {}
-        outputs = ()
-        placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-        env.update(zip(placeholders, args))
-        with graph.inserting_before(node):
-            for n in traced.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    outputs = n.args[0]
-                    break
-                copied = graph.node_copy(n, lambda a: env[a])
-                val = n.meta.get("val")
-                if isinstance(val, torch.Tensor):    # fake tensors of the block's device: as meta, like the rest
-                    copied.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-                for key in ("custom", "stack_trace"):
-                    if not copied.meta.get(key) and node.meta.get(key):
-                        copied.meta[key] = node.meta[key]
-                env[n] = copied
-        _replace_call(gm, node, sub_node, [env[o] if isinstance(o, fx.Node) else o
-                                           for o in pytree.tree_leaves(outputs)])
+
+        def adjust(n, copied, node=node):
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor):    # fake tensors of the block's device: as meta, like the rest
+                copied.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+            for key in ("custom", "stack_trace"):
+                if not copied.meta.get(key) and node.meta.get(key):
+                    copied.meta[key] = node.meta[key]
+
+        outputs = _copy_before(graph, node, traced.graph, args, adjust)
+        _replace_call(gm, node, sub_node, pytree.tree_leaves(outputs))
     graph.lint()
 
 
@@ -152,27 +142,18 @@ def inline_grad_islands(gm: fx.GraphModule) -> None:
         enabled, sub_node, *args = node.args
         sub = getattr(gm, sub_node.target)
         custom = node.meta.get("custom")
-        env: dict[fx.Node, fx.Node] = {}
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        env.update(zip(placeholders, args))
-        outputs = ()
+        if any(n.op not in ("placeholder", "output", "call_function") for n in sub.graph.nodes):
+            raise error("unsupported-model", f"a `torch.no_grad()` block{_at(node)} holds a nested "
+                        "sub-graph, which Piper cannot capture yet", hint="move that block out of forward")
+
+        def adjust(n, copied, custom=custom):
+            if custom and not copied.meta.get("custom"):
+                copied.meta["custom"] = dict(custom)
+
+        outputs = _copy_before(graph, node, sub.graph, args, adjust)
         with graph.inserting_before(node):
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    outputs = n.args[0]
-                    break
-                if n.op != "call_function":
-                    raise error("unsupported-model", f"a `torch.no_grad()` block{_at(node)} holds a nested "
-                                "sub-graph, which Piper cannot capture yet", hint="move that block out of forward")
-                copied = graph.node_copy(n, lambda a: env[a])
-                if custom and not copied.meta.get("custom"):
-                    copied.meta["custom"] = dict(custom)
-                env[n] = copied
             results = []
-            for out in outputs:
-                value = env[out] if isinstance(out, fx.Node) else out
+            for value in outputs:
                 if not enabled and isinstance(value, fx.Node):
                     detached = graph.call_function(_DETACH, (value,))
                     detached.meta = dict(value.meta)
@@ -180,6 +161,24 @@ def inline_grad_islands(gm: fx.GraphModule) -> None:
                 results.append(value)
         _replace_call(gm, node, sub_node, results)
     graph.lint()
+
+
+def _copy_before(graph: fx.Graph, node: fx.Node, sub_graph: fx.Graph, args, adjust) -> list:
+    """Copy `sub_graph`'s ops into `graph` before `node`, its placeholders read as `args`;
+    `adjust(op, copy)` fixes each copy's meta. Its outputs as the copies (constants as they are)."""
+    env: dict[fx.Node, fx.Node] = dict(zip([n for n in sub_graph.nodes if n.op == "placeholder"], args))
+    outputs = ()
+    with graph.inserting_before(node):
+        for n in sub_graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                outputs = n.args[0]
+                break
+            copied = graph.node_copy(n, lambda a: env[a])
+            adjust(n, copied)
+            env[n] = copied
+    return pytree.tree_map(lambda o: env[o] if isinstance(o, fx.Node) else o, outputs)
 
 
 def _replace_call(gm: fx.GraphModule, node: fx.Node, sub_node: fx.Node, results: list) -> None:
