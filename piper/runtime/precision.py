@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
 from .clip import Deferring
 from .executor import Unit
 
@@ -80,14 +79,7 @@ class LowPrecisionUnit(Unit):
 
     def gather(self, group):
         """ZeRO-3: all-gather the 16-bit cast of every member's float32 shard."""
-        works = []
-        for bucket, low, shard in zip(self.layout.buckets, self.low, self.shard):
-            storage = low.untyped_storage()
-            if storage.size() == 0:
-                storage.resize_(bucket.padded * low.element_size())
-            works.append(comm.all_gather_into(low.data, shard.detach().to(self.dtype), group))
-        self.count()
-        return works
+        return self._gather_into(self.low, (shard.detach().to(self.dtype) for shard in self.shard), group)
 
     def release(self) -> None:
         for low in getattr(self, "low", ()):       # Unit.__init__ releases before `low` exists

@@ -71,14 +71,18 @@ class Unit(UnitGradients):
 
     def gather(self, group):
         """ZeRO-3: refill the full buffers from every member's shard (async)."""
+        return self._gather_into(self.full, (shard.detach() for shard in self.shard), group)
+
+    def _gather_into(self, buffers, shards, group):
+        """All-gather each bucket's `shards` into `buffers`, their storage brought back first."""
         works = []
-        for bucket, full, shard in zip(self.layout.buckets, self.full, self.shard):
+        for bucket, full, shard in zip(self.layout.buckets, buffers, shards):
             storage = full.untyped_storage()
             if storage.size() == 0:
                 storage.resize_(bucket.padded * full.element_size())
             # `.data` has its own version counter: refilling the storage must not look like
             # an in-place change to the parameters autograd saved in forward.
-            works.append(comm.all_gather_into(full.data, shard.detach(), group))
+            works.append(comm.all_gather_into(full.data, shard, group))
         self.count()
         return works
 
