@@ -14,14 +14,13 @@ hand-picked stdlib composition, measured side by side.
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 import time
 
 import piper
 from piper.dsl import load_strategy
 from piper.compiler.memory_model import format_bytes
-from piper.compiler.tune import Candidate, Search
+from piper.compiler.tune import Candidate, Search, measure_steps
 
 from .harness import SuiteResult, Table, ray_cluster, short_error
 
@@ -67,13 +66,7 @@ def _measure(c: Candidate, batch, steps: int):
     from examples.gpt import small_gpt
 
     with piper.compile(small_gpt(), batch, strategy=load_strategy(c.script(), file="<tune>"), timeout=600) as job:
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            job.step(*batch)
-            times.append(time.perf_counter() - start)
-        peak = max(m["step_peak"] for m in job.memory().values())
-    return statistics.median(times[1:]), peak
+        return measure_steps(job, batch, steps)
 
 
 def _tuned_vs_hand(ctx, result, quick) -> Table:

@@ -378,10 +378,20 @@ class Search:
 # ---- the command ---------------------------------------------------------------------------------
 
 
-def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) -> list[tuple[float, int]]:
-    """Run each result for `steps` steps: (median step seconds after the first, the largest step_peak)."""
+def measure_steps(job, data, steps: int) -> tuple[float, int]:
+    """`steps` steps of `job` on `data`: (median step seconds after the first, the largest step_peak)."""
     import statistics
 
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        job.step(*data)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:] or times), max(m["step_peak"] for m in job.memory().values())
+
+
+def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) -> list[tuple[float, int]]:
+    """Run each result for `steps` steps: (median step seconds after the first, the largest step_peak)."""
     import piper
 
     from ..dsl import load_strategy
@@ -400,13 +410,7 @@ def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) 
             data = example_batch(module, batch)
             with piper.compile(model, data, strategy=load_strategy(r.candidate.script(), file="<tune>"),
                                timeout=300) as job:
-                times = []
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    job.step(*data)
-                    times.append(time.perf_counter() - start)
-                peak = max(m["step_peak"] for m in job.memory().values())
-            out.append((statistics.median(times[1:] or times), peak))
+                out.append(measure_steps(job, data, steps))
     finally:
         if owned:
             ray.shutdown()
