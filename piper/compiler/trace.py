@@ -174,7 +174,7 @@ def write(document: dict, path: str) -> str:
 
 def job_trace(job, path: str, steps: int | None = None) -> str:
     """`job.trace(path)`: fetch every worker's record of its last steps and write the trace."""
-    recorded = job._get([a.trace.remote() for a in job.actors], "trace")
+    recorded = job.traced()
     if not any(rec["steps"] for rec in recorded):
         from ..diagnostics import error
 
