@@ -309,8 +309,8 @@ class _Unit:
                  "experts", "expert_grads", "expert_opt")
 
     def __init__(self, layout, zero: int, states: float, low_size: int = 0, experts: int = 0):
-        self.full = sum(b.padded * _esize(b.dtype) for b in layout.buckets) if layout else 0
-        self.shard = sum(b.shard_size * _esize(b.dtype) for b in layout.buckets) if layout else 0
+        self.full = sum(b.padded * element_size(b.dtype) for b in layout.buckets) if layout else 0
+        self.shard = sum(b.shard_size * element_size(b.dtype) for b in layout.buckets) if layout else 0
         self.low = sum(b.padded * low_size for b in layout.buckets) if layout and low_size else 0
         self.zero = zero
         self.gathered = False
@@ -341,10 +341,15 @@ class _Unit:
         return self.params() + self.grads() + self.optimizer()
 
 
-def _esize(dtype) -> int:
-    if isinstance(dtype, str):           # an abstract chain's specs name their dtype
-        dtype = getattr(torch, dtype.removeprefix("torch."))
-    return torch.empty((), dtype=dtype).element_size()
+def torch_dtype(dtype):
+    """A torch dtype (an abstract chain's specs name theirs: "torch.float32"); None stays None."""
+    if isinstance(dtype, str):
+        return getattr(torch, dtype.removeprefix("torch."))
+    return dtype
+
+
+def element_size(dtype) -> int:
+    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
 def unit_layouts(compiled, program: Program, exclude=frozenset()) -> dict:
@@ -369,7 +374,7 @@ def _expert_bytes(compiled, program: Program, rank: int) -> dict[int, int]:
             rest = 1
             for d in spec.shape[1:]:
                 rest *= d
-            out[unit] = out.get(unit, 0) + (hi - lo) * rest * _esize(spec.dtype)
+            out[unit] = out.get(unit, 0) + (hi - lo) * rest * element_size(spec.dtype)
     return out
 
 
@@ -406,7 +411,7 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
     world = compiled.ir.mesh.world_size
     ranks = list(range(world)) if ranks is None else list(ranks)
     recompute = frozenset(ir.recompute)
-    low_size = _esize(dtype) if dtype is not None else 0
+    low_size = element_size(dtype) if dtype is not None else 0
     slots = None
     out: dict[int, MemoryPrediction] = {}
     by_group: dict[tuple, MemoryPrediction] = {}

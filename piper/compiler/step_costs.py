@@ -47,17 +47,6 @@ def recompute_costs(compiled, costs: dict | None = None, *, measured=None) -> di
     return costs
 
 
-def _dtype(dtype):
-    """A torch dtype (an abstract chain's specs name theirs: "torch.float32")."""
-    if isinstance(dtype, str):
-        return getattr(torch, dtype.removeprefix("torch."))
-    return dtype
-
-
-def _esize(dtype) -> int:
-    return torch.empty((), dtype=_dtype(dtype)).element_size()
-
-
 def comm_bytes(node, *, unit_bytes: int, value_bytes: int = 0, unit_dtype=torch.float32,
                value_dtype=None, precision=None) -> float:
     """Bytes one device sends for `node` (a SEND, RECV or collective).
@@ -69,20 +58,20 @@ def comm_bytes(node, *, unit_bytes: int, value_bytes: int = 0, unit_dtype=torch.
     move the float32 masters. Ring collectives over n devices: an all-reduce moves
     2(n-1)/n of the unit, a reduce-scatter or all-gather (n-1)/n.
     """
-    from .memory_model import compute_dtype
+    from .memory_model import compute_dtype, element_size, torch_dtype
 
     dtype = compute_dtype(precision)
-    unit_dtype, value_dtype = _dtype(unit_dtype), _dtype(value_dtype)
+    unit_dtype, value_dtype = torch_dtype(unit_dtype), torch_dtype(value_dtype)
     if node.op in ("SEND", "RECV"):
         if dtype is not None and value_dtype is not None and value_dtype.is_floating_point:
-            return value_bytes * _esize(dtype) / _esize(value_dtype)
+            return value_bytes * element_size(dtype) / element_size(value_dtype)
         return float(value_bytes)
     if node.op == "ALL_TO_ALL":      # tokens of a MoE layer: not priced here (measured by job.timings())
         return 0.0
     n = len(node.devices or ()) or 1
     size = float(unit_bytes)
     if node.op == "ALL_GATHER" and node.phase and dtype is not None and unit_dtype.is_floating_point:
-        size = size * _esize(dtype) / _esize(unit_dtype)
+        size = size * element_size(dtype) / element_size(unit_dtype)
     return size * (2 * (n - 1) / n if node.op == "ALL_REDUCE" else (n - 1) / n)
 
 
