@@ -48,7 +48,7 @@ def causal_attention(graph: fx.Graph) -> int:
             node.args, node.kwargs = node.args[:3], {**rest, "is_causal": True}
             rewritten.append(mask)
     for mask in dict.fromkeys(rewritten):
-        _drop_unused(graph, mask)
+        drop_unused(graph, mask)
     return len(rewritten)
 
 
@@ -122,9 +122,9 @@ def _is_causal(mask: torch.Tensor, sdpa: fx.Node) -> bool:
     return bool(((mask == 0) == allowed).all()) and bool((mask[..., ~allowed] == float("-inf")).all())
 
 
-def _drop_unused(graph: fx.Graph, mask: fx.Node) -> None:
-    """The mask's ops that nothing reads any more, last first (inputs stay)."""
-    ancestors = _ancestors(mask)
+def drop_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """`node` and the ops it was computed from that nothing reads any more, last first (inputs stay)."""
+    ancestors = _ancestors(node)
     for n in reversed(list(graph.nodes)):
         if n in ancestors and n.op == "call_function" and not n.users:
             graph.erase_node(n)

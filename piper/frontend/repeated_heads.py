@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .causal_masks import drop_unused
+
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
@@ -37,7 +39,7 @@ def repeated_heads(graph: fx.Graph) -> int:
         node.args = (node.args[0], key[0], value[0])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
         for repeat in repeats:
-            _drop_unused(graph, repeat)
+            drop_unused(graph, repeat)
         done += 1
     return done
 
@@ -62,11 +64,3 @@ def _unrepeated(node) -> tuple[fx.Node, int] | None:
     if (eb, eh, es, ed) != (b, h, s, d) or tuple(out) != (b, h * n, s, d):
         return None
     return x, n
-
-
-def _drop_unused(graph: fx.Graph, node: fx.Node) -> None:
-    """`node` and the ops that fed only it, once nothing reads them."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users:
-        parent = node.args[0]
-        graph.erase_node(node)
-        node = parent
