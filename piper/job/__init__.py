@@ -198,12 +198,7 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
 
             pg = getattr(self, "_pg", None)
             if self._broken or self._owns_ray or not pool.give(self._pool_key, pg, self.actors):
-                for a in self.actors:
-                    ray.kill(a)
-                if pg is not None:
-                    from ray.util.placement_group import remove_placement_group
-
-                    remove_placement_group(pg)
+                pool.stop(pg, self.actors)
             if self._owns_ray:
                 ray.shutdown()
         except Exception:

@@ -108,6 +108,12 @@ def release() -> int:
     return sum(len(actors) for _, _, actors in sets)
 
 
+def stop(pg, actors: list) -> None:
+    """Kill `actors` and remove their placement group (None: they have none): a job's workers that are
+    not kept."""
+    _stop([(None, pg, actors)])
+
+
 def _stop(sets) -> None:
     if not sets:
         return
@@ -119,7 +125,8 @@ def _stop(sets) -> None:
             for _, pg, actors in sets:
                 for a in actors:
                     ray.kill(a)
-                remove_placement_group(pg)
+                if pg is not None:
+                    remove_placement_group(pg)
     except Exception:
         pass
 
