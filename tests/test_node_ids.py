@@ -68,34 +68,47 @@ def test_one_replica_per_group_simulates_as_every_device(text, regions):
     assert verified.timeline == {} and verified.busy == simulate(compiled.plans.representatives()).busy
 
 
-def _lowered_and_final(text: str, regions: int):
-    """The lowered IR and the final one `compile_ir` projects, with its order."""
-    from piper.compiler.plans import _units_used, _with_new_edges, add_collectives, add_tie_exchanges
-    from piper.ir.lower import zero_levels
+def _table_after_collectives(text: str, regions: int):
+    """`compile_ir`'s table once the collectives have joined it, and the order."""
+    from piper.compiler.plans import place_collectives, schedule_table
+    from piper.ir.lower import lower_transfers, zero_levels
 
-    ir = add_transfers(lowered(text, regions))
-    order, extra, _ = add_collectives(ir, schedule(ir), zero_levels(ir))
-    order, ties = add_tie_exchanges(ir, order, _units_used(ir))
-    return ir, ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra + ties)), order
+    table = lower_transfers(lowered(text, regions))
+    order, computes_at = schedule_table(table)
+    order, (src, dst), _ = place_collectives(table, order, zero_levels(table.ir), computes_at)
+    table.src += src
+    table.dst += dst
+    return table, order
 
 
 @pytest.mark.parametrize("text,regions", CASES + [
     ("mesh dp=2, pp=2\nuse one_f_one_b(microbatches=12) on pp\nuse zero3() on dp\n", 2)])
-def test_waits_found_through_edge_ids_are_those_a_look_up_finds(text, regions):
+def test_waits_by_number_are_those_a_look_up_finds(text, regions):
     from piper.compiler.plans import _waits_of
-    from piper.compiler.plan_waits import waits_after_lowering
+    from piper.compiler.plan_waits import waits_by_number
 
-    ir, final, order = _lowered_and_final(text, regions)
-    found = waits_after_lowering(final, order, ir)
-    assert found is not None and found == _waits_of(final, order)
+    table, _ = _table_after_collectives(text, regions)
+    found = waits_by_number(table)
+    compiled = compile_ir(lowered(text, regions))
+    assert {table.key(k): [table.key(s) for s in feeds] for k, feeds in found.items()} == \
+        _waits_of(compiled.ir, compiled.order)
     assert max(map(len, found.values())) > 8 or "microbatches=12" not in text    # a node fed by many
 
 
-def test_waits_through_edge_ids_decline_edges_that_are_not_the_lowered_ones():
-    from piper.compiler.plan_waits import waits_after_lowering
+@pytest.mark.parametrize("text,regions", CASES)
+def test_compile_ir_makes_on_read_what_the_passes_on_objects_make(text, regions):
+    """`Compiled.ir`, `.order` and the plans, made from the table when read, are what the
+    passes give an IR of objects: `add_transfers`, `schedule`, `add_collectives`, `project`."""
+    from piper.compiler.plans import _with_new_edges, add_collectives, project
+    from piper.ir.lower import zero_levels
 
-    ir, final, order = _lowered_and_final(*CASES[0])
-    assert waits_after_lowering(final.with_(edges=final.edges[1:]), order, ir) is None
+    compiled = compile_ir(lowered(text, regions))
+    ir = add_transfers(lowered(text, regions))
+    order, extra, release = add_collectives(ir, schedule(ir), zero_levels(ir))
+    assert compiled.order == order
+    assert compiled.ir == ir.with_(nodes=tuple(order), edges=_with_new_edges(ir, extra))
+    plans = project(compiled.ir, order, release)
+    assert all(compiled.plans[r] == plans[r] for r in range(compiled.ir.mesh.world_size))
 
 
 @pytest.mark.parametrize("text,regions", CASES)

@@ -16,8 +16,9 @@ def compile_directives(program, mesh, directives) -> Compiled:
     from .stage_count import explain_unplaced   # a schedule placing fewer stages than the model has
 
     with _no_cycle_collection(), explain_unplaced(program, directives):
-        compiled = compile_ir(apply_all(initial_ir(program, mesh), directives))
-        if compiled.ir.sharded("experts") is not None:      # expert parallelism: check it, add ALL_TO_ALLs
+        ir = apply_all(initial_ir(program, mesh), directives)
+        compiled = compile_ir(ir)
+        if ir.sharded("experts") is not None:      # expert parallelism: check it, add ALL_TO_ALLs
             from ..ir import experts
 
             experts.check(program, compiled.ir)

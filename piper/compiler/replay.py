@@ -35,7 +35,7 @@ class Lane:
         self.sent_at, self.sent_by, self.costs = replay.sent_at, replay.sent_by, replay.costs
         self.peers: dict[int, int | None] = {}       # id(the other side's group) -> its member for this shard
         self.now = self.spent = 0.0
-        self.done: dict[str, float] = {}       # key of a receive or collective -> when it completed
+        self.done: dict[int, float] = {}       # node number of a receive or collective -> when it completed
         # When the last collective on this group completed, and the last all-to-all (their own process
         # group): the lane's group is the only one on those streams.
         self.streams = [0.0, 0.0]
@@ -56,7 +56,7 @@ class Lane:
         self.sent_at.append(self.now)
         self.sent_by.append(self.rank * self.world + peer)
 
-    def recv(self, tag: int, peer_group: tuple, key: str) -> None:
+    def recv(self, tag: int, peer_group: tuple, key: int) -> None:
         peer = self.peers.get(id(peer_group))
         if peer is None:
             peer = self.peer(peer_group)
@@ -66,7 +66,7 @@ class Lane:
         t_send, now = self.sent_at[tag], self.now
         self.done[key] = (t_send if t_send > now else now) + 0.0
 
-    def compute(self, node, waits: tuple[str, ...]) -> None:
+    def compute(self, node, waits: tuple[int, ...]) -> None:
         t = self.now
         done = self.done
         for key in waits:
@@ -80,10 +80,9 @@ class Lane:
         self.now = t + cost
         self.spent += cost
 
-    def collective(self, node) -> None:
+    def collective(self, node, key) -> None:
         """A collective on the lane's own group: with one member simulated, it completes when
-        issued, after the group's previous one on its stream."""
-        key = node[8]
+        issued, after the group's previous one on its stream. `key` names it in `done`."""
         exchange = node[0] == "ALL_TO_ALL"
         marker = exchange and node[4] is None      # the exchanges a compute runs inside
         if not marker or key not in self.done:

@@ -12,17 +12,19 @@ goes depends on what runs before it.
 """
 from __future__ import annotations
 
-from itertools import compress
-from operator import itemgetter, not_
+from itertools import chain, compress, repeat
+from operator import add, itemgetter, mul, not_
 
 from ..diagnostics import Diagnostic, error
-from .dag import _DST, _IDENTITY, _SRC, COMPUTE, IR, Edge, Node, data_edge, node_key
+from .dag import _DST, _SRC, COMPUTE, IR, Edge, Node, node_key
+from .table import Table
 from .tied import share_across_devices
 
 _tuple_new = tuple.__new__
 _OP = itemgetter(0)
-_TRANSFER_OPS = frozenset(("SEND", "RECV"))
+_OP_REGION_MB, _KEY = itemgetter(0, 1, 2), itemgetter(8)
 _COMPUTE = frozenset(COMPUTE)
+_PASS_OPS = frozenset(("F", "B", "BI", "BW"))
 
 
 def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
@@ -119,36 +121,77 @@ def add_transfers(ir: IR) -> IR:
             1B0 -> 1SEND_B0>0.0 -> 0RECV_B0<1.0 -> 0B0
     One transfer per value, microbatch and receiving region.
 
-    The new IR's `edge_ids` come with it: every new edge's ends are known
-    positions (a new node's, or a compute's in the IR before).
+    The IR as objects, with its `edge_ids`; the compiler reads `lower_transfers`' table.
     """
-    group = {r: ir.devices_of(r) for r in range(len(ir.regions))}
-    split = ir.backward_split
-    back = "BI" if split else "B"
-    by_pass = ir.by_pass()
-    number = ir.numbering()
-    microbatches = list(range(ir.microbatches))    # one int object per microbatch, shared by every node
-    known = True        # every edge's ends are nodes of the IR, so their positions are known
+    return lower_transfers(ir).lowered_ir()
 
-    def keys(op: str, region: int) -> tuple[list[str], list[int | None]]:
-        """The keys of `op` of `region` by microbatch (shared with the nodes' own), and their positions."""
-        nonlocal known
-        found = by_pass.get((op, region), {})
-        out = [found[mb].key if mb in found else node_key(op, region, mb) for mb in microbatches]
-        at = list(map(number.get, out))
-        known = known and None not in at
-        return out, at
 
+def lower_transfers(ir: IR) -> Table:
+    """`add_transfers` as a `Table`: the transfers' nodes are numbered, not made.
+
+    For each value crossing from its producer's group to a consumer's, every
+    microbatch gets the same few transfers, so each (value, consumer) adds one
+    block of nodes and its edges as whole columns (`_transfer_block`)."""
     nodes = list(ir.nodes)
-    drop: set[tuple[str, str, str]] = set()     # the data edges the transfers replace
-    edges: list[Edge] = []
-    src_ids: list[int] = []                      # the new edges' ends, as positions in `nodes`
-    dst_ids: list[int] = []
+    number = dict(zip(map(_KEY, nodes), range(len(nodes))))
+    distinct = len(number) == len(nodes)
+    if not distinct:         # a key twice names one node, as `schedule` has always taken it
+        nodes = list(ir.index().values())
+        number = dict(zip(map(_KEY, nodes), range(len(nodes))))
+    try:
+        src0 = list(map(number.__getitem__, map(_SRC, ir.edges)))
+        dst0 = list(map(number.__getitem__, map(_DST, ir.edges)))
+    except KeyError:
+        bad = next(e for e in ir.edges if e.src not in number or e.dst not in number)
+        raise AssertionError(f"edge to unknown node {bad}") from None
+    width = len(nodes)
+    table = Table(ir, nodes, [], [], [])
+    table.vouched = distinct and _COMPUTE.issuperset(table.ops)
+    drop: set[int] = set()           # the data edges the transfers replace, as src * width + dst
+    _add_transfers(ir, table, _pass_positions(nodes, ir.microbatches), drop, width)
+    edges, hit = ir.edges, [False] * len(ir.edges)
+    if drop:
+        hit = list(map(drop.__contains__, map(add, map(mul, src0, repeat(width)), dst0)))
+        for i in compress(range(len(edges)), hit):
+            hit[i] = edges[i][2] == "data"      # an order between the same two passes stays
+    keep = list(map(not_, hit))
+    table.kept = list(compress(edges, keep))
+    table.src = list(compress(src0, keep)) + table.src
+    table.dst = list(compress(dst0, keep)) + table.dst
+    table.lowered_nodes, table.lowered_edges = len(table.nodes), len(table.src)
+    # New edges reach a new SEND/RECV or leave one, once per (value, consumer, microbatch).
+    table.distinct = len(table.src)
+    return table
+
+
+def _pass_positions(nodes: list[Node], microbatches: int) -> dict[tuple[str, int], list[int | None]]:
+    """(pass, region) -> the position of its node for each microbatch (None where missing)."""
+    found: dict[tuple[str, int], list] = {}
+    for i, (op, region, mb) in enumerate(map(_OP_REGION_MB, nodes)):
+        if op in _PASS_OPS and mb is not None and mb < microbatches:
+            at = found.get((op, region))
+            if at is None:
+                at = found[(op, region)] = [None] * microbatches
+            at[mb] = i
+    return found
+
+
+def _add_transfers(ir: IR, table: Table, positions: dict, drop: set[int], width: int) -> None:
+    """Every value's transfers into `table`, and the data edges they replace into `drop`."""
+    group = {r: ir.devices_of(r) for r in range(len(ir.regions))}
+    grad_ops = ("BI", "BW") if ir.backward_split else ("B",)
+
+    def at(op: str, region: int) -> list[int]:
+        found = positions.get((op, region))
+        if found is None or None in found:
+            mb = 0 if found is None else found.index(None)
+            raise AssertionError(f"edge to unknown node {node_key(op, region, mb)}")
+        return found
+
     for v in ir.values:
         p = v.producer
-        # One activation transfer per receiving group, named after its first consumer.
-        first_on: dict[tuple, int] = {}
-        recvs_at: dict[int, list[int]] = {}      # first consumer -> its receives' positions by microbatch
+        first_on: dict[tuple, int] = {}      # one activation transfer per receiving group, named after its first consumer
+        recvs_of: dict[int, range] = {}      # first consumer -> its receives' numbers by microbatch
         consumers = tuple(dict.fromkeys(v.consumers))
         for c in consumers:
             first_on.setdefault(group[c], c)
@@ -156,86 +199,59 @@ def add_transfers(ir: IR) -> IR:
             if group[p] == group[c]:
                 continue
             first = first_on[group[c]]
-            (forward_p, fp_at), (forward_c, fc_at), (back_c, bc_at) = keys("F", p), keys("F", c), keys(back, c)
-            grads = [keys(op, p) for op in (("BI", "BW") if split else ("B",))]
-            grads_p, gp_at = list(zip(*(k for k, _ in grads))), list(zip(*(at for _, at in grads)))
-            if c == first:
-                sends = _transfers("SEND", p, "F", v.index, first, group[p], microbatches)
-                recvs = _transfers("RECV", first, "F", v.index, p, group[c], microbatches)
-                recv_at = recvs_at[c] = []
-            else:
-                recv_keys = [node_key("RECV", first, mb, "F", v.index, p) for mb in microbatches]
-                recv_at = recvs_at[first]
+            grads = [at(op, p) for op in grad_ops]
+            ends = (at("F", p), at("F", c), at("BI" if ir.backward_split else "B", c), grads)
+            recvs_of[c] = _transfer_block(table, v, p, c, first, group, ends, recvs_of.get(first))
+            forward_p, forward_c, back_c, _ = ends
+            drop.update(map(add, map(mul, forward_p, repeat(width)), forward_c))
             if v.differentiable:
-                gsends = _transfers("SEND", c, "B", v.index, p, group[c], microbatches)
-                grecvs = _transfers("RECV", p, "B", v.index, c, group[p], microbatches)
-            for mb in microbatches:
-                f_p, f_c = forward_p[mb], forward_c[mb]
-                if c == first:
-                    send, recv = sends[mb], recvs[mb]
-                    at = len(nodes)
-                    nodes += (send, recv)
-                    recv_key = recv[8]
-                    recv_at.append(at + 1)
-                    edges += (data_edge(f_p, send[8]), data_edge(send[8], recv_key))
-                    src_ids += (fp_at[mb], at)
-                    dst_ids += (at, at + 1)
-                else:
-                    recv_key = recv_keys[mb]
-                drop.add((f_p, f_c, "data"))
-                edges.append(data_edge(recv_key, f_c))
-                src_ids.append(recv_at[mb])
-                dst_ids.append(fc_at[mb])
-                if not v.differentiable:
-                    continue
-                gsend, grecv = gsends[mb], grecvs[mb]
-                at = len(nodes)
-                nodes += (gsend, grecv)
-                b_c = back_c[mb]
-                for t, t_at in zip(grads_p[mb], gp_at[mb]):
-                    drop.add((b_c, t, "data"))
-                    edges.append(data_edge(grecv[8], t))
-                    src_ids.append(at + 1)
-                    dst_ids.append(t_at)
-                edges += (data_edge(b_c, gsend[8]), data_edge(gsend[8], grecv[8]))
-                src_ids += (bc_at[mb], at)
-                dst_ids += (at, at + 1)
-    return _with_transfers(ir, nodes, edges, drop, (src_ids, dst_ids), number, known)
+                for t in grads:
+                    drop.update(map(add, map(mul, back_c, repeat(width)), t))
 
 
-def _with_transfers(ir: IR, nodes: list, edges: list, drop: set, ids: tuple[list[int], list[int]], number: dict,
-                    known: bool) -> IR:
-    """`ir` with the transfers' nodes and edges in place of the data edges they replace; its
-    `edge_ids` set from `ids` (the new edges' ends) when every end's position is known."""
-    src_ids, dst_ids = ids
-    kept = list(compress(ir.edges, map(not_, map(drop.__contains__, map(_IDENTITY, ir.edges)))))
-    # Every new edge ends at or starts from a new SEND/RECV, once per (value, consumer,
-    # microbatch): none repeats another or one kept, and the IR's own are distinct.
-    out = ir.with_(nodes=tuple(nodes), edges=(*kept, *edges))
-    ops = frozenset(map(_OP, ir.nodes))
-    if len(number) == len(ir.nodes) and ops <= _COMPUTE:
-        # The IR's keys were distinct and its nodes all computes; the new ones are one
-        # per (value, sending region, receiving region, microbatch): all distinct.
-        out.vouch_distinct(ops | _TRANSFER_OPS if edges else ops)
-    if known:
-        try:
-            kept_src = list(map(number.__getitem__, map(_SRC, kept)))
-            kept_dst = list(map(number.__getitem__, map(_DST, kept)))
-        except KeyError:       # an edge to an unknown node: `schedule` reports it
-            return out
-        out.known_edge_ids(kept_src + src_ids, kept_dst + dst_ids)
-    return out
+def _transfer_block(table: Table, v, p: int, c: int, first: int, group: dict, ends: tuple,
+                    received: range | None) -> range | None:
+    """One (value, consumer)'s transfers and edges for every microbatch, as columns.
 
-
-def _transfers(op: str, region: int, phase: str, value: int, peer: int, devices: tuple[int, ...],
-               microbatches: list[int]) -> list[Node]:
-    """`Node(op, region, mb, phase, value, peer, devices=devices)` for every
-    microbatch `mb`: the keys differ only in the microbatch, so each is one
-    join rather than a `node_key` call (add_transfers makes 100k+ of these)."""
-    head = f"{region}{op}_{phase}"
-    tail = f"{'>' if op == 'SEND' else '<'}{peer}.{value}"
-    return [_tuple_new(Node, (op, region, mb, phase, value, peer, devices, None, f"{head}{mb}{tail}"))
-            for mb in microbatches]
+    Per microbatch, in the order the edges have always come: the consumer that
+    names the transfer gets SEND, RECV (`fp -> S -> R -> fc`); another on the
+    same group reads the first's receive (`R -> fc`); a differentiable value's
+    gradient comes back (`GR -> each grad pass`, `bc -> GS -> GR`). Returns the
+    numbers of the activation receives, when this consumer made them."""
+    forward_p, forward_c, back_c, grads = ends
+    count = len(forward_p)
+    i, gp, gc = v.index, group[p], group[c]
+    specs, peers = [], []
+    if c == first:
+        specs += [("SEND", p, "F", i, first, gp), ("RECV", first, "F", i, p, gc)]
+        peers += [gc, gp]
+    if v.differentiable:
+        specs += [("SEND", c, "B", i, p, gc), ("RECV", p, "B", i, c, gp)]
+        peers += [gp, gc]
+    if not specs:       # a non-differentiable value a later consumer on the group reads from the first's receive
+        table.src += received
+        table.dst += forward_c
+        return None
+    base, stride = len(table.nodes), len(specs)
+    column = [range(base + off, base + stride * count, stride) for off in range(stride)]
+    # A SEND's pair is its own number, its RECV's the SEND's (the node before it).
+    table.add_block(count, specs, peers, list(chain.from_iterable(zip(*(column[off - off % 2]
+                                                                       for off in range(stride))))))
+    srcs, dsts = [], []
+    if c == first:
+        sends, received = column[0], column[1]
+        srcs += [forward_p, sends, received]
+        dsts += [sends, received, forward_c]
+    else:
+        srcs.append(received)
+        dsts.append(forward_c)
+    if v.differentiable:
+        gsends, grecvs = column[-2], column[-1]
+        srcs += [grecvs] * len(grads) + [back_c, gsends]
+        dsts += [*grads, gsends, grecvs]
+    table.src += chain.from_iterable(zip(*srcs))
+    table.dst += chain.from_iterable(zip(*dsts))
+    return column[1] if c == first else None
 
 
 def temporal_edges(ir: IR) -> list[tuple[Edge, Node, Node]]:

@@ -1,0 +1,170 @@
+"""The lowered DAG by node number: what the compiler's passes after `add_transfers` read.
+
+At 64 stages x 512 microbatches x dp 8 the lowered DAG holds 225k nodes and
+390k edges, and 129k of the nodes are SEND/RECVs that differ only in their
+microbatch. The passes from `schedule` to `project` read a few fields of each
+node (its op, its devices, the transfer it belongs to) and walk the edges by
+position. So a `Table` keeps those fields as columns and the edges as two
+lists of node numbers, and makes a transfer's `Node`, and any `Edge`, only
+when something reads it: `piper check` never does, a device's plan makes the
+nodes of its own actions, and `Compiled.ir` makes them all.
+
+Node numbers are positions in the lowered IR's `nodes`, and the edges are in
+the order of its `edges`, so `lowered_ir()` is exactly what the passes would
+have built as objects.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from itertools import compress
+from operator import itemgetter
+
+from .dag import COMPUTE, IR, Node, data_edge
+
+_tuple_new = tuple.__new__
+_OP, _DEVICES, _KEY = itemgetter(0), itemgetter(6), itemgetter(8)
+_SRC, _DST = itemgetter(0), itemgetter(1)
+_AS_SEND = itemgetter(5, 2, 3, 4, 1)     # a RECV's (peer, mb, phase, value, region): its SEND's fields
+_COMPUTE = frozenset(COMPUTE)
+_TRANSFER = frozenset(("SEND", "RECV"))
+
+
+class Table:
+    """Nodes by number as columns, edges as number pairs; objects made on first read.
+
+    - `nodes[k]`: the `Node`, or None for a transfer not made yet (`node(k)` makes it);
+    - `ops[k]`, `groups[k]`: its op and devices;
+    - `pairs[k]`: for a SEND or RECV, what names the transfer (both ends share it;
+      `project` numbers tags by it), else None; `peer_groups[k]`: the other side's devices;
+    - `src[i]`, `dst[i]`: edge i's ends. The first `len(kept)` are `kept`'s (the IR's
+      own edges, as objects: temporal ones carry spans); the rest are data edges.
+    """
+
+    __slots__ = ("ir", "nodes", "ops", "groups", "pairs", "peer_groups", "src", "dst", "kept", "distinct",
+                 "vouched", "lowered_nodes", "lowered_edges", "_blocks", "_bases", "_lowered")
+
+    def __init__(self, ir: IR, nodes: list, src: list[int], dst: list[int], kept: list, *, distinct: int = 0):
+        self.ir = ir
+        self.nodes = nodes
+        self.ops = list(map(_OP, nodes))
+        self.groups = list(map(_DEVICES, nodes))
+        if _COMPUTE.issuperset(self.ops):
+            self.pairs, self.peer_groups = [None] * len(nodes), [None] * len(nodes)
+        else:
+            placed = dict(ir.placement)
+            self.pairs = [n[1:6] if n[0] == "SEND" else _AS_SEND(n) if n[0] == "RECV" else None for n in nodes]
+            self.peer_groups = [placed.get(n[5]) if n[0] in _TRANSFER else None for n in nodes]
+        self.src, self.dst, self.kept = src, dst, kept
+        self.distinct = distinct      # the first `distinct` edges repeat no (src, dst)
+        self.vouched = False          # whether `lowered_ir()` may vouch for distinct keys and its ops
+        self.lowered_nodes, self.lowered_edges = len(nodes), len(src)
+        self._blocks: list[tuple] = []     # (base, stride, count, specs): transfers not made yet
+        self._bases: list[int] = []
+        self._lowered: IR | None = None
+
+    @classmethod
+    def of_nodes(cls, ir: IR, nodes, *, strict: bool = True) -> "Table":
+        """A table of `nodes` (every one made) and `ir`'s edges between them. A key twice is one
+        node (the last made, at the first's place). `strict`: an edge to a node not in `nodes` is
+        an error (`schedule`'s); else it is left out (what waits and plans never read)."""
+        nodes = list(nodes)
+        number = dict(zip(map(_KEY, nodes), range(len(nodes))))
+        if len(number) != len(nodes):
+            nodes = list(dict(zip(map(_KEY, nodes), nodes)).values())
+            number = dict(zip(map(_KEY, nodes), range(len(nodes))))
+        edges = list(ir.edges)
+        if strict:
+            try:
+                src = list(map(number.__getitem__, map(_SRC, edges)))
+                dst = list(map(number.__getitem__, map(_DST, edges)))
+            except KeyError:
+                bad = next(e for e in edges if e.src not in number or e.dst not in number)
+                raise AssertionError(f"edge to unknown node {bad}") from None
+        else:
+            edges = [e for e in edges if e[0] in number and e[1] in number]
+            src = list(map(number.__getitem__, map(_SRC, edges)))
+            dst = list(map(number.__getitem__, map(_DST, edges)))
+        return cls(ir, nodes, src, dst, edges)
+
+    def node(self, k: int) -> Node:
+        n = self.nodes[k]
+        if n is None:
+            base, stride, _, specs = self._blocks[bisect_right(self._bases, k) - 1]
+            mb, off = divmod(k - base, stride)
+            op, region, phase, value, peer, devices, head, tail = specs[off]
+            n = self.nodes[k] = _tuple_new(Node, (op, region, mb, phase, value, peer, devices, None,
+                                                  f"{head}{mb}{tail}"))
+        return n
+
+    def key(self, k: int) -> str:
+        return self.node(k)[8]
+
+    def add_block(self, count: int, specs: list[tuple], peers: list[tuple], pairs: list) -> int:
+        """Number `count` x len(specs) transfers, made on first read: spec `off` of microbatch
+        `mb` is node `base + mb * len(specs) + off`. `specs[off]`: (op, region, phase, value,
+        peer region, devices); `peers[off]`: the peer's devices; `pairs`: each node's pair entry
+        in the same layout. Returns `base`."""
+        base, stride = len(self.nodes), len(specs)
+        full = []
+        for op, region, phase, value, peer, devices in specs:
+            full.append((op, region, phase, value, peer, devices, f"{region}{op}_{phase}",
+                         f"{'>' if op == 'SEND' else '<'}{peer}.{value}"))
+        self.nodes += [None] * (stride * count)
+        self.ops += [s[0] for s in specs] * count
+        self.groups += [s[5] for s in specs] * count
+        self.peer_groups += peers * count
+        self.pairs += pairs
+        self._blocks.append((base, stride, count, full))
+        self._bases.append(base)
+        return base
+
+    def append(self, node: Node) -> int:
+        """Number a node made elsewhere (a collective `add_collectives` places)."""
+        self.nodes.append(node)
+        self.ops.append(node[0])
+        self.groups.append(node[6])
+        if node[0] in _TRANSFER:
+            self.pairs.append(node[1:6] if node[0] == "SEND" else _AS_SEND(node))
+            self.peer_groups.append(self.ir.devices_of(node[5]))
+        else:
+            self.pairs.append(None)
+            self.peer_groups.append(None)
+        return len(self.nodes) - 1
+
+    def make_all(self) -> list[Node]:
+        """Every node, made."""
+        nodes = self.nodes
+        for base, stride, count, specs in self._blocks:
+            end = base + stride * count
+            for off, (op, region, phase, value, peer, devices, head, tail) in enumerate(specs):
+                nodes[base + off:end:stride] = [
+                    _tuple_new(Node, (op, region, mb, phase, value, peer, devices, None, f"{head}{mb}{tail}"))
+                    for mb in range(count)]
+        self._blocks, self._bases = [], []
+        return nodes
+
+    def edge_objects(self, start: int, stop: int) -> list:
+        """Edges `start` to `stop` as `Edge`s (data edges made from their ends' keys)."""
+        kept = len(self.kept)
+        out = list(self.kept[start:min(stop, kept)])
+        if stop > kept:
+            keys = list(map(_KEY, self.make_all()))
+            lo = max(start, kept)
+            out += map(data_edge, map(keys.__getitem__, self.src[lo:stop]), map(keys.__getitem__, self.dst[lo:stop]))
+        return out
+
+    def lowered_ir(self) -> IR:
+        """The lowered IR as objects: what `add_transfers` returns (made once)."""
+        if self._lowered is None:
+            nodes = tuple(self.make_all()[:self.lowered_nodes])
+            edges = tuple(self.edge_objects(0, self.lowered_edges))
+            out = self.ir.with_(nodes=nodes, edges=edges)
+            if self.vouched:
+                out.vouch_distinct(frozenset(self.ops[:self.lowered_nodes]))
+            self._lowered = out.known_edge_ids(self.src[:self.lowered_edges], self.dst[:self.lowered_edges])
+        return self._lowered
+
+    def computes(self, order: list[int]) -> list[int]:
+        """The positions in `order` of its computes."""
+        ops = self.ops
+        return list(compress(range(len(order)), map(_COMPUTE.__contains__, map(ops.__getitem__, order))))
