@@ -7,6 +7,7 @@ DAG's `Table` as a node, with the edges that make its consumers wait for it.
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import compress
 from operator import itemgetter
 
 from ..ir.dag import IR, Edge, Node, data_edge
@@ -16,6 +17,11 @@ from ..ir.tied import units_used
 _tuple_new = tuple.__new__
 _KEY = itemgetter(8)
 _GRAD_OPS = ("B", "BW")
+_FIRST = itemgetter(0)
+
+
+def _first_position(seq: list) -> int:
+    return seq[0][0]
 
 
 def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:
@@ -23,13 +29,15 @@ def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:
     return units_used(ir)
 
 
-def _by_group(computes) -> dict[tuple, list[tuple[int, Node]]]:
-    """Device group -> its computes (but updates) with their positions in the global order."""
-    by_group: dict[tuple, list[tuple[int, Node]]] = defaultdict(list)
+def _by_group(computes, groups: dict[int, tuple]) -> dict[tuple, list[tuple[int, Node]]]:
+    """Device group -> its computes (but updates) with their positions in the global order;
+    the groups in the order of their first compute."""
+    lists: dict[tuple, list] = {}
+    of_region = {r: lists.setdefault(g, []) for r, g in groups.items()}     # regions of a group share its list
     for i, n in computes:
-        if n.op != "UPD":
-            by_group[n.devices].append((i, n))
-    return by_group
+        if n[0] != "UPD":
+            of_region[n[1]].append((i, n))
+    return {seq[0][1][6]: seq for seq in sorted((seq for seq in lists.values() if seq), key=_first_position)}
 
 
 def _gradient_runs(by_group, units) -> dict[int, list[list[tuple[int, Node]]]]:
@@ -43,9 +51,9 @@ def _gradient_runs(by_group, units) -> dict[int, list[list[tuple[int, Node]]]]:
     for seq in by_group.values():
         last: dict[int, int] = {}            # unit -> index in seq of its latest backward
         for j, (i, n) in enumerate(seq):
-            if n.op not in _GRAD_OPS:
+            if n[0] not in _GRAD_OPS:
                 continue
-            for u in units[n.region]:
+            for u in units[n[1]]:
                 if last.get(u) == j - 1:
                     runs[u][-1].append((i, n))
                 else:
@@ -95,10 +103,11 @@ def place_collectives(table: Table, order: list[int], zero: int, computes_at: li
     release: dict[int, tuple] = {}
     at = computes_at if computes_at is not None else table.computes(order)
     computes = list(zip(at, map(table.nodes.__getitem__, map(order.__getitem__, at))))
-    by_group = _by_group(computes) if zero >= 2 else {}
+    by_group = _by_group(computes, groups) if zero >= 2 else {}
     reductions = _reductions(order, computes, units, owners, _gradient_runs(by_group, units) if zero >= 2 else {})
-    update = {n[1]: (i, order[i]) for i, n in computes if n[0] == "UPD"}
-    ops, append = table.ops, table.append
+    ops, made, number = table.ops, [], len(table.nodes)
+    updates = compress(at, map("UPD".__eq__, map(ops.__getitem__, map(order.__getitem__, at))))
+    update = {table.nodes[order[i]][1]: (i, order[i]) for i in updates}
     for u in owners:
         upd = update[u][1]
         for pos, last, producers in reductions[u]:      # last: the run's last compute (None: the step's)
@@ -111,17 +120,19 @@ def place_collectives(table: Table, order: list[int], zero: int, computes_at: li
                                         f"{u}REDUCE_SCATTER_{last[0]}{last[2]}"))
             while pos + 1 < len(order) and ops[order[pos + 1]] == "SEND":
                 pos += 1   # let the gradient sends that unblock other stages go first
-            k = append(red)
+            k = number + len(made)
+            made.append(red)
             after[pos].append(k)
             edges[0].append(k)
             edges[1].append(upd)
             edges[0].extend(producers)
             edges[1].extend([k] * len(producers))
         if zero in (1, 2):
-            gather = append(Node("ALL_GATHER", u, devices=groups[u]))
-            after[update[u][0]].append(gather)
+            after[update[u][0]].append(number + len(made))
             edges[0].append(upd)
-            edges[1].append(gather)
+            edges[1].append(number + len(made))
+            made.append(Node("ALL_GATHER", u, devices=groups[u]))
+    table.extend(made)
     if zero == 3:
         _gathers(table, order, by_group, units, set(owners), groups, before, edges, release)
     out: list[int] = []
@@ -139,23 +150,25 @@ def place_collectives(table: Table, order: list[int], zero: int, computes_at: li
 def _reductions(order, computes, units, owners, runs) -> dict[int, list[tuple]]:
     """Unit -> its gradient reductions: (position of the compute it follows, that compute or
     None for the step's last, the numbers of the computes it reduces)."""
-    last_grad: dict[int, int] = {}
-    grad_producers: dict[int, list[int]] = defaultdict(list)
-    for i, n in computes:
-        if n[0] in _GRAD_OPS:
-            for u in units[n[1]]:
-                last_grad[u] = i
-                grad_producers[u].append(order[i])
     out = {}
+    alone = [u for u in owners if len(runs.get(u, ())) <= 1]
     for u in owners:
         if len(runs.get(u, ())) > 1:
             # ZeRO-2/3 hold 1/d of the gradients during the step as well: the
             # gradients of each run of backwards into a unit are reduce-scattered
             # after it, and the shards add up (FSDP's and DeepSpeed's way).
-            out[u] = [(run[-1][0], run[-1][1], [order[i] for i, _ in run]) for run in runs[u]]
-        else:
+            out[u] = [(run[-1][0], run[-1][1], list(map(order.__getitem__, map(_FIRST, run)))) for run in runs[u]]
+    if alone:       # one reduction after the step's last gradient, of every compute that makes one
+        last_grad: dict[int, int] = {}
+        grad_producers: dict[int, list[int]] = defaultdict(list)
+        for i, n in computes:
+            if n[0] in _GRAD_OPS:
+                for u in units[n[1]]:
+                    last_grad[u] = i
+                    grad_producers[u].append(order[i])
+        for u in alone:
             out[u] = [(last_grad[u], None, grad_producers[u])]
-    return out
+    return {u: out[u] for u in owners}
 
 
 def _gathers(table: Table, order: list[int], by_group, units, shared, groups, before, edges, release) -> None:
@@ -168,12 +181,16 @@ def _gathers(table: Table, order: list[int], by_group, units, shared, groups, be
     need = {r: tuple(u for u in us if u in shared) for r, us in units.items()}
     gathered: dict[tuple, tuple[int, ...]] = {}     # (region, previous region or None) -> units
     released: dict[tuple, tuple[int, ...]] = {}     # (region, next region or None) -> units
+    made = []
+    number = len(table.nodes)
     for g, seq in by_group.items():
         last = len(seq) - 1
         prev_region = None
         for j, (i, n) in enumerate(seq):
-            region = n.region
-            next_region = seq[j + 1][1].region if j < last else None
+            region = n[1]
+            next_region = seq[j + 1][1][1] if j < last else None
+            if region == prev_region == next_region:     # the same units before, now and after: nothing to do
+                continue
             pair = (region, prev_region)
             fresh = gathered.get(pair)
             if fresh is None:
@@ -183,10 +200,10 @@ def _gathers(table: Table, order: list[int], by_group, units, shared, groups, be
                 # Prefetch: issue before the previous compute on these devices.
                 where = before[seq[j - 1][0] if j > 0 else i]
                 for u in fresh:
-                    gather = table.append(Node("ALL_GATHER", u, n.mb, n.op, devices=groups[u]))
-                    where.append(gather)
-                    edges[0].append(gather)
+                    where.append(number + len(made))
+                    edges[0].append(number + len(made))
                     edges[1].append(order[i])
+                    made.append(Node("ALL_GATHER", u, n.mb, n.op, devices=groups[u]))
             pair = (region, next_region)
             free = released.get(pair)
             if free is None:
@@ -195,3 +212,4 @@ def _gathers(table: Table, order: list[int], by_group, units, shared, groups, be
             if free:        # most computes release nothing: the dict stays small for project's look-ups
                 release[order[i]] = free
             prev_region = region
+    table.extend(made)

@@ -263,7 +263,6 @@ def _sequences(table: Table, order: list[int], waits_of: dict[int, list[int]], r
     ops, groups, pairs, peer_groups, nodes = table.ops, table.groups, table.pairs, table.peer_groups, table.nodes
     sequences: dict[tuple, _Sequence] = {}
     waited: dict[tuple, set[int]] = {}
-    tags: dict = {}
     by_id: dict[int, tuple] = {}     # id(devices) -> that group's state: few groups, many nodes
     for k in order:
         op, g = ops[k], groups[k]
@@ -271,19 +270,13 @@ def _sequences(table: Table, order: list[int], waits_of: dict[int, list[int]], r
         if state is None:
             if g not in sequences:
                 sequences[g], waited[g] = _Sequence(), set()
-            seq = sequences[g]
-            state = by_id[id(g)] = (seq, seq.numbers, seq.waits, waited[g], replay.lane(g))
-        seq, numbers, waits_list, done, lane = state
+            state = by_id[id(g)] = (sequences[g].numbers, sequences[g].waits, waited[g], replay.lane(g))
+        numbers, waits_list, done, lane = state
+        numbers.append(k)
         if op == "SEND" or op == "RECV":
-            # Both sides number the transfer alike: the tag is its pair's first appearance.
-            tag, peer_group = tags.setdefault(pairs[k], len(tags)), peer_groups[k]
-            seq.positions.append(len(numbers))
-            seq.tags.append(tag)
-            seq.peer_groups.append(peer_group)
-            numbers.append(k)
             waits_list.append(())
             if lane is not None:
-                lane.send(tag, peer_group) if op == "SEND" else lane.recv(tag, peer_group, k)
+                lane.send(pairs[k], peer_groups[k]) if op == "SEND" else lane.recv(pairs[k], peer_groups[k], k)
             continue
         # Each communication is waited for once per device: after `split B` a
         # received gradient feeds both BI and BW, and BI's wait already completed it.
@@ -297,14 +290,27 @@ def _sequences(table: Table, order: list[int], waits_of: dict[int, list[int]], r
             else:
                 waits = tuple(f for f in feeds if f not in done)
                 done.update(waits)
-        numbers.append(k)
         waits_list.append(waits)
         if lane is not None:
             if op in _COMPUTE:
                 lane.compute(nodes[k], waits)
             else:
                 lane.collective(nodes[k], k)
+    _transfer_columns(table, order, sequences)
     return sequences
+
+
+def _transfer_columns(table: Table, order: list[int], sequences: dict[tuple, _Sequence]) -> None:
+    """Each sequence's SEND/RECVs as columns: where, their tags, their peers' groups.
+    Both sides number a transfer alike: its tag is where its pair first comes in `order`."""
+    ops, pairs, is_transfer = table.ops, table.pairs, _TRANSFER.__contains__
+    first = dict.fromkeys(compress(map(pairs.__getitem__, order), map(is_transfer, map(ops.__getitem__, order))))
+    tags = dict(zip(first, range(len(first))))
+    for seq in sequences.values():
+        seq.positions = list(compress(range(len(seq.numbers)), map(is_transfer, map(ops.__getitem__, seq.numbers))))
+        moved = list(map(seq.numbers.__getitem__, seq.positions))
+        seq.tags = list(map(tags.__getitem__, map(pairs.__getitem__, moved)))
+        seq.peer_groups = list(map(table.peer_groups.__getitem__, moved))
 
 
 _WAITABLE = frozenset(("RECV",) + COLLECTIVES)

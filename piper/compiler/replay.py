@@ -44,26 +44,27 @@ class Lane:
         peer = self.peers[id(group)] = self.replay.member_by_shard[group].get(self.replay.first)
         return peer
 
-    def send(self, tag: int, peer_group: tuple) -> None:
-        """`verify`'s `sent[(tag, rank, peer)] = now`, kept by tag: a send makes its tag (the
-        order puts it before its receive), so tags arrive in order; else the replay stops."""
+    def send(self, pair, peer_group: tuple) -> None:
+        """`verify`'s `sent[(tag, rank, peer)] = now`, kept by the transfer's pair (what its
+        tag numbers): a send comes first (the order puts it before its receive), else the
+        replay stops."""
         peer = self.peers.get(id(peer_group))
         if peer is None:
             peer = self.peer(peer_group)
-        if tag != len(self.sent_at) or peer is None:
+        if peer is None or pair in self.sent_at:
             self.replay.stop()
             return
-        self.sent_at.append(self.now)
-        self.sent_by.append(self.rank * self.world + peer)
+        self.sent_at[pair] = self.now
+        self.sent_by[pair] = self.rank * self.world + peer
 
-    def recv(self, tag: int, peer_group: tuple, key: int) -> None:
+    def recv(self, pair, peer_group: tuple, key: int) -> None:
         peer = self.peers.get(id(peer_group))
         if peer is None:
             peer = self.peer(peer_group)
-        if tag >= len(self.sent_at) or peer is None or self.sent_by[tag] != peer * self.world + self.rank:
+        if peer is None or self.sent_by.get(pair) != peer * self.world + self.rank:
             self.replay.stop()          # its send is not (yet) issued by the member it names
             return
-        t_send, now = self.sent_at[tag], self.now
+        t_send, now = self.sent_at[pair], self.now
         self.done[key] = (t_send if t_send > now else now) + 0.0
 
     def compute(self, node, waits: tuple[int, ...]) -> None:
@@ -104,8 +105,8 @@ class Replay:
         self.member_by_shard = member_by_shard
         self.first = shard_of[0] if world_size else ()
         self.ranks = [r for r in range(world_size) if shard_of[r] == self.first]
-        self.sent_at: list[float] = []          # by tag: when its send was issued
-        self.sent_by: list[int] = []            # by tag: sending rank * world size + receiving rank
+        self.sent_at: dict = {}          # by transfer: when its send was issued
+        self.sent_by: dict = {}          # by transfer: sending rank * world size + receiving rank
         self.lanes: dict[tuple, Lane] = {}
         self.stopped = False
 

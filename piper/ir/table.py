@@ -119,7 +119,7 @@ class Table:
         return base
 
     def append(self, node: Node) -> int:
-        """Number a node made elsewhere (a collective `add_collectives` places)."""
+        """Number a node made elsewhere (an exchange of tied weights); returns its number."""
         self.nodes.append(node)
         self.ops.append(node[0])
         self.groups.append(node[6])
@@ -130,6 +130,18 @@ class Table:
             self.pairs.append(None)
             self.peer_groups.append(None)
         return len(self.nodes) - 1
+
+    def extend(self, nodes: list[Node]) -> None:
+        """Number nodes made elsewhere (the collectives `place_collectives` adds), in turn."""
+        if not _TRANSFER.isdisjoint(map(_OP, nodes)):
+            for n in nodes:
+                self.append(n)
+            return
+        self.nodes += nodes
+        self.ops += map(_OP, nodes)
+        self.groups += map(_DEVICES, nodes)
+        self.pairs += [None] * len(nodes)
+        self.peer_groups += [None] * len(nodes)
 
     def make_all(self) -> list[Node]:
         """Every node, made."""
