@@ -19,7 +19,6 @@ from collections import namedtuple
 from collections.abc import Mapping
 from itertools import compress
 from operator import and_, itemgetter
-from dataclasses import dataclass, field
 
 from ..diagnostics import Diagnostic, error
 from ..ir.dag import COLLECTIVES, COMPUTE, IR, Edge, Node, _not_same, distinct_edges
@@ -28,7 +27,7 @@ from ..ir.table import Table
 from ..ir.tied import add_tie_exchanges, tied_params
 from .collectives import _units_used, add_collectives, place_collectives     # noqa: F401 (the compiler's passes)
 from .plan_waits import Feeds, waits_by_number
-from .replay import Replay
+from .replay import replay
 from .schedule import _compute_entries, _priority, schedule, schedule_table, schedule_with_computes  # noqa: F401
 
 _COLLECTIVE_OPS = frozenset(COLLECTIVES)
@@ -136,15 +135,17 @@ class Plans(Mapping):
     data-parallel shard. Its actions' nodes are made then, too.
     """
 
-    def __init__(self, world_size: int, group_of: dict[int, tuple], sequences: dict[tuple, "_Sequence"],
-                 peer_of, shard_of: dict[int, tuple], table: Table, release: dict[int, tuple]):
+    def __init__(self, world_size: int, group_of: dict[int, tuple], sequences: dict[tuple, list[int]],
+                 waits_at: list[tuple], peer_of, shard_of: dict[int, tuple], table: Table, release: dict[int, tuple],
+                 order: list[int]):
         self._world = world_size
         self._group_of = group_of
-        self._sequences = sequences
+        self._sequences, self._waits_at = sequences, waits_at      # group -> node numbers; node -> its waits
         self._peer_of = peer_of
         self._shard_of = shard_of
-        self._table, self._release = table, release
-        self._bases: dict[tuple, list] = {}          # group -> its actions, None where a SEND/RECV goes
+        self._table, self._release, self._order = table, release, order
+        self._tags: dict | None = None
+        self._bases: dict[tuple, tuple] = {}      # group -> (its actions, None where a SEND/RECV goes; those)
         self._cache: dict[int, tuple[Action, ...]] = {}
         # `verify`'s simulation of the representatives, run as `project` made the plans (`piper.compiler.replay`);
         # None where it could not be.
@@ -157,22 +158,27 @@ class Plans(Mapping):
             self._cache[rank] = self._plan(rank)
         return self._cache[rank]
 
-    def _base(self, group: tuple) -> list:
-        """The group's actions but its SEND/RECVs (None), made once."""
+    def _base(self, group: tuple) -> tuple[list, list[tuple]]:
+        """The group's actions but its SEND/RECVs (None), and those as (position, node number,
+        tag, peer group); made once."""
         found = self._bases.get(group)
         if found is None:
             seq, table, release = self._sequences[group], self._table, self._release
             node, key, ops = table.node, table.key, table.ops
-            found = self._bases[group] = []
-            for k, waits in zip(seq.numbers, seq.waits):
+            if self._tags is None:
+                self._tags = _tags(table, self._order)
+            actions, transfers = [], []
+            for k, waits in zip(seq, map(self._waits_at.__getitem__, seq)):
                 op = ops[k]
                 if op in _TRANSFER:
-                    found.append(None)
+                    transfers.append((len(actions), k, self._tags[table.pairs[k]], table.peer_groups[k]))
+                    actions.append(None)
                 elif op in _COMPUTE:
-                    found.append(_tuple_new(Action, (node(k), None, None, None, tuple(map(key, waits)),
-                                                     release.get(k, ()))))
+                    actions.append(_tuple_new(Action, (node(k), None, None, None, tuple(map(key, waits)),
+                                                       release.get(k, ()))))
                 else:
-                    found.append(_tuple_new(Action, (node(k), None, None, group, tuple(map(key, waits)), ())))
+                    actions.append(_tuple_new(Action, (node(k), None, None, group, tuple(map(key, waits)), ())))
+            found = self._bases[group] = (actions, transfers)
         return found
 
     def _plan(self, rank: int) -> tuple[Action, ...]:
@@ -180,11 +186,11 @@ class Plans(Mapping):
         group = self._group_of.get(rank)
         if group is None:
             return ()
-        plan = list(self._base(group))
-        seq, node = self._sequences[group], self._table.node
-        peers = {g: self._peer_of(rank, g) for g in dict.fromkeys(seq.peer_groups)}
-        for i, tag, peer_group in zip(seq.positions, seq.tags, seq.peer_groups):
-            plan[i] = _tuple_new(Action, (node(seq.numbers[i]), peers[peer_group], tag, None, (), ()))
+        actions, transfers = self._base(group)
+        plan, node = list(actions), self._table.node
+        peers = {g: self._peer_of(rank, g) for g in dict.fromkeys(t[3] for t in transfers)}
+        for i, k, tag, peer_group in transfers:
+            plan[i] = _tuple_new(Action, (node(k), peers[peer_group], tag, None, (), ()))
         return tuple(plan)
 
     def __iter__(self):
@@ -201,19 +207,6 @@ class Plans(Mapping):
         """
         first = self._shard_of[0]
         return {r: self._cache.get(r) or self._plan(r) for r in range(self._world) if self._shard_of[r] == first}
-
-
-@dataclass
-class _Sequence:
-    """A group's node numbers in order and what each waits for (numbers); its
-    SEND/RECVs also as columns: where each is, its tag, the group on the other
-    side (which picks the peer)."""
-
-    numbers: list[int] = field(default_factory=list)
-    waits: list[tuple] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    tags: list[int] = field(default_factory=list)
-    peer_groups: list[tuple] = field(default_factory=list)
 
 
 def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
@@ -249,68 +242,52 @@ def project_table(table: Table, order: list[int], release: dict[int, tuple],
     def peer_of(rank: int, group: tuple[int, ...]) -> int:
         return member_by_shard[group][shard_of[rank]]
 
-    replay = Replay(mesh.world_size, shard_of, member_by_shard)
-    sequences = _sequences(table, order, waits_of, replay)
+    sequences, waits_at = _sequences(table, order, waits_of)
     group_of = {rank: g for g in sequences for rank in g}
-    plans = Plans(mesh.world_size, group_of, sequences, peer_of, shard_of, table, release)
-    plans.replayed = replay.result(group_of)
+    plans = Plans(mesh.world_size, group_of, sequences, waits_at, peer_of, shard_of, table, release, order)
+    plans.replayed = replay(table, order, waits_at, shard_of, member_by_shard)
     return plans
 
 
-def _sequences(table: Table, order: list[int], waits_of: dict[int, list[int]], replay: Replay
-               ) -> dict[tuple, _Sequence]:
-    """Group -> its sequence: `order` walked once, each node put in its group's."""
-    ops, groups, pairs, peer_groups, nodes = table.ops, table.groups, table.pairs, table.peer_groups, table.nodes
-    sequences: dict[tuple, _Sequence] = {}
+def _sequences(table: Table, order: list[int], waits_of: dict[int, list[int]]
+               ) -> tuple[dict[tuple, list[int]], list[tuple]]:
+    """Group -> its node numbers in order (`order` walked once, each node put in its
+    group's), and what each node waits for, by number."""
+    groups = table.groups
+    sequences: dict[tuple, list[int]] = {}
     waited: dict[tuple, set[int]] = {}
+    waits_at: list[tuple] = [()] * len(groups)
     by_id: dict[int, tuple] = {}     # id(devices) -> that group's state: few groups, many nodes
+    get = waits_of.get               # a SEND or RECV is never fed by a receive or a collective
     for k in order:
-        op, g = ops[k], groups[k]
+        g = groups[k]
         state = by_id.get(id(g))
         if state is None:
             if g not in sequences:
-                sequences[g], waited[g] = _Sequence(), set()
-            state = by_id[id(g)] = (sequences[g].numbers, sequences[g].waits, waited[g], replay.lane(g))
-        numbers, waits_list, done, lane = state
+                sequences[g], waited[g] = [], set()
+            state = by_id[id(g)] = (sequences[g], waited[g])
+        numbers, done = state
         numbers.append(k)
-        if op == "SEND" or op == "RECV":
-            waits_list.append(())
-            if lane is not None:
-                lane.send(pairs[k], peer_groups[k]) if op == "SEND" else lane.recv(pairs[k], peer_groups[k], k)
-            continue
-        # Each communication is waited for once per device: after `split B` a
-        # received gradient feeds both BI and BW, and BI's wait already completed it.
-        waits = ()
-        feeds = waits_of.get(k)
+        feeds = get(k)
         if feeds:
+            # Each communication is waited for once per device: after `split B` a
+            # received gradient feeds both BI and BW, and BI's wait already completed it.
             if len(feeds) == 1:           # the usual case, without a generator
                 if feeds[0] not in done:
-                    waits = (feeds[0],)
+                    waits_at[k] = (feeds[0],)
                     done.add(feeds[0])
             else:
-                waits = tuple(f for f in feeds if f not in done)
+                waits_at[k] = waits = tuple(f for f in feeds if f not in done)
                 done.update(waits)
-        waits_list.append(waits)
-        if lane is not None:
-            if op in _COMPUTE:
-                lane.compute(nodes[k], waits)
-            else:
-                lane.collective(nodes[k], k)
-    _transfer_columns(table, order, sequences)
-    return sequences
+    return sequences, waits_at
 
 
-def _transfer_columns(table: Table, order: list[int], sequences: dict[tuple, _Sequence]) -> None:
-    """Each sequence's SEND/RECVs as columns: where, their tags, their peers' groups.
-    Both sides number a transfer alike: its tag is where its pair first comes in `order`."""
-    ops, pairs, is_transfer = table.ops, table.pairs, _TRANSFER.__contains__
-    first = dict.fromkeys(compress(map(pairs.__getitem__, order), map(is_transfer, map(ops.__getitem__, order))))
-    tags = dict(zip(first, range(len(first))))
-    for seq in sequences.values():
-        seq.positions = list(compress(range(len(seq.numbers)), map(is_transfer, map(ops.__getitem__, seq.numbers))))
-        moved = list(map(seq.numbers.__getitem__, seq.positions))
-        seq.tags = list(map(tags.__getitem__, map(pairs.__getitem__, moved)))
-        seq.peer_groups = list(map(table.peer_groups.__getitem__, moved))
+def _tags(table: Table, order: list[int]) -> dict:
+    """Transfer (its pair) -> its message tag: both sides number a transfer alike, by
+    where it first comes in `order`."""
+    ops, pairs = table.ops, table.pairs
+    first = dict.fromkeys(compress(map(pairs.__getitem__, order), map(_TRANSFER.__contains__, map(ops.__getitem__, order))))
+    return dict(zip(first, range(len(first))))
 
 
 _WAITABLE = frozenset(("RECV",) + COLLECTIVES)

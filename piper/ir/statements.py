@@ -269,6 +269,10 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
     # The usual item, F(MB=3) in an order of one region, names one node: found directly.
     ops = ("F", "BI", "BW") if ir.backward_split else ("F", "B", "BI", "BW")
     direct = {op: by_pass.get((op, scope[0]), {}) for op in ops} if len(scope) == 1 else {}
+    keys = _one_per_slot(d, direct)
+    if keys is not None:
+        span = d.span
+        return [_tuple_new(Edge, (a, b, "temporal", span)) for a, b in zip(keys, keys[1:])]
     seen: dict[str, object] = {}
     slots: list[list[Node]] = []
     for s, slot in enumerate(d.slots):
@@ -294,6 +298,30 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
             for b in after:
                 added.append(_tuple_new(Edge, (a[8], b[8], "temporal", span)))
     return added
+
+
+def _one_per_slot(d: Order, direct: dict[str, dict]) -> list[str] | None:
+    """The keys of the nodes an order names, when each slot is one item found directly (a
+    stdlib schedule's every slot) and no node comes twice; else None, and `order_edges`
+    takes the general way, which also reports what is wrong."""
+    if not direct:
+        return None
+    keys = []
+    for slot in d.slots:
+        if len(slot) != 1:
+            return None
+        item = slot[0]
+        tags = item.tags
+        if len(tags) != 1 or tags[0][0] != "MB":
+            return None
+        node = direct.get(item.op, _NONE).get(tags[0][1])
+        if node is None:
+            return None
+        keys.append(node[8])
+    return keys if len(set(keys)) == len(keys) else None
+
+
+_NONE: dict = {}
 
 
 def _item_nodes(ir: IR, by_pass: dict, item: Selector, scope: list[int], span, d: Order) -> list[Node]:
