@@ -27,7 +27,7 @@ from ..ir.table import Table
 from ..ir.tied import add_tie_exchanges, tied_params
 from .collectives import _units_used, add_collectives, place_collectives     # noqa: F401 (the compiler's passes)
 from .plan_waits import Feeds, waits_by_number
-from .replay import replay
+from .replay import walk
 from .schedule import _compute_entries, _priority, schedule, schedule_table, schedule_with_computes  # noqa: F401
 
 _COLLECTIVE_OPS = frozenset(COLLECTIVES)
@@ -132,19 +132,19 @@ class Plans(Mapping):
     its sends and receives differ. So the sequence is kept once per group, as
     node numbers of the compiler's table, and a device's plan is made when
     asked for: a runtime asks for its own, the verifier for one replica per
-    data-parallel shard. Its actions' nodes are made then, too.
+    data-parallel shard. The sequences, and the nodes of the actions, are made
+    then too: `piper check` verifies a strategy without making any.
     """
 
-    def __init__(self, world_size: int, group_of: dict[int, tuple], sequences: dict[tuple, list[int]],
-                 waits_at: list[tuple], peer_of, shard_of: dict[int, tuple], table: Table, release: dict[int, tuple],
-                 order: list[int]):
+    def __init__(self, world_size: int, table: Table, order: list[int], waits_at: list[tuple],
+                 release: dict[int, tuple], peer_of, shard_of: dict[int, tuple]):
         self._world = world_size
-        self._group_of = group_of
-        self._sequences, self._waits_at = sequences, waits_at      # group -> node numbers; node -> its waits
+        self._table, self._order, self._waits_at, self._release = table, order, waits_at, release
         self._peer_of = peer_of
         self._shard_of = shard_of
-        self._table, self._release, self._order = table, release, order
-        self._tags: dict | None = None
+        self._sequences: dict[tuple, list[int]] | None = None      # group -> its node numbers in order
+        self._group_of: dict[int, tuple] = {}
+        self._tags: dict = {}
         self._bases: dict[tuple, tuple] = {}      # group -> (its actions, None where a SEND/RECV goes; those)
         self._cache: dict[int, tuple[Action, ...]] = {}
         # `verify`'s simulation of the representatives, run as `project` made the plans (`piper.compiler.replay`);
@@ -158,20 +158,32 @@ class Plans(Mapping):
             self._cache[rank] = self._plan(rank)
         return self._cache[rank]
 
+    def _group(self, rank: int) -> tuple | None:
+        """The rank's group; the first call walks the order once for every group's sequence."""
+        if self._sequences is None:
+            groups, by_id = self._table.groups, {}
+            self._sequences = sequences = {}
+            for k in self._order:
+                numbers = by_id.get(id(groups[k]))
+                if numbers is None:
+                    numbers = by_id[id(groups[k])] = sequences.setdefault(groups[k], [])
+                numbers.append(k)
+            self._group_of = {r: g for g in sequences for r in g}
+            self._tags = _tags(self._table, self._order)
+        return self._group_of.get(rank)
+
     def _base(self, group: tuple) -> tuple[list, list[tuple]]:
         """The group's actions but its SEND/RECVs (None), and those as (position, node number,
         tag, peer group); made once."""
         found = self._bases.get(group)
         if found is None:
             seq, table, release = self._sequences[group], self._table, self._release
-            node, key, ops = table.node, table.key, table.ops
-            if self._tags is None:
-                self._tags = _tags(table, self._order)
+            node, key, ops, tags = table.node, table.key, table.ops, self._tags
             actions, transfers = [], []
             for k, waits in zip(seq, map(self._waits_at.__getitem__, seq)):
                 op = ops[k]
                 if op in _TRANSFER:
-                    transfers.append((len(actions), k, self._tags[table.pairs[k]], table.peer_groups[k]))
+                    transfers.append((len(actions), k, tags[table.pairs[k]], table.peer_groups[k]))
                     actions.append(None)
                 elif op in _COMPUTE:
                     actions.append(_tuple_new(Action, (node(k), None, None, None, tuple(map(key, waits)),
@@ -183,7 +195,7 @@ class Plans(Mapping):
 
     def _plan(self, rank: int) -> tuple[Action, ...]:
         """The group's sequence with this device's SEND/RECVs, each with its peer, in place."""
-        group = self._group_of.get(rank)
+        group = self._group(rank)
         if group is None:
             return ()
         actions, transfers = self._base(group)
@@ -224,10 +236,10 @@ def project_table(table: Table, order: list[int], release: dict[int, tuple],
                   waits_of: dict[int, list[int]]) -> Plans:
     """Each device's actions in global order, with peers, tags and waits. Every
     device of a group runs the same sequence, so it is kept once per group;
-    `verify`'s simulation runs along (`piper.compiler.replay`).
+    `verify`'s simulation runs along (`piper.compiler.replay.walk`).
 
     `order`: node numbers; `release`: the units each compute frees;
-    `waits_of`: what each node waits for (`waits_by_number`)."""
+    `waits_of`: the receives and collectives feeding each node (`waits_by_number`)."""
     ir = table.ir
     mesh = ir.mesh
     batch_axes = ir.batch_axes()
@@ -242,44 +254,10 @@ def project_table(table: Table, order: list[int], release: dict[int, tuple],
     def peer_of(rank: int, group: tuple[int, ...]) -> int:
         return member_by_shard[group][shard_of[rank]]
 
-    sequences, waits_at = _sequences(table, order, waits_of)
-    group_of = {rank: g for g in sequences for rank in g}
-    plans = Plans(mesh.world_size, group_of, sequences, waits_at, peer_of, shard_of, table, release, order)
-    plans.replayed = replay(table, order, waits_at, shard_of, member_by_shard)
+    waits_at, replayed = walk(table, order, waits_of, shard_of, member_by_shard)
+    plans = Plans(mesh.world_size, table, order, waits_at, release, peer_of, shard_of)
+    plans.replayed = replayed
     return plans
-
-
-def _sequences(table: Table, order: list[int], waits_of: dict[int, list[int]]
-               ) -> tuple[dict[tuple, list[int]], list[tuple]]:
-    """Group -> its node numbers in order (`order` walked once, each node put in its
-    group's), and what each node waits for, by number."""
-    groups = table.groups
-    sequences: dict[tuple, list[int]] = {}
-    waited: dict[tuple, set[int]] = {}
-    waits_at: list[tuple] = [()] * len(groups)
-    by_id: dict[int, tuple] = {}     # id(devices) -> that group's state: few groups, many nodes
-    get = waits_of.get               # a SEND or RECV is never fed by a receive or a collective
-    for k in order:
-        g = groups[k]
-        state = by_id.get(id(g))
-        if state is None:
-            if g not in sequences:
-                sequences[g], waited[g] = [], set()
-            state = by_id[id(g)] = (sequences[g], waited[g])
-        numbers, done = state
-        numbers.append(k)
-        feeds = get(k)
-        if feeds:
-            # Each communication is waited for once per device: after `split B` a
-            # received gradient feeds both BI and BW, and BI's wait already completed it.
-            if len(feeds) == 1:           # the usual case, without a generator
-                if feeds[0] not in done:
-                    waits_at[k] = (feeds[0],)
-                    done.add(feeds[0])
-            else:
-                waits_at[k] = waits = tuple(f for f in feeds if f not in done)
-                done.update(waits)
-    return sequences, waits_at
 
 
 def _tags(table: Table, order: list[int]) -> dict:

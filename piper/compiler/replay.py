@@ -28,55 +28,63 @@ from ..ir.table import Table
 _COMPUTE = frozenset(("F", "B", "BI", "BW", "UPD"))
 
 
-def replay(table: Table, order: list[int], waits_at: list[tuple], shard_of: dict[int, tuple],
-           member_by_shard: dict[tuple, dict]):
-    """`verify`'s Simulation of `order` (node numbers; `waits_at[k]`: what node k waits
-    for), or None where the replay stops."""
+def walk(table: Table, order: list[int], waits_of: dict[int, list[int]], shard_of: dict[int, tuple],
+         member_by_shard: dict[tuple, dict]) -> tuple[list[tuple], object]:
+    """What each node waits for (by number), and `verify`'s Simulation of `order`
+    (node numbers), or None where the replay stops.
+
+    A node waits for the receives and collectives feeding it (`waits_of`), each once
+    per device: after `split B` a received gradient feeds both BI and BW, and BI's wait
+    already completed it."""
     from .simulate import UNIT_COSTS
 
-    world = len(shard_of)
-    first = shard_of[0] if world else ()
-    costs = dict(UNIT_COSTS)
+    first = shard_of[0] if shard_of else ()
+    world, costs = len(shard_of), dict(UNIT_COSTS)
     ops, groups, pairs, peer_groups, nodes = table.ops, table.groups, table.pairs, table.peer_groups, table.nodes
-    lane_of: dict[int, int] = {}        # id(group) -> its lane: the group's member holding the first shard
-    ranks, now, spent, done, streams, lane_groups = [], [], [], [], [], []     # by lane
+    waits_at: list[tuple] = [()] * len(ops)
+    feeding = waits_of.get          # a SEND or RECV is never fed by a receive or a collective
+    index_of: dict[int, int] = {}   # id(devices) -> the group's index: few groups, many nodes
+    lanes = _Lanes(member_by_shard, first)
+    ranks, now, spent, done, streams, waited = lanes.ranks, lanes.now, lanes.spent, lanes.done, lanes.streams, lanes.waited
     peer_of: dict[int, int | None] = {}       # id(a peer group) -> its member holding the first shard
     sent_at: dict = {}           # by transfer (its pair): when its send was issued
     sent_by: dict = {}           # by transfer: sending rank * world size + receiving rank
+    live = True
     for k in order:
         g = groups[k]
-        lane = lane_of.get(id(g))
+        lane = index_of.get(id(g))
         if lane is None:
-            if g in lane_groups:        # an equal group (regions placed alike): the same lane
-                lane = lane_of[id(g)] = lane_groups.index(g)
+            lane = index_of[id(g)] = lanes.index(g)
+        feeds = feeding(k)
+        if feeds:
+            seen = waited[lane]
+            if len(feeds) == 1:           # the usual case, without a generator
+                if feeds[0] not in seen:
+                    waits_at[k] = (feeds[0],)
+                    seen.add(feeds[0])
             else:
-                members = member_by_shard.get(g)
-                rank = members.get(first) if members is not None and len(members) == len(g) else None
-                if rank is None:
-                    return None     # not one device per shard: `verify` simulates the plans
-                lane = lane_of[id(g)] = len(ranks)
-                ranks.append(rank)
-                lane_groups.append(g)
-                now.append(0.0)
-                spent.append(0.0)
-                done.append({})     # node number of a receive or collective -> when it completed
-                streams.append([0.0, 0.0])      # the last collective and the last all-to-all on the group
+                waits_at[k] = waits = tuple(f for f in feeds if f not in seen)
+                seen.update(waits)
+        if not live:
+            continue
+        if ranks[lane] is None:
+            live = False     # not one device per shard: `verify` simulates the plans
+            continue
         op = ops[k]
         if op == "SEND" or op == "RECV":
             peer_group = peer_groups[k]
             peer = peer_of.get(id(peer_group), -1)
             if peer == -1:
                 peer = peer_of[id(peer_group)] = member_by_shard[peer_group].get(first)
-            if peer is None:
-                return None
             pair = pairs[k]
             if op == "SEND":
-                if pair in sent_at:
-                    return None      # its receive came first
+                if peer is None or pair in sent_at:
+                    live = False      # its receive came first
+                    continue
                 sent_at[pair] = now[lane]
                 sent_by[pair] = ranks[lane] * world + peer
-            elif sent_by.get(pair) != peer * world + ranks[lane]:
-                return None          # its send is not (yet) issued by the member it names
+            elif peer is None or sent_by.get(pair) != peer * world + ranks[lane]:
+                live = False          # its send is not (yet) issued by the member it names
             else:
                 t, clock = sent_at[pair], now[lane]
                 done[lane][k] = (t if t > clock else clock) + 0.0
@@ -85,7 +93,8 @@ def replay(table: Table, order: list[int], waits_at: list[tuple], shard_of: dict
             for w in waits_at[k]:
                 at = finished.get(w)
                 if at is None:
-                    return None
+                    live = False
+                    break
                 if at > t:
                     t = at
             cost = 0.0 if nodes[k][4] else costs.get(op, 1.0)    # a cut pass's later pieces: 0
@@ -102,20 +111,48 @@ def replay(table: Table, order: list[int], waits_at: list[tuple], shard_of: dict
                 stream[exchange] = finished[k] = (clock if clock >= previous else previous) + 0.0
             if marker:              # the device waits for them
                 now[lane] = max(now[lane], finished[k])
-    return _result(shard_of, first, ranks, lane_groups, now, spent, streams)
+    return waits_at, (_result(shard_of, first, lanes) if live else None)
 
 
-def _result(shard_of: dict[int, tuple], first: tuple, ranks: list[int], lane_groups: list[tuple],
-            now: list[float], spent: list[float], streams: list[list[float]]):
+class _Lanes:
+    """Per group (by equality: regions placed alike share one): the communication its
+    devices have waited for, and the replay's lane for its member holding the first
+    shard (rank None where the group is not one device per shard)."""
+
+    def __init__(self, member_by_shard: dict[tuple, dict], first: tuple):
+        self.member_by_shard, self.first = member_by_shard, first
+        self.groups: list[tuple] = []
+        self.waited: list[set[int]] = []
+        self.ranks: list[int | None] = []
+        self.now: list[float] = []
+        self.spent: list[float] = []
+        self.done: list[dict[int, float]] = []       # node number of a receive or collective -> when it completed
+        self.streams: list[list[float]] = []         # when its last collective, and its last all-to-all, completed
+
+    def index(self, group: tuple) -> int:
+        if group in self.groups:
+            return self.groups.index(group)
+        members = self.member_by_shard.get(group)
+        self.ranks.append(members.get(self.first) if members is not None and len(members) == len(group) else None)
+        self.groups.append(group)
+        self.waited.append(set())
+        self.now.append(0.0)
+        self.spent.append(0.0)
+        self.done.append({})
+        self.streams.append([0.0, 0.0])
+        return len(self.groups) - 1
+
+
+def _result(shard_of: dict[int, tuple], first: tuple, lanes: _Lanes):
     """The Simulation `verify` gives, or None where a representative in a group has no lane."""
     from .simulate import Simulation
 
-    lane = {rank: i for i, rank in enumerate(ranks)}
+    lane = {rank: i for i, rank in enumerate(lanes.ranks) if rank is not None}
     representatives = [r for r in range(len(shard_of)) if shard_of[r] == first]
-    placed = {r for g in lane_groups for r in g}
+    placed = {r for g in lanes.groups for r in g}
     if any(r in placed and r not in lane for r in representatives):
         return None
-    busy = {r: spent[lane[r]] if r in lane else 0.0 for r in representatives}
-    clocks = [now[lane[r]] if r in lane else 0.0 for r in representatives]
-    step = max(clocks + [t for s in streams for t in s] + [0.0])
+    busy = {r: lanes.spent[lane[r]] if r in lane else 0.0 for r in representatives}
+    clocks = [lanes.now[lane[r]] if r in lane else 0.0 for r in representatives]
+    step = max(clocks + [t for i, s in enumerate(lanes.streams) if lanes.ranks[i] is not None for t in s] + [0.0])
     return Simulation(step, busy, {}, {})

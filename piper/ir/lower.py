@@ -233,7 +233,8 @@ def _transfer_block(table: Table, v, p: int, c: int, first: int, group: dict, en
         table.dst += forward_c
         return None
     base, stride = len(table.nodes), len(specs)
-    column = [range(base + off, base + stride * count, stride) for off in range(stride)]
+    # One int object per number, shared by the pairs and both ends of every edge it is on.
+    column = [list(range(base + off, base + stride * count, stride)) for off in range(stride)]
     # A SEND's pair is its own number, its RECV's the SEND's (the node before it).
     table.add_block(count, specs, peers, list(chain.from_iterable(zip(*(column[off - off % 2]
                                                                        for off in range(stride))))))
