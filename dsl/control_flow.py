@@ -9,6 +9,7 @@ from piper.diagnostics import Diagnostic
 
 from . import nodes as n
 from .outcomes import Stop
+from .slot_loops import run_slot_loop
 from .values import INT, Env, Unknown, override_value
 
 
@@ -36,6 +37,8 @@ class ControlFlow:
                 "loop-limit", f"this loop runs {count:,} times; a script may take at most "
                 f"{self.limits.steps:,} steps", span=stmt.span, trace=self.trace,
                 hint="a strategy runs about once per stage and microbatch; check the loop bounds"))
+        if run_slot_loop(self, stmt, env, start, stop):     # a schedule's loop over one slot line
+            return
         for i in range(start, stop):
             self.tick(stmt.span)
             child = env.child()
