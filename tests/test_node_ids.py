@@ -175,3 +175,18 @@ def test_transfers_to_several_consumers_on_one_group(split_backward):
         assert {"1SEND_B%d>0.0" % mb, "2SEND_B%d>0.0" % mb} <= keys          # a gradient per consumer
         assert not any(k.startswith(("1SEND_B%d>0.1" % mb, "2SEND_B%d>0.1" % mb)) for k in keys)
         assert ("0F%d" % mb, "1F%d" % mb) not in edges                      # the transfer replaces it
+
+
+@pytest.mark.parametrize("text,regions", CASES)
+def test_entries_from_the_passes_columns_are_those_read_from_the_nodes(text, regions):
+    from itertools import compress
+
+    from piper.compiler.schedule import _COMPUTE, _entries
+    from piper.ir.lower import lower_transfers
+
+    table = lower_transfers(lowered(text, regions))
+    at = list(compress(range(len(table.ops)), map(_COMPUTE.__contains__, table.ops)))
+    assert table.passes
+    from_passes = _entries(table, at)
+    table.passes = None
+    assert from_passes == _entries(table, at)

@@ -54,17 +54,14 @@ def schedule_with_computes(ir: IR) -> tuple[list[Node], list[int]]:
 def schedule_table(table: Table) -> tuple[list[int], list[int]]:
     """`schedule` of a table's nodes: their numbers in order, and the positions of
     the computes in it (`add_collectives` reads only those)."""
-    nodes, ops = table.nodes, table.ops
+    ops = table.ops
     total = len(ops)
     # Communication (priority (0,)) goes before any compute, so the ready nodes
     # wait in two heaps: communication by (key, number), computes by one int
     # that orders as (priority, key) (`_compute_entries`) and holds the number.
     # A communication's key is read only if it waits in its heap.
     is_compute = list(map(_COMPUTE.__contains__, ops))
-    entry: list = [None] * total
-    at = list(compress(range(total), is_compute))
-    for i, e in zip(at, _compute_entries(list(map(nodes.__getitem__, at)), at, total)):
-        entry[i] = e
+    entry = _entries(table, list(compress(range(total), is_compute)))
     succ: list[list[int]] = [[] for _ in range(total)]
     indeg = [0] * total
     for src, dst in zip(table.src, table.dst):
@@ -115,24 +112,69 @@ def schedule_table(table: Table) -> tuple[list[int], list[int]]:
 _OP_RANK = {op: rank for rank, op in enumerate(sorted(_PHASE))}     # ops as strings compare
 
 
-def _compute_entries(computes: list[Node], numbers: list[int], total: int) -> list[int]:
+def _entries(table: Table, at: list[int]) -> list:
+    """Each node's heap entry (`_compute_entries`; None for communication).
+
+    Where the table knows each pass's nodes by microbatch (`Table.passes`) and the
+    other computes are updates, a pass's entries are one sum per microbatch, made
+    without reading its nodes: at 64 x 512, 65k nodes spread over the heap."""
+    total, nodes, passes = len(table.ops), table.nodes, table.passes
+    entry: list = [None] * total
+    updates = list(compress(at, map("UPD".__eq__, map(table.ops.__getitem__, at)))) if passes else []
+    if passes and sum(len(p) - p.count(None) for p in passes.values()) + len(updates) == len(at):
+        update_nodes = list(map(nodes.__getitem__, updates))
+        top = max([_last_microbatch(p) for p in passes.values()]
+                  + [n[2] for n in update_nodes if n[2] is not None] + [0]) + 1
+        regions = max([r for _, r in passes] + [n[1] for n in update_nodes], default=0) + 1
+        for (op, region), positions in passes.items():
+            first, step = _packed(op, region, 0, top, regions), (2 * regions + 1) * 5
+            made = [(first + mb * step) * total + p for mb, p in enumerate(positions) if p is not None]
+            if positions and None not in positions and positions == list(range(positions[0], positions[0] + len(made))):
+                entry[positions[0]:positions[0] + len(made)] = made
+            else:
+                for p, e in zip(filter(None.__ne__, positions), made):
+                    entry[p] = e
+        at, computes = updates, update_nodes
+    else:
+        computes = list(map(nodes.__getitem__, at))
+        top = max((n.mb for n in computes if n.mb is not None), default=0) + 1
+        regions = max((n.region for n in computes), default=0) + 1
+    for i, e in zip(at, _compute_entries(computes, at, total, top, regions)):
+        entry[i] = e
+    return entry
+
+
+def _last_microbatch(positions: list) -> int:
+    for mb in range(len(positions) - 1, -1, -1):
+        if positions[mb] is not None:
+            return mb
+    return 0
+
+
+def _packed(op: str, region: int, mb: int, top: int, regions: int) -> int:
+    """`_priority` of a compute as one int: `top` is past the last microbatch (an update's),
+    `regions` past the last region."""
+    phase = _PHASE[op] if op != "UPD" else 9
+    return ((phase * (top + 1) + mb) * (2 * regions + 1) + (region if op == "F" else -region) + regions) * 5 \
+        + _OP_RANK[op]
+
+
+def _compute_entries(computes: list[Node], numbers: list[int], total: int, top: int | None = None,
+                     regions: int | None = None) -> list[int]:
     """The heap entry of each compute, with its number: an int that orders
     as `(_priority(n), n.key)` and then holds the number (`entry % total`).
 
     A compute is one (op, region, mb), so its priority never ties with
     another's and the key is never consulted; the fields are packed into one
     int (an update's missing microbatch as one past the last) so the heap
-    compares ints, not tuples of five."""
-    top = max((n.mb for n in computes if n.mb is not None), default=0) + 1
-    regions = max((n.region for n in computes), default=0) + 1
-    span = 2 * regions + 1
-    out = []
-    for i, (op, region, mb) in zip(numbers, map(_OP_REGION_MB, computes)):
-        phase = _PHASE[op] if op != "UPD" else 9
-        mb = top if mb is None else mb
-        code = ((phase * (top + 1) + mb) * span + (region if op == "F" else -region) + regions) * 5 + _OP_RANK[op]
-        out.append(code * total + i)
-    return out
+    compares ints, not tuples of five. `top`, `regions`: one past the last
+    microbatch and region, if the caller knows them."""
+    if top is None:
+        top = max((n.mb for n in computes if n.mb is not None), default=0) + 1
+    if regions is None:
+        regions = max((n.region for n in computes), default=0) + 1
+    return [_packed(op, region, top if mb is None else mb, top, regions) * total + i
+            for i, (op, region, mb) in zip(numbers, map(_OP_REGION_MB, computes))]
 
 
 _OP_REGION_MB = itemgetter(0, 1, 2)

@@ -148,7 +148,8 @@ def lower_transfers(ir: IR) -> Table:
     table = Table(ir, nodes, [], [], [])
     table.vouched = distinct and _COMPUTE.issuperset(table.ops)
     drop: set[int] = set()           # the data edges the transfers replace, as src * width + dst
-    _add_transfers(ir, table, _pass_positions(nodes, ir.microbatches), drop, width)
+    table.passes = _pass_positions(nodes, ir.microbatches)
+    _add_transfers(ir, table, table.passes, drop, width)
     edges, hit = ir.edges, [False] * len(ir.edges)
     if drop:
         hit = list(map(drop.__contains__, map(add, map(mul, src0, repeat(width)), dst0)))

@@ -41,7 +41,7 @@ class Table:
     """
 
     __slots__ = ("ir", "nodes", "ops", "groups", "pairs", "peer_groups", "src", "dst", "kept", "distinct",
-                 "vouched", "lowered_nodes", "lowered_edges", "_blocks", "_bases", "_lowered")
+                 "vouched", "passes", "lowered_nodes", "lowered_edges", "_blocks", "_bases", "_lowered")
 
     def __init__(self, ir: IR, nodes: list, src: list[int], dst: list[int], kept: list, *, distinct: int = 0):
         self.ir = ir
@@ -57,6 +57,9 @@ class Table:
         self.src, self.dst, self.kept = src, dst, kept
         self.distinct = distinct      # the first `distinct` edges repeat no (src, dst)
         self.vouched = False          # whether `lowered_ir()` may vouch for distinct keys and its ops
+        # (pass, region) -> the number of its node for each microbatch (None where there is none),
+        # where the maker knows them (`lower_transfers`); the scheduler then reads no compute node.
+        self.passes: dict[tuple[str, int], list] | None = None
         self.lowered_nodes, self.lowered_edges = len(nodes), len(src)
         self._blocks: list[tuple] = []     # (base, stride, count, specs): transfers not made yet
         self._bases: list[int] = []
