@@ -190,3 +190,18 @@ def test_entries_from_the_passes_columns_are_those_read_from_the_nodes(text, reg
     from_passes = _entries(table, at)
     table.passes = None
     assert from_passes == _entries(table, at)
+
+
+@pytest.mark.parametrize("text,regions", CASES)
+def test_statements_hand_on_the_edge_ids_and_pass_positions_a_look_up_finds(text, regions):
+    from piper.ir.lower import _pass_positions
+
+    ir = lowered(text, regions)           # split, order, place: each hands the positions on
+    handed, passes = ir.known_ids(), ir._indexes.get("pass_at")
+    # `split MB` makes both; `split B` makes new nodes, and `place` of nodes unsplit keeps none
+    split_mb_only = "microbatches" in text and not any(s in text for s in ("zero_bubble", "zbv", "dualpipev"))
+    assert (handed is not None) == (passes is not None) == split_mb_only
+    if split_mb_only:
+        ir._indexes.pop("ids")
+        assert ir.edge_ids() == handed
+        assert {k: list(v) for k, v in passes.items()} == _pass_positions(list(ir.nodes), ir.microbatches)

@@ -280,6 +280,11 @@ class _Indexed:
                                             list(map(number.__getitem__, map(_DST, self.edges))))
         return found[1], found[2]
 
+    def known_ids(self) -> tuple[list[int], list[int]] | None:
+        """`edge_ids()` if they are at hand (handed on, or found before), else None."""
+        found = self._indexes.get("ids")
+        return (found[1], found[2]) if found is not None and found[0] is self.edges else None
+
     def known_edge_ids(self, sources: list[int], destinations: list[int]) -> "IR":
         """This IR, with `edge_ids()` set to what its maker computed along the way."""
         self._indexes["ids"] = (self.edges, sources, destinations)

@@ -16,13 +16,13 @@ from itertools import chain, compress, repeat
 from operator import add, itemgetter, mul, not_
 
 from ..diagnostics import Diagnostic, error
-from .dag import _DST, _SRC, COMPUTE, IR, Edge, Node, node_key
+from .dag import COMPUTE, IR, Edge, Node, node_key
 from .table import Table
 from .tied import share_across_devices
 
 _tuple_new = tuple.__new__
 _OP = itemgetter(0)
-_OP_REGION_MB, _KEY = itemgetter(0, 1, 2), itemgetter(8)
+_OP_REGION_MB, _KIND = itemgetter(0, 1, 2), itemgetter(2)
 _COMPUTE = frozenset(COMPUTE)
 _PASS_OPS = frozenset(("F", "B", "BI", "BW"))
 
@@ -77,8 +77,11 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
     # A parameter used by regions on different devices (tied weights): each group holds a copy.
     ir = share_across_devices(ir, spans)
     placed = dict(ir.placement)
+    known = ir._indexes
     ir = ir.with_(nodes=tuple([_tuple_new(Node, (op, r, mb, phase, value, peer, placed[r], stream, key))
                                for op, r, mb, phase, value, peer, _, stream, key in ir.nodes]))
+    # The nodes keep their keys and positions: so do the indexes of them that hold no node.
+    ir._indexes.update((k, v) for k, v in known.items() if k in ("number", "ids", "ops", "pass_at"))
     for (what, axis), span in zip(ir.sharding, ir.sharding_spans + (None,) * len(ir.sharding)):
         if mesh.size(axis) == 1:
             warnings.append(Diagnostic("shard-size-one", f"`shard {what} over {axis}` divides over an axis "
@@ -132,23 +135,23 @@ def lower_transfers(ir: IR) -> Table:
     For each value crossing from its producer's group to a consumer's, every
     microbatch gets the same few transfers, so each (value, consumer) adds one
     block of nodes and its edges as whole columns (`_transfer_block`)."""
-    nodes = list(ir.nodes)
-    number = dict(zip(map(_KEY, nodes), range(len(nodes))))
-    distinct = len(number) == len(nodes)
+    distinct = len(ir.numbering()) == len(ir.nodes)
     if not distinct:         # a key twice names one node, as `schedule` has always taken it
-        nodes = list(ir.index().values())
-        number = dict(zip(map(_KEY, nodes), range(len(nodes))))
+        ir = ir.with_(nodes=tuple(ir.index().values()))
+    nodes = list(ir.nodes)
     try:
-        src0 = list(map(number.__getitem__, map(_SRC, ir.edges)))
-        dst0 = list(map(number.__getitem__, map(_DST, ir.edges)))
+        src0, dst0 = ir.edge_ids()      # handed on by the statements where they could
     except KeyError:
+        number = ir.numbering()
         bad = next(e for e in ir.edges if e.src not in number or e.dst not in number)
         raise AssertionError(f"edge to unknown node {bad}") from None
     width = len(nodes)
     table = Table(ir, nodes, [], [], [])
     table.vouched = distinct and _COMPUTE.issuperset(table.ops)
     drop: set[int] = set()           # the data edges the transfers replace, as src * width + dst
-    table.passes = _pass_positions(nodes, ir.microbatches)
+    at = ir._indexes.get("pass_at")      # each pass's nodes by microbatch, from `split MB`
+    table.passes = ({k: list(v) for k, v in at.items()} if at is not None and distinct
+                    else _pass_positions(nodes, ir.microbatches))
     _add_transfers(ir, table, table.passes, drop, width)
     edges, hit = ir.edges, [False] * len(ir.edges)
     if drop:
@@ -258,8 +261,14 @@ def _transfer_block(table: Table, v, p: int, c: int, first: int, group: dict, en
 
 def temporal_edges(ir: IR) -> list[tuple[Edge, Node, Node]]:
     """The `order` statements' edges, each with the nodes at its ends."""
-    index = ir.index()
-    return [(e, index[e.src], index[e.dst]) for e in ir.edges if e.kind == "temporal"]
+    ids = ir.known_ids()
+    if ids is None:
+        index = ir.index()
+        return [(e, index[e.src], index[e.dst]) for e in ir.edges if e.kind == "temporal"]
+    nodes, edges = ir.nodes, ir.edges
+    at = list(compress(range(len(edges)), map("temporal".__eq__, map(_KIND, edges))))
+    return list(zip(map(edges.__getitem__, at), map(nodes.__getitem__, map(ids[0].__getitem__, at)),
+                    map(nodes.__getitem__, map(ids[1].__getitem__, at))))
 
 
 def check_orders(ir: IR, warnings: list[Diagnostic], temporal: list[tuple[Edge, Node, Node]] | None = None) -> None:

@@ -8,6 +8,9 @@ commute.
 """
 from __future__ import annotations
 
+from itertools import chain
+from operator import itemgetter
+
 
 from ..frontend.capture import Program
 from ..diagnostics import Label, did_you_mean, error
@@ -17,6 +20,8 @@ from ..mesh import Mesh
 from ..frontend.selectors import Selector
 
 _tuple_new = tuple.__new__
+_KEY = itemgetter(8)
+_SRC, _DST = itemgetter(0), itemgetter(1)
 
 
 def initial_ir(program: Program, mesh: Mesh) -> IR:
@@ -79,15 +84,22 @@ def apply_all(ir: IR, directives) -> IR:
     Two statements may order the same pair: the IR keeps its edges distinct.
     """
     pending: list[Edge] = []
+    ends: tuple[list[int], list[int]] | None = ([], [])     # their ends' positions, while all are known
     for d in directives:
         if isinstance(d, Order):
-            pending += order_edges(ir, d)
+            edges, at = _order_edges(ir, d)
+            pending += edges
+            if ends is not None and at is not None:
+                ends[0].extend(at[:-1])
+                ends[1].extend(at[1:])
+            else:
+                ends = None
             continue
         if pending:
-            ir, pending = ir.with_(edges=_add_ordered(ir.edges, pending)), []
+            ir, pending, ends = _add_ordered(ir, pending, ends), [], ([], [])
         ir = apply(ir, d)
     if pending:
-        ir = ir.with_(edges=_add_ordered(ir.edges, pending))
+        ir = _add_ordered(ir, pending, ends)
     return ir
 
 
@@ -111,22 +123,33 @@ def split_microbatches(ir: IR, d: Split) -> IR:
     mbs = list(range(n))       # one int object per microbatch, shared by every copy
     nodes = []
     copies: dict[str, list[Node]] = {}     # key -> the node in each microbatch
+    at: dict[str, list[int]] = {}         # key -> the copies' positions in `nodes`
     for node in ir.nodes:
         if node.mb is not None:
             copies[node.key] = per = _per_microbatch(node, mbs)
+            at[node.key] = list(range(len(nodes), len(nodes) + n))
             nodes += per
         else:
             copies[node.key] = [node] * n
+            at[node.key] = [len(nodes)] * n
             nodes.append(node)
     keys = {key: [c[8] for c in per] for key, per in copies.items()}
-    edges = []
+    edges, src_ids, dst_ids = [], [], []
     for src, dst, kind, span in ir.edges:
         edges += [_tuple_new(Edge, (s, t, kind, span)) for s, t in zip(keys[src], keys[dst])]
+        src_ids += at[src]
+        dst_ids += at[dst]
     # Copies of distinct edges are distinct unless both ends are once-per-step nodes (UPD).
     once = {node.key for node in ir.nodes if node.mb is None}
     if len(set(ir.edges)) != len(ir.edges) or any(e.src in once and e.dst in once for e in ir.edges):
-        edges = distinct_edges(edges)
-    return ir.with_(nodes=tuple(nodes), edges=tuple(edges), microbatches=n, split_span=d.span)
+        return ir.with_(nodes=tuple(nodes), edges=distinct_edges(edges), microbatches=n, split_span=d.span)
+    out = ir.with_(nodes=tuple(nodes), edges=tuple(edges), microbatches=n, split_span=d.span)
+    # Each edge's ends are known positions: passes that walk edges by position need no look-up.
+    # So are each pass's nodes by microbatch, where the IR held one of each pass.
+    passes = [(node[0], node[1]) for node in ir.nodes if node[0] in _PASSES and not node[4]]
+    if len(set(passes)) == len(passes) == sum(node.mb is not None for node in ir.nodes):
+        out._indexes["pass_at"] = {(n[0], n[1]): at[n[8]] for n in ir.nodes if n.mb is not None}
+    return out.known_edge_ids(src_ids, dst_ids)
 
 
 def _per_microbatch(node: Node, mbs: list[int]) -> list[Node]:
@@ -250,29 +273,53 @@ def order(ir: IR, d: Order) -> IR:
     backward: its BI and BW together, in that slot (DualPipeV mixes whole and
     split backwards in one schedule).
     """
-    return ir.with_(edges=_add_ordered(ir.edges, order_edges(ir, d)))
+    edges, at = _order_edges(ir, d)
+    return _add_ordered(ir, edges, (at[:-1], at[1:]) if at is not None else None)
 
 
-def _add_ordered(edges: tuple[Edge, ...], new: list[Edge]) -> tuple[Edge, ...]:
-    """`edges` and the temporal edges `new`, distinct. Two statements may order the same
-    pair; a new temporal edge can repeat only another temporal edge, so only those are checked."""
+def _add_ordered(ir: IR, new: list[Edge], ends: tuple[list[int], list[int]] | None = None) -> IR:
+    """`ir` with the temporal edges `new`, its edges distinct. Two statements may order the
+    same pair; a new temporal edge can repeat only another temporal edge, so only those are
+    checked. Where `ir` knows its edges' ends as positions and `ends` gives the new ones',
+    the new IR knows them too."""
+    edges = ir.edges
     temporal = [e for e in edges if e[2] == "temporal"]
-    if len(dict.fromkeys(map(_IDENTITY, temporal + new))) == len(temporal) + len(new):
-        return edges + tuple(new)
-    return distinct_edges(edges + tuple(new))
+    if len(dict.fromkeys(map(_IDENTITY, temporal + new))) != len(temporal) + len(new):
+        return ir.with_(edges=distinct_edges(edges + tuple(new)))
+    ids = ir.known_ids()
+    out = ir.with_(edges=edges + tuple(new))
+    if ids is not None:
+        if ends is None:
+            number = ir.numbering()
+            if not all(map(number.__contains__, chain(map(_SRC, new), map(_DST, new)))):
+                return out       # an order naming a node the IR lacks: the compiler reports it
+            ends = list(map(number.__getitem__, map(_SRC, new))), list(map(number.__getitem__, map(_DST, new)))
+        out.known_edge_ids(ids[0] + ends[0], ids[1] + ends[1])
+    return out
 
 
 def order_edges(ir: IR, d: Order) -> list[Edge]:
     """The temporal edges `order` adds (each node is in one slot, so none repeats)."""
+    return _order_edges(ir, d)[0]
+
+
+def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None]:
+    """`order_edges`, and where each slot is one node found directly (a stdlib schedule), the
+    positions of those nodes in order (the edges join each to the next)."""
     scope = sorted({r.index for r in regions_matching(ir, d.selector, d.span)})
     by_pass = ir.by_pass()
     # The usual item, F(MB=3) in an order of one region, names one node: found directly.
     ops = ("F", "BI", "BW") if ir.backward_split else ("F", "B", "BI", "BW")
     direct = {op: by_pass.get((op, scope[0]), {}) for op in ops} if len(scope) == 1 else {}
-    keys = _one_per_slot(d, direct)
-    if keys is not None:
-        span = d.span
-        return [_tuple_new(Edge, (a, b, "temporal", span)) for a, b in zip(keys, keys[1:])]
+    found = _one_per_slot(d, direct)
+    if found is not None:
+        keys, span = found, d.span
+        at = ir._indexes.get("pass_at")
+        if at is not None:      # positions by (pass, region), then microbatch: from `split MB`
+            at = {op: at.get((op, scope[0])) for op in ops}
+            at = [at[n[0]][n[2]] for n in found]
+        keys = list(map(_KEY, found))
+        return [_tuple_new(Edge, (a, b, "temporal", span)) for a, b in zip(keys, keys[1:])], at
     seen: dict[str, object] = {}
     slots: list[list[Node]] = []
     for s, slot in enumerate(d.slots):
@@ -297,16 +344,16 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
         for a in before:
             for b in after:
                 added.append(_tuple_new(Edge, (a[8], b[8], "temporal", span)))
-    return added
+    return added, None
 
 
-def _one_per_slot(d: Order, direct: dict[str, dict]) -> list[str] | None:
-    """The keys of the nodes an order names, when each slot is one item found directly (a
-    stdlib schedule's every slot) and no node comes twice; else None, and `order_edges`
-    takes the general way, which also reports what is wrong."""
+def _one_per_slot(d: Order, direct: dict[str, dict]) -> list[Node] | None:
+    """The nodes an order names, when each slot is one item found directly (a stdlib
+    schedule's every slot) and no node comes twice; else None, and `order_edges` takes
+    the general way, which also reports what is wrong."""
     if not direct:
         return None
-    keys = []
+    nodes = []
     for slot in d.slots:
         if len(slot) != 1:
             return None
@@ -317,8 +364,8 @@ def _one_per_slot(d: Order, direct: dict[str, dict]) -> list[str] | None:
         node = direct.get(item.op, _NONE).get(tags[0][1])
         if node is None:
             return None
-        keys.append(node[8])
-    return keys if len(set(keys)) == len(keys) else None
+        nodes.append(node)
+    return nodes if len(set(map(_KEY, nodes))) == len(nodes) else None
 
 
 _NONE: dict = {}
