@@ -7,7 +7,7 @@ DAG's `Table` as a node, with the edges that make its consumers wait for it.
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import compress
+from itertools import chain, compress, repeat
 from operator import itemgetter
 
 from ..ir.dag import IR, Edge, Node, data_edge
@@ -17,11 +17,12 @@ from ..ir.tied import units_used
 _tuple_new = tuple.__new__
 _KEY = itemgetter(8)
 _GRAD_OPS = ("B", "BW")
-_FIRST = itemgetter(0)
+_FIRST, _LAST = itemgetter(0), itemgetter(-1)
+_OP, _REGION = itemgetter(0), itemgetter(1)
 
 
-def _first_position(seq: list) -> int:
-    return seq[0][0]
+def _first(seq: list[int]) -> int:
+    return seq[0]
 
 
 def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:
@@ -29,18 +30,18 @@ def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:
     return units_used(ir)
 
 
-def _by_group(computes, groups: dict[int, tuple]) -> dict[tuple, list[tuple[int, Node]]]:
-    """Device group -> its computes (but updates) with their positions in the global order;
-    the groups in the order of their first compute."""
+def _by_group(ops: list[str], regions: list[int], groups: dict[int, tuple]) -> dict[tuple, list[int]]:
+    """Device group -> its computes but updates, as indices into the computes in global
+    order; the groups in the order of their first compute."""
     lists: dict[tuple, list] = {}
     of_region = {r: lists.setdefault(g, []) for r, g in groups.items()}     # regions of a group share its list
-    for i, n in computes:
-        if n[0] != "UPD":
-            of_region[n[1]].append((i, n))
-    return {seq[0][1][6]: seq for seq in sorted((seq for seq in lists.values() if seq), key=_first_position)}
+    for j in compress(range(len(ops)), map("UPD".__ne__, ops)):
+        of_region[regions[j]].append(j)
+    return {groups[regions[seq[0]]]: seq for seq in sorted((seq for seq in lists.values() if seq), key=_first)}
 
 
-def _gradient_runs(by_group, units) -> dict[int, list[list[tuple[int, Node]]]]:
+def _gradient_runs(by_group: dict[tuple, list[int]], ops: list[str], regions: list[int],
+                   units: dict[int, tuple]) -> dict[int, list[list[int]]]:
     """Unit -> its runs: backwards into the unit that follow each other on its devices.
 
     Each run gets one reduce-scatter: a run's gradients add up in one buffer,
@@ -50,15 +51,15 @@ def _gradient_runs(by_group, units) -> dict[int, list[list[tuple[int, Node]]]]:
     runs: dict[int, list] = defaultdict(list)
     for seq in by_group.values():
         last: dict[int, int] = {}            # unit -> index in seq of its latest backward
-        for j, (i, n) in enumerate(seq):
-            if n[0] not in _GRAD_OPS:
+        for i, j in enumerate(seq):
+            if ops[j] not in _GRAD_OPS:
                 continue
-            for u in units[n[1]]:
-                if last.get(u) == j - 1:
-                    runs[u][-1].append((i, n))
+            for u in units[regions[j]]:
+                if last.get(u) == i - 1:
+                    runs[u][-1].append(j)
                 else:
-                    runs[u].append([(i, n)])
-                last[u] = j
+                    runs[u].append([j])
+                last[u] = i
     return runs
 
 
@@ -101,40 +102,35 @@ def place_collectives(table: Table, order: list[int], zero: int, computes_at: li
     after: dict[int, list[int]] = defaultdict(list)    # insert after position i
     edges: tuple[list[int], list[int]] = ([], [])
     release: dict[int, tuple] = {}
-    at = computes_at if computes_at is not None else table.computes(order)
-    computes = list(zip(at, map(table.nodes.__getitem__, map(order.__getitem__, at))))
-    by_group = _by_group(computes, groups) if zero >= 2 else {}
-    reductions = _reductions(order, computes, units, owners, _gradient_runs(by_group, units) if zero >= 2 else {})
-    ops, made, number = table.ops, [], len(table.nodes)
-    updates = compress(at, map("UPD".__eq__, map(ops.__getitem__, map(order.__getitem__, at))))
-    update = {table.nodes[order[i]][1]: (i, order[i]) for i in updates}
+    computes = _Computes(table, order, computes_at if computes_at is not None else table.computes(order))
+    ops, regions = computes.ops, computes.regions
+    by_group = _by_group(ops, regions, groups) if zero >= 2 else {}
+    runs = _gradient_runs(by_group, ops, regions, units) if zero >= 2 else {}
+    updates = {regions[j]: j for j in compress(range(len(ops)), map("UPD".__eq__, ops))}
+    made: list[Node] = []
     for u in owners:
-        upd = update[u][1]
-        for pos, last, producers in reductions[u]:      # last: the run's last compute (None: the step's)
-            if zero <= 1:
-                red = Node("ALL_REDUCE", u, devices=groups[u])
-            elif last is None:
-                red = Node("REDUCE_SCATTER", u, devices=groups[u])
-            else:       # Node("REDUCE_SCATTER", u, last.mb, last.op, devices=groups[u]), made directly
-                red = _tuple_new(Node, ("REDUCE_SCATTER", u, last[2], last[0], None, None, groups[u], None,
-                                        f"{u}REDUCE_SCATTER_{last[0]}{last[2]}"))
-            while pos + 1 < len(order) and ops[order[pos + 1]] == "SEND":
-                pos += 1   # let the gradient sends that unblock other stages go first
-            k = number + len(made)
-            made.append(red)
-            after[pos].append(k)
-            edges[0].append(k)
-            edges[1].append(upd)
-            edges[0].extend(producers)
-            edges[1].extend([k] * len(producers))
+        if len(runs.get(u, ())) > 1:
+            # ZeRO-2/3 hold 1/d of the gradients during the step as well: the
+            # gradients of each run of backwards into a unit are reduce-scattered
+            # after it, and the shards add up (FSDP's and DeepSpeed's way).
+            lasts = list(map(_LAST, runs[u]))
+            reduced = [_tuple_new(Node, ("REDUCE_SCATTER", u, n[2], n[0], None, None, groups[u], None,
+                                         f"{u}REDUCE_SCATTER_{n[0]}{n[2]}"))
+                       for n in map(computes.nodes.__getitem__, lasts)]
+            _reduce(computes, reduced, lasts, runs[u], updates[u], after, edges, table, made)
+        else:       # one reduction after the step's last gradient, of every compute that makes one
+            producers = [j for j in range(len(ops)) if ops[j] in _GRAD_OPS and u in units[regions[j]]]
+            red = Node("ALL_REDUCE" if zero <= 1 else "REDUCE_SCATTER", u, devices=groups[u])
+            _reduce(computes, [red], [producers[-1]], [producers], updates[u], after, edges, table, made)
         if zero in (1, 2):
-            after[update[u][0]].append(number + len(made))
-            edges[0].append(upd)
-            edges[1].append(number + len(made))
+            k = len(table.nodes) + len(made)
+            after[computes.at[updates[u]]].append(k)
+            edges[0].append(computes.numbers[updates[u]])
+            edges[1].append(k)
             made.append(Node("ALL_GATHER", u, devices=groups[u]))
     table.extend(made)
     if zero == 3:
-        _gathers(table, order, by_group, units, set(owners), groups, before, edges, release)
+        _gathers(table, computes, by_group, units, set(owners), groups, before, edges, release)
     out: list[int] = []
     done = 0
     for i in sorted(before.keys() | after.keys()):
@@ -147,31 +143,44 @@ def place_collectives(table: Table, order: list[int], zero: int, computes_at: li
     return out, edges, release
 
 
-def _reductions(order, computes, units, owners, runs) -> dict[int, list[tuple]]:
-    """Unit -> its gradient reductions: (position of the compute it follows, that compute or
-    None for the step's last, the numbers of the computes it reduces)."""
-    out = {}
-    alone = [u for u in owners if len(runs.get(u, ())) <= 1]
-    for u in owners:
-        if len(runs.get(u, ())) > 1:
-            # ZeRO-2/3 hold 1/d of the gradients during the step as well: the
-            # gradients of each run of backwards into a unit are reduce-scattered
-            # after it, and the shards add up (FSDP's and DeepSpeed's way).
-            out[u] = [(run[-1][0], run[-1][1], list(map(order.__getitem__, map(_FIRST, run)))) for run in runs[u]]
-    if alone:       # one reduction after the step's last gradient, of every compute that makes one
-        last_grad: dict[int, int] = {}
-        grad_producers: dict[int, list[int]] = defaultdict(list)
-        for i, n in computes:
-            if n[0] in _GRAD_OPS:
-                for u in units[n[1]]:
-                    last_grad[u] = i
-                    grad_producers[u].append(order[i])
-        for u in alone:
-            out[u] = [(last_grad[u], None, grad_producers[u])]
-    return {u: out[u] for u in owners}
+class _Computes:
+    """The computes of a global order as columns: their positions in it, numbers, nodes,
+    ops and regions."""
+
+    def __init__(self, table: Table, order: list[int], at: list[int]):
+        self.order, self.at = order, at
+        self.numbers = list(map(order.__getitem__, at))
+        self.nodes = list(map(table.nodes.__getitem__, self.numbers))
+        self.ops = list(map(_OP, self.nodes))
+        self.regions = list(map(_REGION, self.nodes))
 
 
-def _gathers(table: Table, order: list[int], by_group, units, shared, groups, before, edges, release) -> None:
+def _reduce(computes: _Computes, reduced: list[Node], lasts: list[int], runs: list[list[int]], update: int,
+            after: dict, edges: tuple[list, list], table: Table, made: list[Node]) -> None:
+    """A unit's reductions `reduced`, one after each run's last compute (`lasts`), each
+    fed by its run's computes and feeding the unit's update."""
+    order, ops, numbers = computes.order, table.ops, computes.numbers
+    first = len(table.nodes) + len(made)
+    made += reduced
+    keys = list(range(first, first + len(reduced)))
+    end = len(order) - 1
+    for pos, k in zip(map(computes.at.__getitem__, lasts), keys):
+        while pos < end and ops[order[pos + 1]] == "SEND":
+            pos += 1   # let the gradient sends that unblock other stages go first
+        after[pos].append(k)
+    upd = numbers[update]
+    if all(len(run) == 1 for run in runs):     # (k -> update, producer -> k) per reduction, in one go
+        edges[0].extend(chain.from_iterable(zip(keys, map(numbers.__getitem__, map(_FIRST, runs)))))
+        edges[1].extend(chain.from_iterable(zip(repeat(upd), keys)))
+        return
+    for k, run in zip(keys, runs):
+        edges[0].append(k)
+        edges[1].append(upd)
+        edges[0].extend(map(numbers.__getitem__, run))
+        edges[1].extend([k] * len(run))
+
+
+def _gathers(table: Table, computes: _Computes, by_group, units, shared, groups, before, edges, release) -> None:
     """ZeRO-3: per device group, the computes in order: gather a unit when the
     previous compute on these devices did not use it; release it when the next will not.
 
@@ -181,14 +190,15 @@ def _gathers(table: Table, order: list[int], by_group, units, shared, groups, be
     need = {r: tuple(u for u in us if u in shared) for r, us in units.items()}
     gathered: dict[tuple, tuple[int, ...]] = {}     # (region, previous region or None) -> units
     released: dict[tuple, tuple[int, ...]] = {}     # (region, next region or None) -> units
+    regions, at, numbers = computes.regions, computes.at, computes.numbers
     made = []
     number = len(table.nodes)
     for g, seq in by_group.items():
         last = len(seq) - 1
         prev_region = None
-        for j, (i, n) in enumerate(seq):
-            region = n[1]
-            next_region = seq[j + 1][1][1] if j < last else None
+        for i, j in enumerate(seq):
+            region = regions[j]
+            next_region = regions[seq[i + 1]] if i < last else None
             if region == prev_region == next_region:     # the same units before, now and after: nothing to do
                 continue
             pair = (region, prev_region)
@@ -198,11 +208,12 @@ def _gathers(table: Table, order: list[int], by_group, units, shared, groups, be
                                                or u not in units[prev_region])
             if fresh:
                 # Prefetch: issue before the previous compute on these devices.
-                where = before[seq[j - 1][0] if j > 0 else i]
+                where = before[at[seq[i - 1]] if i > 0 else at[j]]
+                n = computes.nodes[j]
                 for u in fresh:
                     where.append(number + len(made))
                     edges[0].append(number + len(made))
-                    edges[1].append(order[i])
+                    edges[1].append(numbers[j])
                     made.append(Node("ALL_GATHER", u, n.mb, n.op, devices=groups[u]))
             pair = (region, next_region)
             free = released.get(pair)
@@ -210,6 +221,6 @@ def _gathers(table: Table, order: list[int], by_group, units, shared, groups, be
                 free = released[pair] = tuple(u for u in need[region] if next_region is None
                                               or u not in units[next_region])
             if free:        # most computes release nothing: the dict stays small for project's look-ups
-                release[order[i]] = free
+                release[numbers[j]] = free
             prev_region = region
     table.extend(made)
