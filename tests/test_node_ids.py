@@ -205,3 +205,16 @@ def test_statements_hand_on_the_edge_ids_and_pass_positions_a_look_up_finds(text
         ir._indexes.pop("ids")
         assert ir.edge_ids() == handed
         assert {k: list(v) for k, v in passes.items()} == _pass_positions(list(ir.nodes), ir.microbatches)
+
+
+@pytest.mark.parametrize("text,regions", CASES)
+def test_split_hands_on_the_passes_by_microbatch_the_loop_finds(text, regions):
+    mesh, directives = load_strategy(text, file="case.pps").build(None)
+    ir = apply_all(initial_ir(Program.chain({"PP": regions}), mesh), directives)
+    handed = ir._indexes.get("pass")
+    if handed is None:
+        assert "microbatches" not in text or any(s in text for s in ("zero_bubble", "zbv", "dualpipev"))
+        return
+    ir._indexes.pop("pass")
+    found = ir.by_pass()
+    assert list(handed) == list(found) and all(list(handed[k].items()) == list(found[k].items()) for k in found)

@@ -135,7 +135,7 @@ def lower_transfers(ir: IR) -> Table:
     For each value crossing from its producer's group to a consumer's, every
     microbatch gets the same few transfers, so each (value, consumer) adds one
     block of nodes and its edges as whole columns (`_transfer_block`)."""
-    distinct = len(ir.numbering()) == len(ir.nodes)
+    distinct = ir.keys_distinct()
     if not distinct:         # a key twice names one node, as `schedule` has always taken it
         ir = ir.with_(nodes=tuple(ir.index().values()))
     nodes = list(ir.nodes)

@@ -9,19 +9,21 @@ commute.
 from __future__ import annotations
 
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 
 from ..frontend.capture import Program
 from ..diagnostics import Label, did_you_mean, error
 from ..frontend.directives import Directive, Order, Place, Recompute, Shard, Split
-from .dag import _IDENTITY, _PASSES, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
+from .dag import _COMPUTE, _IDENTITY, _PASSES, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from ..mesh import Mesh
 from ..frontend.selectors import Selector
 
 _tuple_new = tuple.__new__
 _KEY = itemgetter(8)
 _SRC, _DST = itemgetter(0), itemgetter(1)
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_TAGS, _ITEM_OP = attrgetter("tags"), attrgetter("op")
 
 
 def initial_ir(program: Program, mesh: Mesh) -> IR:
@@ -149,6 +151,11 @@ def split_microbatches(ir: IR, d: Split) -> IR:
     passes = [(node[0], node[1]) for node in ir.nodes if node[0] in _PASSES and not node[4]]
     if len(set(passes)) == len(passes) == sum(node.mb is not None for node in ir.nodes):
         out._indexes["pass_at"] = {(n[0], n[1]): at[n[8]] for n in ir.nodes if n.mb is not None}
+        # `by_pass()` as its loop would find it: each compute's copies by microbatch
+        out._indexes["pass"] = {(n[0], n[1]): dict(zip(mbs, copies[n[8]])) if n.mb is not None else {None: n}
+                                for n in ir.nodes if n[0] in _COMPUTE}
+    if len({node[8] for node in ir.nodes}) == len(ir.nodes):      # copies of distinct nodes are distinct
+        out.vouch_distinct(frozenset(node[0] for node in ir.nodes))
     return out.known_edge_ids(src_ids, dst_ids)
 
 
@@ -348,23 +355,25 @@ def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None]:
 
 
 def _one_per_slot(d: Order, direct: dict[str, dict]) -> list[Node] | None:
-    """The nodes an order names, when each slot is one item found directly (a stdlib
-    schedule's every slot) and no node comes twice; else None, and `order_edges` takes
-    the general way, which also reports what is wrong."""
-    if not direct:
+    """The nodes an order names, when each slot is one item `PASS(MB=m)` found directly (a
+    stdlib schedule's every slot) and no node comes twice; else None, and `order_edges`
+    takes the general way, which also reports what is wrong. Found column by column:
+    a schedule at 64 x 512 has 65k items."""
+    slots = d.slots
+    if not direct or set(map(len, slots)) != {1}:
         return None
-    nodes = []
-    for slot in d.slots:
-        if len(slot) != 1:
-            return None
-        item = slot[0]
-        tags = item.tags
-        if len(tags) != 1 or tags[0][0] != "MB":
-            return None
-        node = direct.get(item.op, _NONE).get(tags[0][1])
-        if node is None:
-            return None
-        nodes.append(node)
+    items = list(map(_FIRST, slots))
+    tags = list(map(_TAGS, items))
+    if set(map(len, tags)) != {1}:
+        return None
+    tags = list(map(_FIRST, tags))           # ("MB", m)
+    if set(map(_FIRST, tags)) != {"MB"}:
+        return None
+    by_item = {(op, mb): node for op, nodes in direct.items() for mb, node in nodes.items()}
+    try:
+        nodes = list(map(by_item.__getitem__, zip(map(_ITEM_OP, items), map(_SECOND, tags))))
+    except (KeyError, TypeError):
+        return None
     return nodes if len(set(map(_KEY, nodes))) == len(nodes) else None
 
 
