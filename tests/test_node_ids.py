@@ -202,6 +202,10 @@ def test_statements_hand_on_the_edge_ids_and_pass_positions_a_look_up_finds(text
     split_mb_only = "microbatches" in text and not any(s in text for s in ("zero_bubble", "zbv", "dualpipev"))
     assert (handed is not None) == (passes is not None) == split_mb_only
     if split_mb_only:
+        from piper.ir.lower import temporal_edges
+
+        handed_temporal = temporal_edges(ir)
+        assert ir._indexes.pop("temporal")[0] is ir.edges and temporal_edges(ir) == handed_temporal
         ir._indexes.pop("ids")
         assert ir.edge_ids() == handed
         assert {k: list(v) for k, v in passes.items()} == _pass_positions(list(ir.nodes), ir.microbatches)

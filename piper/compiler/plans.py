@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import namedtuple
 from collections.abc import Mapping
 from itertools import compress
-from operator import and_, itemgetter
+from operator import and_, eq, itemgetter
 
 from ..diagnostics import Diagnostic, error
 from ..ir.dag import COLLECTIVES, COMPUTE, IR, Edge, Node, _not_same, distinct_edges
@@ -36,7 +36,7 @@ _TRANSFER = frozenset(("SEND", "RECV"))
 
 
 _tuple_new = tuple.__new__
-_SRC, _DST, _KEY = itemgetter(0), itemgetter(1), itemgetter(8)
+_SRC, _DST, _KEY, _DEVICES = itemgetter(0), itemgetter(1), itemgetter(8), itemgetter(6)
 _ActionFields = namedtuple("_ActionFields", "node peer tag group waits release")
 
 
@@ -353,10 +353,12 @@ def _with_new_edges(ir: IR, extra: list[Edge], ties: list[Edge] = ()) -> tuple[E
     return ir.edges + distinct_edges(extra)
 
 
-def _check_order_devices(temporal: list[tuple[Edge, Node, Node]]) -> None:
+def _check_order_devices(temporal: tuple[list[Edge], list[Node], list[Node]]) -> None:
     """A temporal edge between nodes on different devices cannot be enforced without data."""
-    for e, a, b in temporal:
-        if a.devices != b.devices:
-            raise error("order-across-devices", f"this order puts {a.key} (on ranks {list(a.devices)}) "
-                        f"before {b.key} (on ranks {list(b.devices)}), which run on different devices",
-                        span=e.span, hint="order only the passes of regions placed on the same devices")
+    edges, srcs, dsts = temporal
+    if all(map(eq, map(_DEVICES, srcs), map(_DEVICES, dsts))):
+        return
+    e, a, b = next((e, a, b) for e, a, b in zip(edges, srcs, dsts) if a.devices != b.devices)
+    raise error("order-across-devices", f"this order puts {a.key} (on ranks {list(a.devices)}) "
+                f"before {b.key} (on ranks {list(b.devices)}), which run on different devices",
+                span=e.span, hint="order only the passes of regions placed on the same devices")

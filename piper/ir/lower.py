@@ -12,17 +12,19 @@ goes depends on what runs before it.
 """
 from __future__ import annotations
 
+from collections import Counter
 from itertools import chain, compress, repeat
 from operator import add, itemgetter, mul, not_
 
 from ..diagnostics import Diagnostic, error
-from .dag import COMPUTE, IR, Edge, Node, node_key
+from .dag import _DST, _SRC, COMPUTE, IR, Edge, Node, node_key
 from .table import Table
 from .tied import share_across_devices
 
 _tuple_new = tuple.__new__
 _OP = itemgetter(0)
 _OP_REGION_MB, _KIND = itemgetter(0, 1, 2), itemgetter(2)
+_OP_REGION = itemgetter(0, 1)
 _COMPUTE = frozenset(COMPUTE)
 _PASS_OPS = frozenset(("F", "B", "BI", "BW"))
 
@@ -81,7 +83,7 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
     ir = ir.with_(nodes=tuple([_tuple_new(Node, (op, r, mb, phase, value, peer, placed[r], stream, key))
                                for op, r, mb, phase, value, peer, _, stream, key in ir.nodes]))
     # The nodes keep their keys and positions: so do the indexes of them that hold no node.
-    ir._indexes.update((k, v) for k, v in known.items() if k in ("number", "ids", "ops", "pass_at"))
+    ir._indexes.update((k, v) for k, v in known.items() if k in ("number", "ids", "ops", "pass_at", "temporal"))
     for (what, axis), span in zip(ir.sharding, ir.sharding_spans + (None,) * len(ir.sharding)):
         if mesh.size(axis) == 1:
             warnings.append(Diagnostic("shard-size-one", f"`shard {what} over {axis}` divides over an axis "
@@ -259,49 +261,53 @@ def _transfer_block(table: Table, v, p: int, c: int, first: int, group: dict, en
     return column[1] if c == first else None
 
 
-def temporal_edges(ir: IR) -> list[tuple[Edge, Node, Node]]:
-    """The `order` statements' edges, each with the nodes at its ends."""
+def temporal_edges(ir: IR) -> tuple[list[Edge], list[Node], list[Node]]:
+    """The `order` statements' edges, and the nodes at their sources and at their ends."""
     ids = ir.known_ids()
     if ids is None:
         index = ir.index()
-        return [(e, index[e.src], index[e.dst]) for e in ir.edges if e.kind == "temporal"]
+        edges = [e for e in ir.edges if e.kind == "temporal"]
+        return edges, list(map(index.__getitem__, map(_SRC, edges))), list(map(index.__getitem__, map(_DST, edges)))
     nodes, edges = ir.nodes, ir.edges
-    at = list(compress(range(len(edges)), map("temporal".__eq__, map(_KIND, edges))))
-    return list(zip(map(edges.__getitem__, at), map(nodes.__getitem__, map(ids[0].__getitem__, at)),
-                    map(nodes.__getitem__, map(ids[1].__getitem__, at))))
+    start = ir._indexes.get("temporal")       # where `order` says its edges begin: all the rest are its
+    if start is not None and start[0] is edges:
+        at = range(start[1], len(edges))
+    else:
+        at = list(compress(range(len(edges)), map("temporal".__eq__, map(_KIND, edges))))
+    return (list(map(edges.__getitem__, at)), list(map(nodes.__getitem__, map(ids[0].__getitem__, at))),
+            list(map(nodes.__getitem__, map(ids[1].__getitem__, at))))
 
 
-def check_orders(ir: IR, warnings: list[Diagnostic], temporal: list[tuple[Edge, Node, Node]] | None = None) -> None:
+def check_orders(ir: IR, warnings: list[Diagnostic], temporal: tuple[list, list, list] | None = None) -> None:
     """Warn where an `order` covers a pass for some microbatches but not all, or
     orders a BI but not its BW: the rest then run wherever the default puts them.
     `temporal` is `temporal_edges(ir)`, if the caller has it."""
-    if temporal is None:
-        temporal = temporal_edges(ir)
+    edges, srcs, dsts = temporal_edges(ir) if temporal is None else temporal
     statements: dict[tuple, dict[str, Node]] = {}    # (span, devices) -> the nodes it orders
     ordered: dict[str, Node] = {}
     span = devices = object()
-    for e, src, dst in temporal:
+    for e, src, dst in zip(edges, srcs, dsts):
         # A statement's edges come one after another: look its entry up again only
         # when the span or devices change (hashing a span is not free).
-        if e.span is not span or src.devices is not devices:
-            span, devices = e.span, src.devices
+        if e[3] is not span or src[6] is not devices:
+            span, devices = e[3], src[6]
             ordered = statements.setdefault((span, devices), {})
-        ordered[e.src] = src
-        ordered[e.dst] = dst
+        ordered[e[0]] = src
+        ordered[e[1]] = dst
     for (span, _), ordered in statements.items():
-        by_pass: dict[tuple[str, int], set[int]] = {}
-        for n in ordered.values():
-            by_pass.setdefault((n.op, n.region), set()).add(n.mb)
-        for (op, region), mbs in sorted(by_pass.items()):
-            if len(mbs) < ir.microbatches:
+        counts = Counter(map(_OP_REGION, ordered.values()))
+        for (op, region), count in sorted(counts.items()):
+            if count < ir.microbatches:
+                mbs = {n[2] for n in ordered.values() if n[0] == op and n[1] == region}
                 missing = sorted(set(range(ir.microbatches)) - mbs)
                 warnings.append(Diagnostic(
                     "partial-order", f"this order lists {op} of region {ir.regions[region].label} for "
                     f"{len(mbs)} of {ir.microbatches} microbatches (not {', '.join(map(str, missing[:6]))}"
                     f"{', ...' if len(missing) > 6 else ''})", "warning", span,
                     hint="list every microbatch, or check the loop bounds against `split MB into N`"))
-            if op == "BI" and ("BW", region) in by_pass:
-                orphans = sorted(mbs - by_pass[("BW", region)])
+            if op == "BI" and ("BW", region) in counts:
+                passes = {(n[0], n[2]) for n in ordered.values() if n[1] == region}
+                orphans = sorted(mb for o, mb in passes if o == "BI" and ("BW", mb) not in passes)
                 if orphans:
                     warnings.append(Diagnostic(
                         "bi-without-bw", f"this order runs BI of region {ir.regions[region].label} for "

@@ -87,6 +87,7 @@ def apply_all(ir: IR, directives) -> IR:
     """
     pending: list[Edge] = []
     ends: tuple[list[int], list[int]] | None = ([], [])     # their ends' positions, while all are known
+    chained: list[int] = []          # the nodes of the statements that chain one node per slot
     for d in directives:
         if isinstance(d, Order):
             edges, at = _order_edges(ir, d)
@@ -94,14 +95,16 @@ def apply_all(ir: IR, directives) -> IR:
             if ends is not None and at is not None:
                 ends[0].extend(at[:-1])
                 ends[1].extend(at[1:])
+                chained += at
             else:
                 ends = None
             continue
         if pending:
-            ir, pending, ends = _add_ordered(ir, pending, ends), [], ([], [])
+            ir = _add_ordered(ir, pending, ends, ends is not None and len(set(chained)) == len(chained))
+            pending, ends, chained = [], ([], []), []
         ir = apply(ir, d)
     if pending:
-        ir = _add_ordered(ir, pending, ends)
+        ir = _add_ordered(ir, pending, ends, ends is not None and len(set(chained)) == len(chained))
     return ir
 
 
@@ -281,20 +284,24 @@ def order(ir: IR, d: Order) -> IR:
     split backwards in one schedule).
     """
     edges, at = _order_edges(ir, d)
-    return _add_ordered(ir, edges, (at[:-1], at[1:]) if at is not None else None)
+    return _add_ordered(ir, edges, (at[:-1], at[1:]) if at is not None else None, at is not None)
 
 
-def _add_ordered(ir: IR, new: list[Edge], ends: tuple[list[int], list[int]] | None = None) -> IR:
+def _add_ordered(ir: IR, new: list[Edge], ends: tuple[list[int], list[int]] | None = None,
+                 chains: bool = False) -> IR:
     """`ir` with the temporal edges `new`, its edges distinct. Two statements may order the
     same pair; a new temporal edge can repeat only another temporal edge, so only those are
-    checked. Where `ir` knows its edges' ends as positions and `ends` gives the new ones',
-    the new IR knows them too."""
+    checked. `chains`: `new` joins each of its statements' nodes to the next and no node
+    is in two statements, so none repeats. Where `ir` knows its edges' ends as positions
+    and `ends` gives the new ones', the new IR knows them too."""
     edges = ir.edges
     temporal = [e for e in edges if e[2] == "temporal"]
-    if len(dict.fromkeys(map(_IDENTITY, temporal + new))) != len(temporal) + len(new):
+    if (temporal or not chains) and len(dict.fromkeys(map(_IDENTITY, temporal + new))) != len(temporal) + len(new):
         return ir.with_(edges=distinct_edges(edges + tuple(new)))
     ids = ir.known_ids()
     out = ir.with_(edges=edges + tuple(new))
+    if not temporal:        # the temporal edges are the new ones, at the end
+        out._indexes["temporal"] = (out.edges, len(edges))
     if ids is not None:
         if ends is None:
             number = ir.numbering()
