@@ -116,6 +116,8 @@ def test_the_replay_as_plans_are_made_is_verifys_simulation(text, regions):
     from piper.compiler.simulate import _Run
 
     compiled = compile_ir(lowered(text, regions))
+    assert compiled.plans.replays       # known on the walk: nothing simulated yet
+    assert compiled.plans._replay is not None
     replayed = compiled.plans.replayed
     real = _Run(compiled.plans.representatives(), timeline=False).run()
     assert replayed is not None
@@ -133,7 +135,7 @@ def test_a_wait_on_a_later_receive_stops_the_replay_and_verify_finds_the_deadloc
     consumer = next(i for i, n in enumerate(order) if i > recv and n.op == "F" and n.devices == order[recv].devices)
     order.insert(recv, order.pop(consumer))      # the forward now comes before the receive it waits for
     plans = project(compiled.ir, order, {})
-    assert plans.replayed is None
+    assert plans.replayed is None and not plans.replays
     with pytest.raises(PiperError) as err:
         verify(Compiled(compiled.ir, order, plans, compiled.zero))
     assert err.value.code == "deadlock" and f"*{order[recv].key}" in err.value.diagnostics[0].notes[0]
@@ -222,3 +224,19 @@ def test_split_hands_on_the_passes_by_microbatch_the_loop_finds(text, regions):
     ir._indexes.pop("pass")
     found = ir.by_pass()
     assert list(handed) == list(found) and all(list(handed[k].items()) == list(found[k].items()) for k in found)
+
+
+@pytest.mark.parametrize("pipeline", ["gpipe", "one_f_one_b", "zero_bubble", "interleaved_1f1b",
+                                      "interleaved_zero_bubble", "zbv", "dualpipev"])
+@pytest.mark.parametrize("data", ["", "use dp() on dp\n", "use zero1() on dp\n", "use zero3() on dp\n"])
+def test_the_walk_knows_whether_the_replay_runs_to_the_end(pipeline, data):
+    """`Plans.replays`, found without simulating, is whether the replay gives a Simulation;
+    for plans projected from an order of nodes it is left to the replay itself."""
+    from piper.compiler.plans import project
+
+    regions = 4 if pipeline in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev") else 2
+    text = f"mesh {'dp=2, ' if data else ''}pp=2\nuse {pipeline}(microbatches=4) on pp\n{data}"
+    compiled = compile_ir(lowered(text, regions))
+    assert compiled.plans.replays and compiled.plans.replayed is not None
+    again = project(compiled.ir, compiled.order, {})
+    assert not again.replays and again.replayed == compiled.plans.replayed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .plans import Compiled, compile_ir
 from ..gc_guard import no_cycle_collection as _no_cycle_collection
-from .simulate import verify
+from .simulate import check
 from ..ir.statements import apply_all, initial_ir
 
 
@@ -23,5 +23,5 @@ def compile_directives(program, mesh, directives) -> Compiled:
 
             experts.check(program, compiled.ir)
             compiled = experts.add_all_to_alls(compiled, program)
-        verify(compiled)       # raises on deadlock before anything runs
+        check(compiled)       # raises on deadlock before anything runs
     return compiled

@@ -27,7 +27,7 @@ from ..ir.table import Table
 from ..ir.tied import add_tie_exchanges, tied_params
 from .collectives import _units_used, add_collectives, place_collectives     # noqa: F401 (the compiler's passes)
 from .plan_waits import Feeds, waits_by_number
-from .replay import walk
+from .replay import replay, walk
 from .schedule import _compute_entries, _priority, schedule, schedule_table, schedule_with_computes  # noqa: F401
 
 _COLLECTIVE_OPS = frozenset(COLLECTIVES)
@@ -147,9 +147,19 @@ class Plans(Mapping):
         self._tags: dict = {}
         self._bases: dict[tuple, tuple] = {}      # group -> (its actions, None where a SEND/RECV goes; those)
         self._cache: dict[int, tuple[Action, ...]] = {}
-        # `verify`'s simulation of the representatives, run as `project` made the plans (`piper.compiler.replay`);
-        # None where it could not be.
-        self.replayed = None
+        # Whether `verify`'s simulation of the representatives runs to the end on the global order
+        # (`piper.compiler.replay`): then the plans cannot deadlock. Its times are found when asked.
+        self.replays = False
+        self._replay: tuple | None = None       # (shard_of, member_by_shard) for `replayed`
+        self._replayed = None
+
+    @property
+    def replayed(self):
+        """`verify`'s Simulation, run on the global order; None where it stops (`replay`)."""
+        if self._replay is not None:
+            self._replayed = replay(self._table, self._order, self._waits_at, *self._replay)
+            self._replay = None
+        return self._replayed
 
     def __getitem__(self, rank: int) -> tuple[Action, ...]:
         if rank not in self._cache:
@@ -254,9 +264,9 @@ def project_table(table: Table, order: list[int], release: dict[int, tuple],
     def peer_of(rank: int, group: tuple[int, ...]) -> int:
         return member_by_shard[group][shard_of[rank]]
 
-    waits_at, replayed = walk(table, order, waits_of, shard_of, member_by_shard)
+    waits_at, replays = walk(table, order, waits_of, shard_of, member_by_shard)
     plans = Plans(mesh.world_size, table, order, waits_at, release, peer_of, shard_of)
-    plans.replayed = replayed
+    plans.replays, plans._replay = replays, (shard_of, member_by_shard)
     return plans
 
 

@@ -150,6 +150,7 @@ def lower_transfers(ir: IR) -> Table:
     width = len(nodes)
     table = Table(ir, nodes, [], [], [])
     table.vouched = distinct and _COMPUTE.issuperset(table.ops)
+    table.mirrored = "SEND" not in table.ops and "RECV" not in table.ops      # its own transfers are
     drop: set[int] = set()           # the data edges the transfers replace, as src * width + dst
     at = ir._indexes.get("pass_at")      # each pass's nodes by microbatch, from `split MB`
     table.passes = ({k: list(v) for k, v in at.items()} if at is not None and distinct

@@ -41,7 +41,7 @@ class Table:
     """
 
     __slots__ = ("ir", "nodes", "ops", "groups", "pairs", "peer_groups", "src", "dst", "kept", "distinct",
-                 "vouched", "passes", "lowered_nodes", "lowered_edges", "_blocks", "_bases", "_lowered")
+                 "vouched", "passes", "mirrored", "lowered_nodes", "lowered_edges", "_blocks", "_bases", "_lowered")
 
     def __init__(self, ir: IR, nodes: list, src: list[int], dst: list[int], kept: list, *, distinct: int = 0):
         self.ir = ir
@@ -60,6 +60,9 @@ class Table:
         # (pass, region) -> the number of its node for each microbatch (None where there is none),
         # where the maker knows them (`lower_transfers`); the scheduler then reads no compute node.
         self.passes: dict[tuple[str, int], list] | None = None
+        # Whether every transfer's receive is on its send's peer group and has the send's group
+        # as its peer (`add_block` makes them so): then a receive names the member its send came from.
+        self.mirrored = False
         self.lowered_nodes, self.lowered_edges = len(nodes), len(src)
         self._blocks: list[tuple] = []     # (base, stride, count, specs): transfers not made yet
         self._bases: list[int] = []
@@ -129,6 +132,7 @@ class Table:
         if node[0] in _TRANSFER:
             self.pairs.append(node[1:6] if node[0] == "SEND" else _AS_SEND(node))
             self.peer_groups.append(self.ir.devices_of(node[5]))
+            self.mirrored = False
         else:
             self.pairs.append(None)
             self.peer_groups.append(None)
