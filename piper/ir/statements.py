@@ -17,7 +17,7 @@ from ..diagnostics import Label, did_you_mean, error
 from ..frontend.directives import Directive, Order, Place, Recompute, Shard, Split
 from .dag import _COMPUTE, _IDENTITY, _PASSES, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from ..mesh import Mesh
-from ..frontend.selectors import Selector
+from ..frontend.selectors import ANY, Selector
 
 _tuple_new = tuple.__new__
 _KEY = itemgetter(8)
@@ -212,7 +212,18 @@ def split_backward(ir: IR, d: Split) -> IR:
 
 def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
     """The regions a selector's region tags pick; an error naming the known tags if none."""
-    found = [r for r in ir.regions if selector.matches_region(dict(r.tags))]
+    tags = selector.region_tags()
+    if len(tags) == 1 and tags[0][1] != ANY:       # `PP=3`, most selectors: the regions tagged so
+        by_tag = ir._indexes.get("by_tag")
+        if by_tag is None or by_tag[0] is not ir.regions:
+            index: dict[tuple, list] = {}
+            for r in ir.regions:
+                for tag in r.tags:
+                    index.setdefault(tag, []).append(r)
+            by_tag = ir._indexes["by_tag"] = (ir.regions, index)
+        found = list(by_tag[1].get(tags[0], ()))
+    else:
+        found = [r for r in ir.regions if selector.matches_region(dict(r.tags))]
     if not found:
         known_tags = sorted({k for r in ir.regions for k, _ in r.tags})
         labels = ", ".join(r.label for r in ir.regions) or "(none)"
@@ -238,7 +249,9 @@ def place(ir: IR, d: Place) -> IR:
         raise error("mesh-mismatch", "this device group belongs to another mesh", span=d.span,
                     hint="take groups from the job's mesh (s.mesh)")
     ranks = d.group.ranks
-    placed = {r: ir.placement_span(r) for r, _ in ir.placement}
+    placed = dict.fromkeys(r for r, _ in ir.placement)         # region -> the span that placed it
+    for (r, _), span in reversed(list(zip(ir.placement, ir.placement_spans))):
+        placed[r] = span
     chosen = regions_matching(ir, d.selector, d.span)
     for region in chosen:
         if region.index in placed:
