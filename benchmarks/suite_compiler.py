@@ -33,7 +33,7 @@ from .workloads import REPO, schedule_strategy
 
 POINT_LIMIT_S = 60.0          # skip a point predicted (or seen) to take longer
 # The functions piper.job.plan calls, timed by name (whichever exist: the compiler is still changing).
-PHASES = ("build_strategy", "initial_ir", "apply_all", "compile_ir", "simulate", "verify")
+PHASES = ("build_strategy", "initial_ir", "apply_all", "compile_ir", "simulate", "check", "verify")
 
 
 def grid(quick: bool) -> list[tuple[int, int, int]]:
@@ -210,7 +210,7 @@ def run(ctx) -> SuiteResult:
             return f"{100 * sum(spent.get(n, 0.0) for n in names) / total:.0f}%"
 
         table.add(p, m, dp, p * dp, nodes, actions, seconds, nodes / seconds, share("build_strategy"),
-                  share("initial_ir", "apply_all"), share("compile_ir"), share("simulate", "verify"))
+                  share("initial_ir", "apply_all"), share("compile_ir"), share("simulate", "check", "verify"))
         done.append({"p": p, "m": m, "dp": dp, "seconds": seconds, "nodes": nodes, "actions": actions})
         result.metrics[f"p{p}.m{m}.dp{dp}.seconds"] = seconds
         result.metrics[f"p{p}.m{m}.dp{dp}.nodes_per_s"] = nodes / seconds
@@ -232,7 +232,8 @@ def run(ctx) -> SuiteResult:
         "IR nodes: the lowered global DAG (compute, SEND/RECV and collective nodes); plan actions: the sum of "
         "every device's plan length. The phase columns split the time of piper.job.plan: strategy = building "
         "the directives (the .pps interpreter), statements = initial_ir + apply_all, compile_ir = placement, "
-        "transfers, scheduling, collectives and projection, verify = the simulator's deadlock check.",
+        "transfers, scheduling, collectives and projection (with the walk that finds whether the plans can "
+        "deadlock), verify = what the deadlock check simulates beyond that (nothing, unless the walk cannot tell).",
         f"A point predicted (by the fitted growth from smaller points) to take over {POINT_LIMIT_S:.0f} s is "
         f"skipped; one that runs over is stopped at {POINT_LIMIT_S:.0f} s.",
         f"seconds: the median of 3 runs; points predicted to take {FRESH_OVER_S} s or more run each time in a "
@@ -363,27 +364,31 @@ def _cprofile(p: int, m: int, dp: int, top: int) -> Table:
 def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
     """CPU seconds (the least of `repeats`, each on the same input) of every step
     `piper check FILE --regions PP=<regions>` takes after running the script: the
-    statements, each pass of `compile_ir` and the verifier, with the cyclic collector
-    paused as the check pauses it. A pass's input is built once by the passes before it.
-    `project` includes finding the waits and the verifier's simulation, which runs as the
-    plans are made (`piper.compiler.replay`): `verify` then only hands it back.
+    statements and each pass of `compile_ir`, with the cyclic collector paused as
+    the check pauses it. A pass's input is built once by the passes before it; the
+    passes from `add_transfers` on fill one table, so each repeat starts from a copy
+    of the table it read. `project` includes the walk that finds each action's waits
+    and whether the verifier's replay runs to the end (`piper.compiler.replay`);
+    `check` is what the compile does with that, and `verify` the replay's times,
+    which only a caller that asks for them pays.
 
         python -m benchmarks.suite_compiler --passes big.pps 64
     """
     from piper.compiler import plans as compiler
-    from piper.ir import lower
-    from piper.frontend.capture import Program
+    from piper.compiler.plan_waits import waits_by_number
+    from piper.compiler.simulate import check, verify
     from piper.dsl import load_strategy
-    from piper.compiler.plan_waits import waits_after_lowering
-    from piper.compiler.simulate import verify
+    from piper.frontend.capture import Program
+    from piper.ir import lower
     from piper.ir.statements import apply_all, initial_ir
 
     mesh, directives = load_strategy(Path(script).read_text(), file=script).build(None)
     spent: dict[str, float] = {}
 
-    def timed(name, fn):
-        best = None
+    def timed(name, fn, fresh=lambda: None):
+        best = out = None
         for _ in range(repeats):
+            fresh()
             t0 = time.process_time()
             out = fn()
             seconds = time.process_time() - t0
@@ -397,16 +402,25 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
         ir = timed("statements", lambda: apply_all(initial_ir(Program.chain({"PP": regions}), mesh), directives))
         placed = timed("resolve_placement", lambda: lower.resolve_placement(ir, []))
         zero = lower.zero_levels(placed)
-        lowered = timed("add_transfers", lambda: lower.add_transfers(placed))
-        order, computes_at = timed("schedule", lambda: compiler.schedule_with_computes(lowered))
-        order, extra, release = timed("add_collectives",
-                                      lambda: compiler.add_collectives(lowered, order, zero, computes_at))
-        order, ties = compiler.add_tie_exchanges(lowered, order, compiler._units_used(lowered))
-        final = lowered.with_(nodes=tuple(order), edges=compiler._with_new_edges(lowered, extra, ties))
-        plans = timed("project", lambda: compiler.project(final, order, release,
-                                                          waits_after_lowering(final, order, lowered)))
-        compiled = compiler.Compiled(final, order, plans, zero)
-        timed("verify", lambda: verify(compiled))
+        table = timed("add_transfers", lambda: lower.lower_transfers(placed))
+        order, computes_at = timed("schedule", lambda: compiler.schedule_table(table))
+        columns = (table.nodes, table.ops, table.groups, table.pairs, table.peer_groups)
+        size = len(table.nodes)
+
+        def unplaced():         # the table as the schedule left it: the collectives join it
+            for column in columns:
+                del column[size:]
+
+        order, (src, dst), release = timed("add_collectives", lambda: compiler.place_collectives(
+            table, order, zero, computes_at), unplaced)
+        table.src += src
+        table.dst += dst
+        waits = timed("waits", lambda: waits_by_number(table))
+        plans = timed("project", lambda: compiler.project_table(table, order, release, waits))
+        compiled = compiler.Compiled(None, None, plans, zero)
+        timed("check", lambda: check(compiled))
+        replay_args = plans._replay
+        timed("verify", lambda: verify(compiled), lambda: setattr(plans, "_replay", replay_args))
     finally:
         if collecting:
             gc.enable()

@@ -125,7 +125,47 @@ class Compiled:
         return [a.key for a in self.plans[rank] if a.node.is_compute]
 
 
-class Plans(Mapping):
+class _Sequences:
+    """`Plans`' groups' node sequences and the actions common to each group's devices,
+    made on first use."""
+
+    def _group(self, rank: int) -> tuple | None:
+        """The rank's group; the first call walks the order once for every group's sequence."""
+        if self._sequences is None:
+            groups, by_id = self._table.groups, {}
+            self._sequences = sequences = {}
+            for k in self._order:
+                numbers = by_id.get(id(groups[k]))
+                if numbers is None:
+                    numbers = by_id[id(groups[k])] = sequences.setdefault(groups[k], [])
+                numbers.append(k)
+            self._group_of = {r: g for g in sequences for r in g}
+            self._tags = _tags(self._table, self._order)
+        return self._group_of.get(rank)
+
+    def _base(self, group: tuple) -> tuple[list, list[tuple]]:
+        """The group's actions but its SEND/RECVs (None), and those as (position, node number,
+        tag, peer group); made once."""
+        found = self._bases.get(group)
+        if found is None:
+            seq, table, release = self._sequences[group], self._table, self._release
+            node, key, ops, tags = table.node, table.key, table.ops, self._tags
+            actions, transfers = [], []
+            for k, waits in zip(seq, map(self._waits_at.__getitem__, seq)):
+                op = ops[k]
+                if op in _TRANSFER:
+                    transfers.append((len(actions), k, tags[table.pairs[k]], table.peer_groups[k]))
+                    actions.append(None)
+                elif op in _COMPUTE:
+                    actions.append(_tuple_new(Action, (node(k), None, None, None, tuple(map(key, waits)),
+                                                       release.get(k, ()))))
+                else:
+                    actions.append(_tuple_new(Action, (node(k), None, None, group, tuple(map(key, waits)), ())))
+            found = self._bases[group] = (actions, transfers)
+        return found
+
+
+class Plans(_Sequences, Mapping):
     """rank -> that device's actions, built on first use.
 
     Every device of a group runs the same node sequence; only the peers of
@@ -167,41 +207,6 @@ class Plans(Mapping):
                 raise KeyError(rank)
             self._cache[rank] = self._plan(rank)
         return self._cache[rank]
-
-    def _group(self, rank: int) -> tuple | None:
-        """The rank's group; the first call walks the order once for every group's sequence."""
-        if self._sequences is None:
-            groups, by_id = self._table.groups, {}
-            self._sequences = sequences = {}
-            for k in self._order:
-                numbers = by_id.get(id(groups[k]))
-                if numbers is None:
-                    numbers = by_id[id(groups[k])] = sequences.setdefault(groups[k], [])
-                numbers.append(k)
-            self._group_of = {r: g for g in sequences for r in g}
-            self._tags = _tags(self._table, self._order)
-        return self._group_of.get(rank)
-
-    def _base(self, group: tuple) -> tuple[list, list[tuple]]:
-        """The group's actions but its SEND/RECVs (None), and those as (position, node number,
-        tag, peer group); made once."""
-        found = self._bases.get(group)
-        if found is None:
-            seq, table, release = self._sequences[group], self._table, self._release
-            node, key, ops, tags = table.node, table.key, table.ops, self._tags
-            actions, transfers = [], []
-            for k, waits in zip(seq, map(self._waits_at.__getitem__, seq)):
-                op = ops[k]
-                if op in _TRANSFER:
-                    transfers.append((len(actions), k, tags[table.pairs[k]], table.peer_groups[k]))
-                    actions.append(None)
-                elif op in _COMPUTE:
-                    actions.append(_tuple_new(Action, (node(k), None, None, None, tuple(map(key, waits)),
-                                                       release.get(k, ()))))
-                else:
-                    actions.append(_tuple_new(Action, (node(k), None, None, group, tuple(map(key, waits)), ())))
-            found = self._bases[group] = (actions, transfers)
-        return found
 
     def _plan(self, rank: int) -> tuple[Action, ...]:
         """The group's sequence with this device's SEND/RECVs, each with its peer, in place."""

@@ -29,7 +29,111 @@ _COMPUTE = frozenset(COMPUTE)
 _TRANSFER = frozenset(("SEND", "RECV"))
 
 
-class Table:
+class _Growth:
+    """How the passes add nodes to a `Table`: transfers by the block, made on first read
+    (`add_block`), and nodes made elsewhere (`append`, `extend`)."""
+
+    __slots__ = ()
+
+    def add_block(self, count: int, specs: list[tuple], peers: list[tuple], pairs: list) -> int:
+        """Number `count` x len(specs) transfers, made on first read: spec `off` of microbatch
+        `mb` is node `base + mb * len(specs) + off`. `specs[off]`: (op, region, phase, value,
+        peer region, devices); `peers[off]`: the peer's devices; `pairs`: each node's pair entry
+        in the same layout. Returns `base`."""
+        base, stride = len(self.nodes), len(specs)
+        full = []
+        for op, region, phase, value, peer, devices in specs:
+            full.append((op, region, phase, value, peer, devices, f"{region}{op}_{phase}",
+                         f"{'>' if op == 'SEND' else '<'}{peer}.{value}"))
+        self.nodes += [None] * (stride * count)
+        self.ops += [s[0] for s in specs] * count
+        self.groups += [s[5] for s in specs] * count
+        self.peer_groups += peers * count
+        self.pairs += pairs
+        self._blocks.append((base, stride, count, full))
+        self._bases.append(base)
+        return base
+
+    def append(self, node: Node) -> int:
+        """Number a node made elsewhere (an exchange of tied weights); returns its number."""
+        self.nodes.append(node)
+        self.ops.append(node[0])
+        self.groups.append(node[6])
+        if node[0] in _TRANSFER:
+            self.pairs.append(node[1:6] if node[0] == "SEND" else _AS_SEND(node))
+            self.peer_groups.append(self.ir.devices_of(node[5]))
+            self.mirrored = False
+        else:
+            self.pairs.append(None)
+            self.peer_groups.append(None)
+        return len(self.nodes) - 1
+
+    def extend(self, nodes: list[Node]) -> None:
+        """Number nodes made elsewhere (the collectives `place_collectives` adds), in turn."""
+        if not _TRANSFER.isdisjoint(map(_OP, nodes)):
+            for n in nodes:
+                self.append(n)
+            return
+        self.nodes += nodes
+        self.ops += map(_OP, nodes)
+        self.groups += map(_DEVICES, nodes)
+        self.pairs += [None] * len(nodes)
+        self.peer_groups += [None] * len(nodes)
+
+
+class _Objects:
+    """A `Table`'s nodes and edges as objects, made when read."""
+
+    __slots__ = ()
+
+    def node(self, k: int) -> Node:
+        n = self.nodes[k]
+        if n is None:
+            base, stride, _, specs = self._blocks[bisect_right(self._bases, k) - 1]
+            mb, off = divmod(k - base, stride)
+            op, region, phase, value, peer, devices, head, tail = specs[off]
+            n = self.nodes[k] = _tuple_new(Node, (op, region, mb, phase, value, peer, devices, None,
+                                                  f"{head}{mb}{tail}"))
+        return n
+
+    def key(self, k: int) -> str:
+        return self.node(k)[8]
+
+    def make_all(self) -> list[Node]:
+        """Every node, made."""
+        nodes = self.nodes
+        for base, stride, count, specs in self._blocks:
+            end = base + stride * count
+            for off, (op, region, phase, value, peer, devices, head, tail) in enumerate(specs):
+                nodes[base + off:end:stride] = [
+                    _tuple_new(Node, (op, region, mb, phase, value, peer, devices, None, f"{head}{mb}{tail}"))
+                    for mb in range(count)]
+        self._blocks, self._bases = [], []
+        return nodes
+
+    def edge_objects(self, start: int, stop: int) -> list:
+        """Edges `start` to `stop` as `Edge`s (data edges made from their ends' keys)."""
+        kept = len(self.kept)
+        out = list(self.kept[start:min(stop, kept)])
+        if stop > kept:
+            keys = list(map(_KEY, self.make_all()))
+            lo = max(start, kept)
+            out += map(data_edge, map(keys.__getitem__, self.src[lo:stop]), map(keys.__getitem__, self.dst[lo:stop]))
+        return out
+
+    def lowered_ir(self) -> IR:
+        """The lowered IR as objects: what `add_transfers` returns (made once)."""
+        if self._lowered is None:
+            nodes = tuple(self.make_all()[:self.lowered_nodes])
+            edges = tuple(self.edge_objects(0, self.lowered_edges))
+            out = self.ir.with_(nodes=nodes, edges=edges)
+            if self.vouched:
+                out.vouch_distinct(frozenset(self.ops[:self.lowered_nodes]))
+            self._lowered = out.known_edge_ids(self.src[:self.lowered_edges], self.dst[:self.lowered_edges])
+        return self._lowered
+
+
+class Table(_Growth, _Objects):
     """Nodes by number as columns, edges as number pairs; objects made on first read.
 
     - `nodes[k]`: the `Node`, or None for a transfer not made yet (`node(k)` makes it);
@@ -91,97 +195,6 @@ class Table:
             src = list(map(number.__getitem__, map(_SRC, edges)))
             dst = list(map(number.__getitem__, map(_DST, edges)))
         return cls(ir, nodes, src, dst, edges)
-
-    def node(self, k: int) -> Node:
-        n = self.nodes[k]
-        if n is None:
-            base, stride, _, specs = self._blocks[bisect_right(self._bases, k) - 1]
-            mb, off = divmod(k - base, stride)
-            op, region, phase, value, peer, devices, head, tail = specs[off]
-            n = self.nodes[k] = _tuple_new(Node, (op, region, mb, phase, value, peer, devices, None,
-                                                  f"{head}{mb}{tail}"))
-        return n
-
-    def key(self, k: int) -> str:
-        return self.node(k)[8]
-
-    def add_block(self, count: int, specs: list[tuple], peers: list[tuple], pairs: list) -> int:
-        """Number `count` x len(specs) transfers, made on first read: spec `off` of microbatch
-        `mb` is node `base + mb * len(specs) + off`. `specs[off]`: (op, region, phase, value,
-        peer region, devices); `peers[off]`: the peer's devices; `pairs`: each node's pair entry
-        in the same layout. Returns `base`."""
-        base, stride = len(self.nodes), len(specs)
-        full = []
-        for op, region, phase, value, peer, devices in specs:
-            full.append((op, region, phase, value, peer, devices, f"{region}{op}_{phase}",
-                         f"{'>' if op == 'SEND' else '<'}{peer}.{value}"))
-        self.nodes += [None] * (stride * count)
-        self.ops += [s[0] for s in specs] * count
-        self.groups += [s[5] for s in specs] * count
-        self.peer_groups += peers * count
-        self.pairs += pairs
-        self._blocks.append((base, stride, count, full))
-        self._bases.append(base)
-        return base
-
-    def append(self, node: Node) -> int:
-        """Number a node made elsewhere (an exchange of tied weights); returns its number."""
-        self.nodes.append(node)
-        self.ops.append(node[0])
-        self.groups.append(node[6])
-        if node[0] in _TRANSFER:
-            self.pairs.append(node[1:6] if node[0] == "SEND" else _AS_SEND(node))
-            self.peer_groups.append(self.ir.devices_of(node[5]))
-            self.mirrored = False
-        else:
-            self.pairs.append(None)
-            self.peer_groups.append(None)
-        return len(self.nodes) - 1
-
-    def extend(self, nodes: list[Node]) -> None:
-        """Number nodes made elsewhere (the collectives `place_collectives` adds), in turn."""
-        if not _TRANSFER.isdisjoint(map(_OP, nodes)):
-            for n in nodes:
-                self.append(n)
-            return
-        self.nodes += nodes
-        self.ops += map(_OP, nodes)
-        self.groups += map(_DEVICES, nodes)
-        self.pairs += [None] * len(nodes)
-        self.peer_groups += [None] * len(nodes)
-
-    def make_all(self) -> list[Node]:
-        """Every node, made."""
-        nodes = self.nodes
-        for base, stride, count, specs in self._blocks:
-            end = base + stride * count
-            for off, (op, region, phase, value, peer, devices, head, tail) in enumerate(specs):
-                nodes[base + off:end:stride] = [
-                    _tuple_new(Node, (op, region, mb, phase, value, peer, devices, None, f"{head}{mb}{tail}"))
-                    for mb in range(count)]
-        self._blocks, self._bases = [], []
-        return nodes
-
-    def edge_objects(self, start: int, stop: int) -> list:
-        """Edges `start` to `stop` as `Edge`s (data edges made from their ends' keys)."""
-        kept = len(self.kept)
-        out = list(self.kept[start:min(stop, kept)])
-        if stop > kept:
-            keys = list(map(_KEY, self.make_all()))
-            lo = max(start, kept)
-            out += map(data_edge, map(keys.__getitem__, self.src[lo:stop]), map(keys.__getitem__, self.dst[lo:stop]))
-        return out
-
-    def lowered_ir(self) -> IR:
-        """The lowered IR as objects: what `add_transfers` returns (made once)."""
-        if self._lowered is None:
-            nodes = tuple(self.make_all()[:self.lowered_nodes])
-            edges = tuple(self.edge_objects(0, self.lowered_edges))
-            out = self.ir.with_(nodes=nodes, edges=edges)
-            if self.vouched:
-                out.vouch_distinct(frozenset(self.ops[:self.lowered_nodes]))
-            self._lowered = out.known_edge_ids(self.src[:self.lowered_edges], self.dst[:self.lowered_edges])
-        return self._lowered
 
     def computes(self, order: list[int]) -> list[int]:
         """The positions in `order` of its computes."""
