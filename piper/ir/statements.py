@@ -185,29 +185,39 @@ def split_backward(ir: IR, d: Split) -> IR:
                     hint="keep one `split B into BI, BW`")
     index = ir.index()
     nodes = []
+    halves: dict[str, tuple[str, str]] = {}       # a B's key -> its BI's and its BW's
     for node in ir.nodes:
-        if node.op == "B":
-            nodes += [node.but(op="BI"), node.but(op="BW")]
+        if node[0] == "B":
+            bi, bw = _halves(node)
+            nodes += (bi, bw)
+            halves[node[8]] = (bi[8], bw[8])
         else:
             nodes.append(node)
     edges = []
     for e in ir.edges:
-        src, dst = index[e.src], index[e.dst]
-        if src.op == "B" and dst.op == "B":       # gradient to an earlier region
-            bi = src.but(op="BI")
-            edges += [Edge(bi.key, dst.but(op="BI").key, e.kind, e.span),
-                      Edge(bi.key, dst.but(op="BW").key, e.kind, e.span)]
-        elif src.op == "B":                       # to UPD: weights' gradients
-            edges.append(Edge(src.but(op="BW").key, dst.key, e.kind, e.span))
-        elif dst.op == "B":                       # saved activations: both halves need them
-            edges += [Edge(src.key, dst.but(op="BI").key, e.kind, e.span),
-                      Edge(src.key, dst.but(op="BW").key, e.kind, e.span)]
+        if e[0] not in index or e[1] not in index:
+            raise KeyError(e[0] if e[0] not in index else e[1])
+        src, dst = halves.get(e[0]), halves.get(e[1])
+        if src is not None and dst is not None:       # gradient to an earlier region
+            edges += [_tuple_new(Edge, (src[0], dst[0], e[2], e[3])), _tuple_new(Edge, (src[0], dst[1], e[2], e[3]))]
+        elif src is not None:                       # to UPD: weights' gradients
+            edges.append(_tuple_new(Edge, (src[1], e[1], e[2], e[3])))
+        elif dst is not None:                       # saved activations: both halves need them
+            edges += [_tuple_new(Edge, (e[0], dst[0], e[2], e[3])), _tuple_new(Edge, (e[0], dst[1], e[2], e[3]))]
         else:
             edges.append(e)
-    for node in ir.nodes:
-        if node.op == "B":
-            edges.append(Edge(node.but(op="BI").key, node.but(op="BW").key))
+    edges += [Edge(bi, bw) for bi, bw in halves.values()]
     return ir.with_(nodes=tuple(nodes), edges=distinct_edges(edges), backward_split=True, split_b_span=d.span)
+
+
+def _halves(node: Node) -> tuple[Node, Node]:
+    """`(node.but(op="BI"), node.but(op="BW"))` of a B: where it is a whole pass of a
+    microbatch, its keys differ only in the op, so each is one join."""
+    op, region, mb, phase, value, peer, devices, stream, _ = node
+    if value or mb is None:
+        return node.but(op="BI"), node.but(op="BW")
+    return (_tuple_new(Node, ("BI", region, mb, phase, value, peer, devices, stream, f"{region}BI{mb}")),
+            _tuple_new(Node, ("BW", region, mb, phase, value, peer, devices, stream, f"{region}BW{mb}")))
 
 
 def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
