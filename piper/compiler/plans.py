@@ -1,17 +1,18 @@
 """The compiler: strategy DAG -> lowered DAG -> one ordered plan per device.
 
     compile_ir(ir) runs, in this order:
-      resolve_placement  (lower.py)  regions on groups, checked against the batch axes
-      add_transfers      (lower.py)  SEND/RECV where a value crosses groups
-      schedule                       one global topological order (cycles are errors)
-      add_collectives                DP/ZeRO collectives placed in that order
-      project                        each device's actions, with p2p peers and waits
-    and `verify` (simulate.py) runs every plan abstractly before anything runs.
+      resolve_placement  (ir/lower.py)     regions on groups, checked against the batch axes
+      add_transfers      (ir/lower.py)     SEND/RECV where a value crosses groups, into a `Table`
+      schedule           (schedule.py)     one global topological order (cycles are errors)
+      add_collectives    (collectives.py)  DP/ZeRO collectives placed in that order
+      project                              each device's actions, with p2p peers and waits
+    and `check` (simulate.py) makes sure no plan can deadlock before anything runs.
 
 Every device's plan is a projection of one global order, so collectives are
 issued in the same order by every member of a group and every receive has
 its send earlier: the plans cannot deadlock by construction, and the
-simulator checks it.
+verifier checks it. The passes from `add_transfers` on share one table of node
+numbers (`piper.ir.table`); the objects of the result are made when read.
 """
 from __future__ import annotations
 
@@ -250,8 +251,9 @@ def project(ir: IR, order: list[Node], release: dict[str, tuple]) -> Plans:
 def project_table(table: Table, order: list[int], release: dict[int, tuple],
                   waits_of: dict[int, list[int]]) -> Plans:
     """Each device's actions in global order, with peers, tags and waits. Every
-    device of a group runs the same sequence, so it is kept once per group;
-    `verify`'s simulation runs along (`piper.compiler.replay.walk`).
+    device of a group runs the same sequence, so it is kept once per group. The
+    walk that finds the waits also finds whether `verify`'s replay on this order
+    runs to the end (`Plans.replays`); the replay's times come when asked.
 
     `order`: node numbers; `release`: the units each compute frees;
     `waits_of`: the receives and collectives feeding each node (`waits_by_number`)."""
@@ -279,7 +281,8 @@ def _tags(table: Table, order: list[int]) -> dict:
     """Transfer (its pair) -> its message tag: both sides number a transfer alike, by
     where it first comes in `order`."""
     ops, pairs = table.ops, table.pairs
-    first = dict.fromkeys(compress(map(pairs.__getitem__, order), map(_TRANSFER.__contains__, map(ops.__getitem__, order))))
+    transfers = map(_TRANSFER.__contains__, map(ops.__getitem__, order))
+    first = dict.fromkeys(compress(map(pairs.__getitem__, order), transfers))
     return dict(zip(first, range(len(first))))
 
 

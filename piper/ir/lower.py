@@ -22,7 +22,6 @@ from .table import Table
 from .tied import share_across_devices
 
 _tuple_new = tuple.__new__
-_OP = itemgetter(0)
 _OP_REGION_MB, _KIND = itemgetter(0, 1, 2), itemgetter(2)
 _OP_REGION = itemgetter(0, 1)
 _COMPUTE = frozenset(COMPUTE)
@@ -197,8 +196,9 @@ def _add_transfers(ir: IR, table: Table, positions: dict, drop: set[int], width:
 
     for v in ir.values:
         p = v.producer
-        first_on: dict[tuple, int] = {}      # one activation transfer per receiving group, named after its first consumer
-        recvs_of: dict[int, range] = {}      # first consumer -> its receives' numbers by microbatch
+        # One activation transfer per receiving group, named after its first consumer.
+        first_on: dict[tuple, int] = {}
+        recvs_of: dict[int, list] = {}       # first consumer -> its receives' numbers by microbatch
         consumers = tuple(dict.fromkeys(v.consumers))
         for c in consumers:
             first_on.setdefault(group[c], c)
@@ -217,7 +217,7 @@ def _add_transfers(ir: IR, table: Table, positions: dict, drop: set[int], width:
 
 
 def _transfer_block(table: Table, v, p: int, c: int, first: int, group: dict, ends: tuple,
-                    received: range | None) -> range | None:
+                    received: list[int] | None) -> list[int] | None:
     """One (value, consumer)'s transfers and edges for every microbatch, as columns.
 
     Per microbatch, in the order the edges have always come: the consumer that
