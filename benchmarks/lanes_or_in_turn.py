@@ -4,12 +4,14 @@ slots in lanes (the default), and Piper's with `overlap=False` (each slot's item
     python -m benchmarks.lanes_or_in_turn FAMILY DEVICES KIND TORCH_SCHEDULE
     python -m benchmarks.lanes_or_in_turn hf-llama 2 dualpipev ScheduleDualPipeV
 
-Prints each system's median step and torch's over Piper's (RESULTS.md, suite 9).
+Prints each system's median step and torch's over Piper's, with the middle half of the
+step-by-step paired ratios (RESULTS.md, suite 9).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 
 import torch
 
@@ -52,7 +54,8 @@ def main(argv=None) -> None:
     print(f"torch {torch_ms:.0f} ms")
     for name in jobs:
         ms = timings.median(name) * 1e3
-        print(f"Piper, {name}: {ms:.0f} ms, torch/Piper {torch_ms / ms:.2f}x")
+        q1, _, q3 = statistics.quantiles(timings.paired_ratios("torch", name), n=4)
+        print(f"Piper, {name}: {ms:.0f} ms, torch/Piper {torch_ms / ms:.2f}x (paired, middle half {q1:.2f}-{q3:.2f})")
 
 
 if __name__ == "__main__":
