@@ -11,7 +11,6 @@ from __future__ import annotations
 from itertools import chain
 from operator import attrgetter, itemgetter
 
-
 from ..frontend.capture import Program
 from ..diagnostics import Label, did_you_mean, error
 from ..frontend.directives import Directive, Order, Place, Recompute, Shard, Split
@@ -198,12 +197,13 @@ def split_backward(ir: IR, d: Split) -> IR:
         if e[0] not in index or e[1] not in index:
             raise KeyError(e[0] if e[0] not in index else e[1])
         src, dst = halves.get(e[0]), halves.get(e[1])
+        kind, span = e[2], e[3]
         if src is not None and dst is not None:       # gradient to an earlier region
-            edges += [_tuple_new(Edge, (src[0], dst[0], e[2], e[3])), _tuple_new(Edge, (src[0], dst[1], e[2], e[3]))]
+            edges += [_tuple_new(Edge, (src[0], dst[0], kind, span)), _tuple_new(Edge, (src[0], dst[1], kind, span))]
         elif src is not None:                       # to UPD: weights' gradients
-            edges.append(_tuple_new(Edge, (src[1], e[1], e[2], e[3])))
+            edges.append(_tuple_new(Edge, (src[1], e[1], kind, span)))
         elif dst is not None:                       # saved activations: both halves need them
-            edges += [_tuple_new(Edge, (e[0], dst[0], e[2], e[3])), _tuple_new(Edge, (e[0], dst[1], e[2], e[3]))]
+            edges += [_tuple_new(Edge, (e[0], dst[0], kind, span)), _tuple_new(Edge, (e[0], dst[1], kind, span))]
         else:
             edges.append(e)
     edges += [Edge(bi, bw) for bi, bw in halves.values()]
@@ -350,7 +350,7 @@ def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None]:
     direct = {op: by_pass.get((op, scope[0]), {}) for op in ops} if len(scope) == 1 else {}
     found = _one_per_slot(d, direct)
     if found is not None:
-        keys, span = found, d.span
+        span = d.span
         at = ir._indexes.get("pass_at")
         if at is not None:      # positions by (pass, region), then microbatch: from `split MB`
             at = {op: at.get((op, scope[0])) for op in ops}
