@@ -240,3 +240,20 @@ def test_the_walk_knows_whether_the_replay_runs_to_the_end(pipeline, data):
     assert compiled.plans.replays and compiled.plans.replayed is not None
     again = project(compiled.ir, compiled.order, {})
     assert not again.replays and again.replayed == compiled.plans.replayed
+
+
+@pytest.mark.parametrize("text,regions", [CASES[1], CASES[2], CASES[3]])
+def test_an_item_naming_its_region_is_found_as_the_general_way_finds_it(text, regions):
+    from piper.frontend.directives import Order
+    from piper.ir.statements import _item_nodes, _tagged_node
+
+    mesh, directives = load_strategy(text, file="case.pps").build(None)
+    ir = apply_all(initial_ir(Program.chain({"PP": regions}), mesh), [d for d in directives if not isinstance(d, Order)])
+    by_pass, found = ir.by_pass(), 0
+    for d in (d for d in directives if isinstance(d, Order)):
+        for item in (item for slot in d.slots for item in slot if len(item.tags) == 2):
+            node = _tagged_node(ir, by_pass, item)
+            if node is not None:
+                found += 1
+                assert [node] == _item_nodes(ir, by_pass, item, [], None, d)
+    assert found

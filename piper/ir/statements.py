@@ -224,14 +224,7 @@ def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
     """The regions a selector's region tags pick; an error naming the known tags if none."""
     tags = selector.region_tags()
     if len(tags) == 1 and tags[0][1] != ANY:       # `PP=3`, most selectors: the regions tagged so
-        by_tag = ir._indexes.get("by_tag")
-        if by_tag is None or by_tag[0] is not ir.regions:
-            index: dict[tuple, list] = {}
-            for r in ir.regions:
-                for tag in r.tags:
-                    index.setdefault(tag, []).append(r)
-            by_tag = ir._indexes["by_tag"] = (ir.regions, index)
-        found = list(by_tag[1].get(tags[0], ()))
+        found = list(_regions_by_tag(ir).get(tags[0], ()))
     else:
         found = [r for r in ir.regions if selector.matches_region(dict(r.tags))]
     if not found:
@@ -245,6 +238,18 @@ def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
                     notes=(f"the model's regions are {labels}",),
                     hint=hint or "check the tag and index against the model's piper.annotate blocks")
     return found
+
+
+def _regions_by_tag(ir: IR) -> dict[tuple, list[RegionInfo]]:
+    """(tag, value) -> the regions tagged so (nested ones too), made once per IR's regions."""
+    found = ir._indexes.get("by_tag")
+    if found is None or found[0] is not ir.regions:
+        index: dict[tuple, list] = {}
+        for r in ir.regions:
+            for tag in r.tags:
+                index.setdefault(tag, []).append(r)
+        found = ir._indexes["by_tag"] = (ir.regions, index)
+    return found[1]
 
 
 def place(ir: IR, d: Place) -> IR:
@@ -366,7 +371,7 @@ def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None]:
             span = spans[i] if len(spans) > i else d.span
             tags = item.tags
             found = direct.get(item.op) if len(tags) == 1 and tags[0][0] == "MB" else None
-            node = found.get(tags[0][1]) if found else None
+            node = found.get(tags[0][1]) if found else _tagged_node(ir, by_pass, item) if len(tags) == 2 else None
             matches = (node,) if node is not None else _item_nodes(ir, by_pass, item, scope, span, d)
             for n in matches:
                 if n.key in seen:
@@ -408,6 +413,20 @@ def _one_per_slot(d: Order, direct: dict[str, dict]) -> list[Node] | None:
 
 
 _NONE: dict = {}
+
+
+def _tagged_node(ir: IR, by_pass: dict, item: Selector) -> Node | None:
+    """The one node an item `PASS(TAG=t, MB=m)` names where the tag picks one region (an
+    interleaved schedule's items), else None and `_item_nodes` finds what it names."""
+    (name, value), (other, mb) = item.tags
+    if name == "MB":
+        name, value, other, mb = other, mb, name, value
+    if other != "MB" or type(value) is not int or type(mb) is not int or (item.op == "B" and ir.backward_split):
+        return None
+    regions = _regions_by_tag(ir).get((name, value))
+    if regions is None or len(regions) != 1:
+        return None
+    return by_pass.get((item.op, regions[0].index), _NONE).get(mb)
 
 
 def _item_nodes(ir: IR, by_pass: dict, item: Selector, scope: list[int], span, d: Order) -> list[Node]:
