@@ -248,7 +248,8 @@ def test_an_item_naming_its_region_is_found_as_the_general_way_finds_it(text, re
     from piper.ir.statements import _item_nodes, _tagged_node
 
     mesh, directives = load_strategy(text, file="case.pps").build(None)
-    ir = apply_all(initial_ir(Program.chain({"PP": regions}), mesh), [d for d in directives if not isinstance(d, Order)])
+    unordered = [d for d in directives if not isinstance(d, Order)]
+    ir = apply_all(initial_ir(Program.chain({"PP": regions}), mesh), unordered)
     by_pass, found = ir.by_pass(), 0
     for d in (d for d in directives if isinstance(d, Order)):
         for item in (item for slot in d.slots for item in slot if len(item.tags) == 2):
