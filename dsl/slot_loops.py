@@ -1,28 +1,29 @@
 """The loops that make most of a schedule, run without the general interpreter.
 
-A stdlib schedule's order block is mostly `for m in a..b:` over one slot line of
-passes with one tag each (`F(MB=m + warm); B(MB=m)`), run once per stage and
-microbatch: 65k items at 64 stages x 512 microbatches. The general way
-evaluates each tag through the expression evaluator and binds a scope per
-iteration. Here each tag's expression becomes one Python function of the loop
-variable, with the names it reads from outside the loop looked up once.
+A stdlib schedule's order block is mostly `for m in a..b:` over `let`s and slot
+lines of passes (`F(MB=m + warm); B(MB=m)`, or an interleaved schedule's
+`let chunk = k // per_round % virtual` then `F(PP=s + p * chunk, MB=...)`), run
+once per stage and microbatch: 65k items at 64 stages x 512 microbatches. The
+general way evaluates each tag through the expression evaluator and binds a
+scope per iteration. Here the loop's `let`s and tags become one Python function
+of the loop variable, made once per loop, with the names read from outside the
+loop looked up once.
 
 Whatever this does not cover goes the general way, which also reports what is
-wrong: a body that is not one slot line, an item that is not `PASS(NAME=expr)`,
-an expression of anything but names, ints, `+`, `-` and `*`, a name that is not
-an int, a value below 0 or above the script's limit, the step limit. Nothing is
-recorded before the whole loop has gone through.
+wrong: a body of anything but `let`s and slot lines, an expression
+of anything but names, ints, `+ - * // %`, a name from outside that is not an
+int, a division by zero, a value below 0 or beyond the script's limit, a tag
+twice in an item, the step limit. Nothing is recorded before the whole loop has
+gone through.
 """
 from __future__ import annotations
 
-import operator
-
-from piper.frontend.selectors import PASSES, Selector
+from piper.frontend.selectors import ANY, PASSES, Selector
 
 from . import nodes as n
 from .values import MAX_INT, Env
 
-_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_OPERATORS = ("+", "-", "*", "//", "%")
 
 
 class _General(Exception):
@@ -30,86 +31,122 @@ class _General(Exception):
 
 
 def run_slot_loop(interp, stmt: n.For, env: Env, start: int, stop: int) -> bool:
-    """Run `for` loop `stmt` over `start..stop` if its body is one slot line this covers; False
-    (and nothing done) where it is not."""
+    """Run `for` loop `stmt` over `start..stop` if its body is what this covers; False (and
+    nothing done) where it is not."""
     body = stmt.body
-    if len(body) != 1 or type(body[0]) is not n.Slots or not interp._orders:
+    kinds = set(map(type, body))
+    if n.Slots not in kinds or not kinds <= {n.Let, n.Slots} or not interp._orders:
         return False
     count = stop - start
-    if count <= 0 or interp.steps + 2 * count > interp.limits.steps:
+    if count <= 0 or interp.steps + (1 + len(body)) * count > interp.limits.steps:
         return False
-    line = body[0]
     try:
-        items = [[_item(item, stmt.var.name, env) for item in slot.items] for slot in line.slots]
-        made = _slots(interp.selectors, items, range(start, stop))
-    except _General:
+        values, items = _compiled(stmt, env)
+        made = _slots(interp.selectors, values, items, range(start, stop))
+    except (_General, ZeroDivisionError):
         return False
-    spans = [interp.slot_spans(slot) for slot in line.slots] * count
     slots, slot_spans = interp._orders[-1]
     slots += made
-    slot_spans += spans
-    interp.steps += 2 * count         # the loop's step and its line's, each time round
-    interp._span = line.span
+    slot_spans += [interp.slot_spans(slot) for line in body if type(line) is n.Slots for slot in line.slots] * count
+    interp.steps += (1 + len(body)) * count       # the loop's step and each statement's, each time round
+    interp._span = body[-1].span
     return True
 
 
-def _slots(selectors: dict, items: list[list[tuple]], values: range) -> list[tuple]:
-    """Each slot's selectors, for each value of the loop variable in turn."""
+def _slots(selectors: dict, values, items: list[list[tuple]], loop: range) -> list[tuple]:
+    """Each slot's selectors, for each value of the loop variable in turn. `values(i)`: every
+    tag's value, item after item; `items`: per slot, each item's (pass, tag names, whether
+    it is one tag with a value)."""
     made = []
-    for i in values:
+    for i in loop:
+        tags = iter(values(i))
         for slot in items:
             chosen = []
-            for op, name, value in slot:
-                v = value(i)
-                if v < 0:
-                    raise _General
-                key = (op, name, v)
-                selector = selectors.get(key)
-                if selector is None:      # made once per run, as `pass_selector` does
-                    selector = selectors[key] = Selector(op, ((name, v),))
+            for op, names, flat in slot:
+                if flat:                    # one tag with a value: keyed flat, as `pass_selector` keys it
+                    v = next(tags)
+                    if v < 0:
+                        raise _General
+                    key = (op, names[0], v)
+                    selector = selectors.get(key)
+                    if selector is None:      # made once per run, as `pass_selector` does
+                        selector = selectors[key] = Selector(op, ((names[0], v),))
+                else:
+                    pairs = tuple((name, next(tags)) for name in names)
+                    if any(v != ANY and v < 0 for _, v in pairs):
+                        raise _General
+                    selector = selectors.get((op, pairs))
+                    if selector is None:
+                        selector = selectors[(op, pairs)] = Selector(op, pairs)
                 chosen.append(selector)
             made.append(tuple(chosen))
     return made
 
 
-def _item(item: n.PassSelector, var: str, env: Env) -> tuple:
-    """(pass, tag name, its value as a function of the loop variable) of `PASS(NAME=expr)`."""
-    if item.op.name not in PASSES or len(item.tags) != 1 or item.tags[0].value is None:
+def _compiled(stmt: n.For, env: Env):
+    """One function of the loop variable giving every tag's value of the slot line (its `let`s
+    computed first), and per slot each item's (pass, tag names, whether it is one tag with a value)."""
+    code = _Code(env)
+    code.bind(stmt.var.name, "i")
+    lines, items, tags = [], [], []
+    for statement in stmt.body:
+        if type(statement) is n.Let:
+            value = code.expression(statement.value)
+            lines.append(f"    {code.bind(statement.name.name)} = {value}")
+            continue
+        for slot in statement.slots:
+            items.append([])
+            for item in slot.items:
+                names = tuple(tag.name.name for tag in item.tags)
+                if item.op.name not in PASSES or not names or len(set(names)) != len(names):
+                    raise _General
+                items[-1].append((item.op.name, names, len(names) == 1 and item.tags[0].value is not None))
+                values = [repr(ANY) if tag.value is None else code.expression(tag.value) for tag in item.tags]
+                # A tag's value is taken where its line runs: a later `let` may bind the same name again.
+                for value in values:
+                    lines.append(f"    t{len(tags)} = {value}")
+                    tags.append(f"t{len(tags)}")
+    source = "def values(i):\n" + "".join(line + "\n" for line in lines) + f"    return ({', '.join(tags)},)\n"
+    scope = {"_c": _checked, **code.constants}
+    exec(compile(source, "<slot loop>", "exec"), scope)
+    return scope["values"], items
+
+
+class _Code:
+    """Python source for `.pps` expressions: the loop's names as locals, outside names as
+    constants looked up once, each arithmetic result checked against the script's limit."""
+
+    def __init__(self, env: Env):
+        self.env = env
+        self.local: dict[str, str] = {}          # a name bound in the loop -> its Python local
+        self.constants: dict[str, int] = {}
+
+    def bind(self, name: str, local: str | None = None) -> str:
+        self.local[name] = local or f"v{len(self.local)}"
+        return self.local[name]
+
+    def expression(self, expr) -> str:
+        kind = type(expr)
+        if kind is n.Name:
+            if expr.name in self.local:
+                return self.local[expr.name]
+            binding = self.env.lookup(expr.name)
+            if binding is None or type(binding.value) is not int:
+                raise _General
+            constant = f"k{len(self.constants)}"
+            self.constants[constant] = binding.value
+            return constant
+        if kind is n.Int:
+            if type(expr.value) is not int or expr.value > MAX_INT:
+                raise _General
+            return repr(expr.value)
+        if kind is n.Binary and expr.op in _OPERATORS:
+            return f"_c({self.expression(expr.left)} {expr.op} {self.expression(expr.right)})"
         raise _General
-    return item.op.name, item.tags[0].name.name, _function(item.tags[0].value, var, env)
 
 
-def _function(expr, var: str, env: Env):
-    """`expr` as a function of the loop variable."""
-    kind = type(expr)
-    if kind is n.Name:
-        if expr.name == var:
-            return _identity
-        binding = env.lookup(expr.name)
-        if binding is None or type(binding.value) is not int:
-            raise _General
-        return _constant(binding.value)
-    if kind is n.Int:
-        if type(expr.value) is not int or expr.value > MAX_INT:
-            raise _General
-        return _constant(expr.value)
-    if kind is n.Binary and expr.op in _OPERATORS:
-        return _binary(_OPERATORS[expr.op], _function(expr.left, var, env), _function(expr.right, var, env))
+def _checked(value: int) -> int:
+    """An arithmetic result, if the script's numbers may hold it (else the general way says so)."""
+    if -MAX_INT <= value <= MAX_INT:
+        return value
     raise _General
-
-
-def _identity(i: int) -> int:
-    return i
-
-
-def _constant(value: int):
-    return lambda i: value
-
-
-def _binary(op, left, right):
-    def value(i: int) -> int:
-        result = op(left(i), right(i))
-        if -MAX_INT <= result <= MAX_INT:
-            return result
-        raise _General
-    return value

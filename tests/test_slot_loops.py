@@ -8,7 +8,6 @@ import piper.dsl.control_flow as control_flow
 from piper.diagnostics import PiperError
 from piper.dsl import load_strategy
 
-SIMPLE = ("gpipe", "one_f_one_b", "zero_bubble")      # whose loops are over one-tag slot lines
 STDLIB = ["gpipe", "one_f_one_b", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"]
 
 
@@ -32,16 +31,20 @@ def test_a_stdlib_schedule_records_what_the_general_way_records(schedule, microb
     fast = control_flow.run_slot_loop
     monkeypatch.setattr(control_flow, "run_slot_loop", lambda *args: taken.append(fast(*args)) or taken[-1])
     _run(text, False, monkeypatch)
-    assert any(taken) == (schedule in SIMPLE)     # the loops did go this way where they could
+    assert any(taken)          # the loops did go this way
 
 
 @pytest.mark.parametrize("line,why", [
     ("for m in 0..6: F(MB=m - 2)", "a negative index"),
     ("for m in 0..6: F(MB=m * 4611686018427387904)", "a number too large"),
-    ("for m in 0..6: F(MB=m // 2)", "an operator it does not cover"),
+    ("for m in 0..6: F(MB=m // (m - 3))", "a division by zero"),
     ("for m in 0..6: F(MB=n)", "an unknown name"),
-    ("for m in 0..6:\n        let k = m\n        F(MB=k)", "a body of more than a slot line"),
-    ("for m in 0..6: F(PP=0, MB=m)", "two tags"),
+    ("for m in 0..6:\n        let k = m > 2\n        F(MB=m)", "a `let` of a comparison"),
+    ("for m in 0..6:\n        F(MB=m)\n        let k = m", "a `let` after the slot line"),
+    ("for m in 0..6: F(MB=m, MB=m)", "a tag twice"),
+    ("for m in 0..6: F(PP=0, MB=m)", "two tags, covered"),
+    ("for m in 0..6: F(PP=*, MB=m)", "a tag without a value, covered"),
+    ("for m in 0..6:\n        let k = m // 2 * 2 + m % 2\n        let m = k\n        F(MB=m)", "lets, covered"),
 ])
 def test_what_it_does_not_cover_goes_the_general_way(line, why, monkeypatch):
     text = f"mesh pp=2\nsplit MB into 6\norder PP=0:\n    {line}\n"
