@@ -242,19 +242,23 @@ def test_the_walk_knows_whether_the_replay_runs_to_the_end(pipeline, data):
     assert not again.replays and again.replayed == compiled.plans.replayed
 
 
-@pytest.mark.parametrize("text,regions", [CASES[1], CASES[2], CASES[3]])
-def test_an_item_naming_its_region_is_found_as_the_general_way_finds_it(text, regions):
+@pytest.mark.parametrize("text,regions", [CASES[1], CASES[2], CASES[3], CASES[4]])
+def test_an_item_found_directly_is_what_the_general_way_finds(text, regions):
+    """`_named_nodes` (an item of one region's order, or naming its region by a tag; a split
+    backward's B as its BI and BW) against `_item_nodes`, for every item of the schedule."""
     from piper.frontend.directives import Order
-    from piper.ir.statements import _item_nodes, _tagged_node
+    from piper.ir.statements import _item_nodes, _named_nodes, regions_matching
 
     mesh, directives = load_strategy(text, file="case.pps").build(None)
     unordered = [d for d in directives if not isinstance(d, Order)]
     ir = apply_all(initial_ir(Program.chain({"PP": regions}), mesh), unordered)
     by_pass, found = ir.by_pass(), 0
     for d in (d for d in directives if isinstance(d, Order)):
-        for item in (item for slot in d.slots for item in slot if len(item.tags) == 2):
-            node = _tagged_node(ir, by_pass, item)
-            if node is not None:
+        scope = sorted({r.index for r in regions_matching(ir, d.selector, d.span)})
+        direct = {op: by_pass.get((op, scope[0]), {}) for op in ("F", "B", "BI", "BW")} if len(scope) == 1 else {}
+        for item in (item for slot in d.slots for item in slot):
+            nodes = _named_nodes(ir, by_pass, item, direct)
+            if nodes is not None:
                 found += 1
-                assert [node] == _item_nodes(ir, by_pass, item, [], None, d)
+                assert list(nodes) == _item_nodes(ir, by_pass, item, scope, None, d)
     assert found

@@ -86,24 +86,24 @@ def apply_all(ir: IR, directives) -> IR:
     """
     pending: list[Edge] = []
     ends: tuple[list[int], list[int]] | None = ([], [])     # their ends' positions, while all are known
-    chained: list[int] = []          # the nodes of the statements that chain one node per slot
+    members: list[str] = []          # the nodes each statement orders, all statements in turn
     for d in directives:
         if isinstance(d, Order):
-            edges, at = _order_edges(ir, d)
+            edges, at, ordered = _order_edges(ir, d)
             pending += edges
+            members += ordered
             if ends is not None and at is not None:
                 ends[0].extend(at[:-1])
                 ends[1].extend(at[1:])
-                chained += at
             else:
                 ends = None
             continue
         if pending:
-            ir = _add_ordered(ir, pending, ends, ends is not None and len(set(chained)) == len(chained))
-            pending, ends, chained = [], ([], []), []
+            ir = _add_ordered(ir, pending, ends, len(set(members)) == len(members))
+            pending, ends, members = [], ([], []), []
         ir = apply(ir, d)
     if pending:
-        ir = _add_ordered(ir, pending, ends, ends is not None and len(set(chained)) == len(chained))
+        ir = _add_ordered(ir, pending, ends, len(set(members)) == len(members))
     return ir
 
 
@@ -158,6 +158,7 @@ def split_microbatches(ir: IR, d: Split) -> IR:
                                 for n in ir.nodes if n[0] in _COMPUTE}
     if len({node[8] for node in ir.nodes}) == len(ir.nodes):      # copies of distinct nodes are distinct
         out.vouch_distinct(frozenset(node[0] for node in ir.nodes))
+    out._indexes["distinct"] = out.edges        # no edge repeats (`split B` need not look)
     return out.known_edge_ids(src_ids, dst_ids)
 
 
@@ -207,7 +208,12 @@ def split_backward(ir: IR, d: Split) -> IR:
         else:
             edges.append(e)
     edges += [Edge(bi, bw) for bi, bw in halves.values()]
-    return ir.with_(nodes=tuple(nodes), edges=distinct_edges(edges), backward_split=True, split_b_span=d.span)
+    # Distinct edges rewrite to distinct ones (each new edge names the B it came from by its
+    # half), unless one joins a B to itself: only then, or where `split MB` did not say its
+    # edges are distinct, are they checked.
+    if ir._indexes.get("distinct") is not ir.edges or any(e[0] == e[1] for e in ir.edges):
+        edges = distinct_edges(edges)
+    return ir.with_(nodes=tuple(nodes), edges=tuple(edges), backward_split=True, split_b_span=d.span)
 
 
 def _halves(node: Node) -> tuple[Node, Node]:
@@ -311,20 +317,20 @@ def order(ir: IR, d: Order) -> IR:
     backward: its BI and BW together, in that slot (DualPipeV mixes whole and
     split backwards in one schedule).
     """
-    edges, at = _order_edges(ir, d)
-    return _add_ordered(ir, edges, (at[:-1], at[1:]) if at is not None else None, at is not None)
+    edges, at, _ = _order_edges(ir, d)
+    return _add_ordered(ir, edges, (at[:-1], at[1:]) if at is not None else None, True)
 
 
 def _add_ordered(ir: IR, new: list[Edge], ends: tuple[list[int], list[int]] | None = None,
-                 chains: bool = False) -> IR:
+                 disjoint: bool = False) -> IR:
     """`ir` with the temporal edges `new`, its edges distinct. Two statements may order the
     same pair; a new temporal edge can repeat only another temporal edge, so only those are
-    checked. `chains`: `new` joins each of its statements' nodes to the next and no node
-    is in two statements, so none repeats. Where `ir` knows its edges' ends as positions
-    and `ends` gives the new ones', the new IR knows them too."""
+    checked. `disjoint`: no node is in two of the statements that made `new` (a statement's
+    own edges never repeat: each node is in one of its slots), so none repeats. Where `ir`
+    knows its edges' ends as positions and `ends` gives the new ones', the new IR knows them too."""
     edges = ir.edges
     temporal = [e for e in edges if e[2] == "temporal"]
-    if (temporal or not chains) and len(dict.fromkeys(map(_IDENTITY, temporal + new))) != len(temporal) + len(new):
+    if (temporal or not disjoint) and len(dict.fromkeys(map(_IDENTITY, temporal + new))) != len(temporal) + len(new):
         return ir.with_(edges=distinct_edges(edges + tuple(new)))
     ids = ir.known_ids()
     out = ir.with_(edges=edges + tuple(new))
@@ -345,9 +351,9 @@ def order_edges(ir: IR, d: Order) -> list[Edge]:
     return _order_edges(ir, d)[0]
 
 
-def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None]:
-    """`order_edges`, and where each slot is one node found directly (a stdlib schedule), the
-    positions of those nodes in order (the edges join each to the next)."""
+def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None, list[str]]:
+    """`order_edges`; where each slot is one node found directly (a stdlib schedule), the
+    positions of those nodes in order (the edges join each to the next); the nodes' keys."""
     scope = sorted({r.index for r in regions_matching(ir, d.selector, d.span)})
     by_pass = ir.by_pass()
     # The usual item, F(MB=3) in an order of one region, names one node: found directly.
@@ -361,7 +367,7 @@ def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None]:
             at = {op: at.get((op, scope[0])) for op in ops}
             at = [at[n[0]][n[2]] for n in found]
         keys = list(map(_KEY, found))
-        return [_tuple_new(Edge, (a, b, "temporal", span)) for a, b in zip(keys, keys[1:])], at
+        return [_tuple_new(Edge, (a, b, "temporal", span)) for a, b in zip(keys, keys[1:])], at, keys
     seen: dict[str, object] = {}
     slots: list[list[Node]] = []
     for s, slot in enumerate(d.slots):
@@ -369,10 +375,7 @@ def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None]:
         chosen: list[Node] = []
         for i, item in enumerate(slot):
             span = spans[i] if len(spans) > i else d.span
-            tags = item.tags
-            found = direct.get(item.op) if len(tags) == 1 and tags[0][0] == "MB" else None
-            node = found.get(tags[0][1]) if found else _tagged_node(ir, by_pass, item) if len(tags) == 2 else None
-            matches = (node,) if node is not None else _item_nodes(ir, by_pass, item, scope, span, d)
+            matches = _named_nodes(ir, by_pass, item, direct) or _item_nodes(ir, by_pass, item, scope, span, d)
             for n in matches:
                 if n.key in seen:
                     raise error("ordered-twice", f"`{item}` ({n.key}) appears twice in this order", span=span,
@@ -386,7 +389,7 @@ def _order_edges(ir: IR, d: Order) -> tuple[list[Edge], list[int] | None]:
         for a in before:
             for b in after:
                 added.append(_tuple_new(Edge, (a[8], b[8], "temporal", span)))
-    return added, None
+    return added, None, list(seen)
 
 
 def _one_per_slot(d: Order, direct: dict[str, dict]) -> list[Node] | None:
@@ -415,18 +418,34 @@ def _one_per_slot(d: Order, direct: dict[str, dict]) -> list[Node] | None:
 _NONE: dict = {}
 
 
-def _tagged_node(ir: IR, by_pass: dict, item: Selector) -> Node | None:
-    """The one node an item `PASS(TAG=t, MB=m)` names where the tag picks one region (an
-    interleaved schedule's items), else None and `_item_nodes` finds what it names."""
-    (name, value), (other, mb) = item.tags
-    if name == "MB":
-        name, value, other, mb = other, mb, name, value
-    if other != "MB" or type(value) is not int or type(mb) is not int or (item.op == "B" and ir.backward_split):
+def _named_nodes(ir: IR, by_pass: dict, item: Selector, direct: dict[str, dict]) -> tuple[Node, ...] | None:
+    """The nodes an item `PASS(MB=m)` (in an order of one region) or `PASS(TAG=t, MB=m)` (the tag
+    picking one region: an interleaved schedule's items) names, found directly: one, or a split
+    backward's BI and BW for `B`. None where it is anything else, or names a node that is not
+    there; `_item_nodes` then finds what it names, or says why not."""
+    tags, op = item.tags, item.op
+    if len(tags) == 1 and tags[0][0] == "MB":
+        per_op, mb = direct, tags[0][1]
+    elif len(tags) == 2:
+        (name, value), (other, mb) = tags
+        if name == "MB":
+            name, value, other, mb = other, mb, name, value
+        if other != "MB" or type(value) is not int:
+            return None
+        regions = _regions_by_tag(ir).get((name, value))
+        if regions is None or len(regions) != 1:
+            return None
+        region = regions[0].index
+        per_op = {o: by_pass.get((o, region), _NONE) for o in ("F", "B", "BI", "BW")}
+    else:
         return None
-    regions = _regions_by_tag(ir).get((name, value))
-    if regions is None or len(regions) != 1:
+    if type(mb) is not int:
         return None
-    return by_pass.get((item.op, regions[0].index), _NONE).get(mb)
+    if op == "B" and ir.backward_split:       # the whole backward: its two halves, in this order
+        bi, bw = per_op.get("BI", _NONE).get(mb), per_op.get("BW", _NONE).get(mb)
+        return (bi, bw) if bi is not None and bw is not None else None
+    node = per_op.get(op, _NONE).get(mb)
+    return (node,) if node is not None else None
 
 
 def _item_nodes(ir: IR, by_pass: dict, item: Selector, scope: list[int], span, d: Order) -> list[Node]:
