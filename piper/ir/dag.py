@@ -273,21 +273,32 @@ class _Indexed:
         to `edges`. Passes walk the graph through these lists rather than looking
         keys up; a pass that makes an IR and knows them already passes them to
         `known_edge_ids`. KeyError for an edge to a node not in `nodes`."""
-        found = self._indexes.get("ids")
-        if found is None or found[0] is not self.edges:
+        found = self.known_ids()
+        if found is None:
             number = self.numbering()
-            found = self._indexes["ids"] = (self.edges, list(map(number.__getitem__, map(_SRC, self.edges))),
-                                            list(map(number.__getitem__, map(_DST, self.edges))))
-        return found[1], found[2]
+            found = (list(map(number.__getitem__, map(_SRC, self.edges))),
+                     list(map(number.__getitem__, map(_DST, self.edges))))
+            self.known_edge_ids(*found)
+        return found
 
     def known_ids(self) -> tuple[list[int], list[int]] | None:
         """`edge_ids()` if they are at hand (handed on, or found before), else None."""
-        found = self._indexes.get("ids")
-        return (found[1], found[2]) if found is not None and found[0] is self.edges else None
+        return self.edge_fact("ids")
 
     def known_edge_ids(self, sources: list[int], destinations: list[int]) -> "IR":
         """This IR, with `edge_ids()` set to what its maker computed along the way."""
-        self._indexes["ids"] = (self.edges, sources, destinations)
+        return self.note_edge_fact("ids", (sources, destinations))
+
+    def edge_fact(self, name: str):
+        """What a pass noted about this IR's edges (`note_edge_fact`), or None: a rewrite that
+        keeps the nodes shares the indexes, so a fact holds only while the edges are the same."""
+        found = self._indexes.get(name)
+        return found[1] if found is not None and found[0] is self.edges else None
+
+    def note_edge_fact(self, name: str, value) -> "IR":
+        """This IR, with `value` known of its edges under `name` (their ends' positions, where
+        the temporal ones begin, that none repeats)."""
+        self._indexes[name] = (self.edges, value)
         return self
 
     def keys_distinct(self) -> bool:

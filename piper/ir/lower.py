@@ -270,9 +270,9 @@ def temporal_edges(ir: IR) -> tuple[list[Edge], list[Node], list[Node]]:
         edges = [e for e in ir.edges if e.kind == "temporal"]
         return edges, list(map(index.__getitem__, map(_SRC, edges))), list(map(index.__getitem__, map(_DST, edges)))
     nodes, edges = ir.nodes, ir.edges
-    start = ir._indexes.get("temporal")       # where `order` says its edges begin: all the rest are its
-    if start is not None and start[0] is edges:
-        at = range(start[1], len(edges))
+    start = ir.edge_fact("temporal")       # where `order` says its edges begin: all the rest are its
+    if start is not None:
+        at = range(start, len(edges))
     else:
         at = list(compress(range(len(edges)), map("temporal".__eq__, map(_KIND, edges))))
     return (list(map(edges.__getitem__, at)), list(map(nodes.__getitem__, map(ids[0].__getitem__, at))),

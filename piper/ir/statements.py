@@ -158,7 +158,7 @@ def split_microbatches(ir: IR, d: Split) -> IR:
                                 for n in ir.nodes if n[0] in _COMPUTE}
     if len({node[8] for node in ir.nodes}) == len(ir.nodes):      # copies of distinct nodes are distinct
         out.vouch_distinct(frozenset(node[0] for node in ir.nodes))
-    out._indexes["distinct"] = out.edges        # no edge repeats (`split B` need not look)
+    out.note_edge_fact("distinct", True)        # no edge repeats (`split B` need not look)
     return out.known_edge_ids(src_ids, dst_ids)
 
 
@@ -211,7 +211,7 @@ def split_backward(ir: IR, d: Split) -> IR:
     # Distinct edges rewrite to distinct ones (each new edge names the B it came from by its
     # half), unless one joins a B to itself: only then, or where `split MB` did not say its
     # edges are distinct, are they checked.
-    if ir._indexes.get("distinct") is not ir.edges or any(e[0] == e[1] for e in ir.edges):
+    if not ir.edge_fact("distinct") or any(e[0] == e[1] for e in ir.edges):
         edges = distinct_edges(edges)
     return ir.with_(nodes=tuple(nodes), edges=tuple(edges), backward_split=True, split_b_span=d.span)
 
@@ -335,7 +335,7 @@ def _add_ordered(ir: IR, new: list[Edge], ends: tuple[list[int], list[int]] | No
     ids = ir.known_ids()
     out = ir.with_(edges=edges + tuple(new))
     if not temporal:        # the temporal edges are the new ones, at the end
-        out._indexes["temporal"] = (out.edges, len(edges))
+        out.note_edge_fact("temporal", len(edges))
     if ids is not None:
         if ends is None:
             number = ir.numbering()
