@@ -18,7 +18,7 @@ from operator import add, itemgetter, mul, not_
 
 from ..diagnostics import Diagnostic, error
 from .dag import _DST, _SRC, COMPUTE, IR, Edge, Node, node_key
-from .table import Table
+from .table import Table, unknown_edge
 from .tied import share_across_devices
 
 _tuple_new = tuple.__new__
@@ -143,9 +143,7 @@ def lower_transfers(ir: IR) -> Table:
     try:
         src0, dst0 = ir.edge_ids()      # handed on by the statements where they could
     except KeyError:
-        number = ir.numbering()
-        bad = next(e for e in ir.edges if e.src not in number or e.dst not in number)
-        raise AssertionError(f"edge to unknown node {bad}") from None
+        raise unknown_edge(ir.edges, ir.numbering()) from None
     width = len(nodes)
     table = Table(ir, nodes, [], [], [])
     table.vouched = distinct and _COMPUTE.issuperset(table.ops)

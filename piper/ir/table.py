@@ -22,7 +22,7 @@ from operator import itemgetter
 from .dag import COMPUTE, IR, Node, data_edge
 
 _tuple_new = tuple.__new__
-_OP, _DEVICES, _KEY = itemgetter(0), itemgetter(6), itemgetter(8)
+_OP, _DEVICES, _KEY, _FIRST = itemgetter(0), itemgetter(6), itemgetter(8), itemgetter(0)
 _SRC, _DST = itemgetter(0), itemgetter(1)
 _AS_SEND = itemgetter(5, 2, 3, 4, 1)     # a RECV's (peer, mb, phase, value, region): its SEND's fields
 _COMPUTE = frozenset(COMPUTE)
@@ -51,7 +51,6 @@ class _Growth:
         self.peer_groups += peers * count
         self.pairs += pairs
         self._blocks.append((base, stride, count, full))
-        self._bases.append(base)
         return base
 
     def append(self, node: Node) -> int:
@@ -59,13 +58,9 @@ class _Growth:
         self.nodes.append(node)
         self.ops.append(node[0])
         self.groups.append(node[6])
-        if node[0] in _TRANSFER:
-            self.pairs.append(node[1:6] if node[0] == "SEND" else _AS_SEND(node))
-            self.peer_groups.append(self.ir.devices_of(node[5]))
-            self.mirrored = False
-        else:
-            self.pairs.append(None)
-            self.peer_groups.append(None)
+        self.pairs.append(_pair(node))
+        self.peer_groups.append(self.ir.devices_of(node[5]) if node[0] in _TRANSFER else None)
+        self.mirrored = self.mirrored and node[0] not in _TRANSFER
         return len(self.nodes) - 1
 
     def extend(self, nodes: list[Node]) -> None:
@@ -89,7 +84,7 @@ class _Objects:
     def node(self, k: int) -> Node:
         n = self.nodes[k]
         if n is None:
-            base, stride, _, specs = self._blocks[bisect_right(self._bases, k) - 1]
+            base, stride, _, specs = self._blocks[bisect_right(self._blocks, k, key=_FIRST) - 1]
             mb, off = divmod(k - base, stride)
             op, region, phase, value, peer, devices, head, tail = specs[off]
             n = self.nodes[k] = _tuple_new(Node, (op, region, mb, phase, value, peer, devices, None,
@@ -108,7 +103,7 @@ class _Objects:
                 nodes[base + off:end:stride] = [
                     _tuple_new(Node, (op, region, mb, phase, value, peer, devices, None, f"{head}{mb}{tail}"))
                     for mb in range(count)]
-        self._blocks, self._bases = [], []
+        self._blocks = []
         return nodes
 
     def edge_objects(self, start: int, stop: int) -> list:
@@ -145,9 +140,9 @@ class Table(_Growth, _Objects):
     """
 
     __slots__ = ("ir", "nodes", "ops", "groups", "pairs", "peer_groups", "src", "dst", "kept", "distinct",
-                 "vouched", "passes", "mirrored", "lowered_nodes", "lowered_edges", "_blocks", "_bases", "_lowered")
+                 "vouched", "passes", "mirrored", "lowered_nodes", "lowered_edges", "_blocks", "_lowered")
 
-    def __init__(self, ir: IR, nodes: list, src: list[int], dst: list[int], kept: list, *, distinct: int = 0):
+    def __init__(self, ir: IR, nodes: list, src: list[int], dst: list[int], kept: list):
         self.ir = ir
         self.nodes = nodes
         self.ops = list(map(_OP, nodes))
@@ -156,10 +151,10 @@ class Table(_Growth, _Objects):
             self.pairs, self.peer_groups = [None] * len(nodes), [None] * len(nodes)
         else:
             placed = dict(ir.placement)
-            self.pairs = [n[1:6] if n[0] == "SEND" else _AS_SEND(n) if n[0] == "RECV" else None for n in nodes]
+            self.pairs = list(map(_pair, nodes))
             self.peer_groups = [placed.get(n[5]) if n[0] in _TRANSFER else None for n in nodes]
         self.src, self.dst, self.kept = src, dst, kept
-        self.distinct = distinct      # the first `distinct` edges repeat no (src, dst)
+        self.distinct = 0             # the first `distinct` edges repeat no (src, dst)
         self.vouched = False          # whether `lowered_ir()` may vouch for distinct keys and its ops
         # (pass, region) -> the number of its node for each microbatch (None where there is none),
         # where the maker knows them (`lower_transfers`); the scheduler then reads no compute node.
@@ -168,8 +163,7 @@ class Table(_Growth, _Objects):
         # as its peer (`add_block` makes them so): then a receive names the member its send came from.
         self.mirrored = False
         self.lowered_nodes, self.lowered_edges = len(nodes), len(src)
-        self._blocks: list[tuple] = []     # (base, stride, count, specs): transfers not made yet
-        self._bases: list[int] = []
+        self._blocks: list[tuple] = []     # (base, stride, count, specs): transfers not made yet, by base
         self._lowered: IR | None = None
 
     @classmethod
@@ -183,20 +177,28 @@ class Table(_Growth, _Objects):
             nodes = list(dict(zip(map(_KEY, nodes), nodes)).values())
             number = dict(zip(map(_KEY, nodes), range(len(nodes))))
         edges = list(ir.edges)
-        if strict:
-            try:
-                src = list(map(number.__getitem__, map(_SRC, edges)))
-                dst = list(map(number.__getitem__, map(_DST, edges)))
-            except KeyError:
-                bad = next(e for e in edges if e.src not in number or e.dst not in number)
-                raise AssertionError(f"edge to unknown node {bad}") from None
-        else:
+        if not strict:
             edges = [e for e in edges if e[0] in number and e[1] in number]
+        try:
             src = list(map(number.__getitem__, map(_SRC, edges)))
             dst = list(map(number.__getitem__, map(_DST, edges)))
+        except KeyError:
+            raise unknown_edge(edges, number) from None
         return cls(ir, nodes, src, dst, edges)
 
     def computes(self, order: list[int]) -> list[int]:
         """The positions in `order` of its computes."""
         ops = self.ops
         return list(compress(range(len(order)), map(_COMPUTE.__contains__, map(ops.__getitem__, order))))
+
+
+def _pair(node: Node):
+    """What names a SEND's or RECV's transfer: the SEND's (region, mb, phase, value, peer); else None."""
+    op = node[0]
+    return node[1:6] if op == "SEND" else _AS_SEND(node) if op == "RECV" else None
+
+
+def unknown_edge(edges, number: dict) -> AssertionError:
+    """The error for the first of `edges` with an end not in `number` (a key -> position)."""
+    bad = next(e for e in edges if e[0] not in number or e[1] not in number)
+    return AssertionError(f"edge to unknown node {bad}")
