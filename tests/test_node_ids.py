@@ -68,6 +68,19 @@ def test_one_replica_per_group_simulates_as_every_device(text, regions):
     assert verified.timeline == {} and verified.busy == simulate(compiled.plans.representatives()).busy
 
 
+def _waits_of(ir, order) -> dict[str, list[str]]:
+    """Node key -> the receives and collectives feeding it by a data edge, by key look-ups:
+    what `waits_by_number` finds by number."""
+    from piper.compiler.plan_waits import WAITABLE, Feeds
+
+    waitable = {n.key for n in order if n.op in WAITABLE}
+    found = Feeds()
+    for e in ir.edges:
+        if e.src in waitable and e.kind == "data":
+            found.add(e.src, e.dst)
+    return found.waits_of
+
+
 def _table_after_collectives(text: str, regions: int):
     """`compile_ir`'s table once the collectives have joined it, and the order."""
     from piper.compiler.plans import place_collectives, schedule_table
@@ -84,7 +97,6 @@ def _table_after_collectives(text: str, regions: int):
 @pytest.mark.parametrize("text,regions", CASES + [
     ("mesh dp=2, pp=2\nuse one_f_one_b(microbatches=12) on pp\nuse zero3() on dp\n", 2)])
 def test_waits_by_number_are_those_a_look_up_finds(text, regions):
-    from piper.compiler.plans import _waits_of
     from piper.compiler.plan_waits import waits_by_number
 
     table, _ = _table_after_collectives(text, regions)

@@ -21,10 +21,6 @@ _FIRST, _LAST = itemgetter(0), itemgetter(-1)
 _OP, _REGION = itemgetter(0), itemgetter(1)
 
 
-def _first(seq: list[int]) -> int:
-    return seq[0]
-
-
 def _units_used(ir: IR) -> dict[int, tuple[int, ...]]:
     """Region -> the owner regions whose parameters it reads (a tied parameter's copy on its devices)."""
     return units_used(ir)
@@ -37,7 +33,7 @@ def _by_group(ops: list[str], regions: list[int], groups: dict[int, tuple]) -> d
     of_region = {r: lists.setdefault(g, []) for r, g in groups.items()}     # regions of a group share its list
     for j in compress(range(len(ops)), map("UPD".__ne__, ops)):
         of_region[regions[j]].append(j)
-    return {groups[regions[seq[0]]]: seq for seq in sorted((seq for seq in lists.values() if seq), key=_first)}
+    return {groups[regions[seq[0]]]: seq for seq in sorted((seq for seq in lists.values() if seq), key=_FIRST)}
 
 
 def _gradient_runs(by_group: dict[tuple, list[int]], ops: list[str], regions: list[int],

@@ -27,7 +27,7 @@ from ..ir.lower import check_orders, lower_transfers, resolve_placement, tempora
 from ..ir.table import Table
 from ..ir.tied import add_tie_exchanges, tied_params
 from .collectives import _units_used, add_collectives, place_collectives     # noqa: F401 (the compiler's passes)
-from .plan_waits import Feeds, waits_by_number
+from .plan_waits import waits_by_number
 from .replay import replay, walk
 from .schedule import _compute_entries, _priority, schedule, schedule_table, schedule_with_computes  # noqa: F401
 
@@ -284,20 +284,6 @@ def _tags(table: Table, order: list[int]) -> dict:
     transfers = map(_TRANSFER.__contains__, map(ops.__getitem__, order))
     first = dict.fromkeys(compress(map(pairs.__getitem__, order), transfers))
     return dict(zip(first, range(len(first))))
-
-
-_WAITABLE = frozenset(("RECV",) + COLLECTIVES)
-
-
-def _waits_of(ir: IR, order: list[Node]) -> dict[str, list[str]]:
-    """Node key -> the receives and collectives feeding it by a data edge:
-    what an action waits for, nothing else (a send completes on its own)."""
-    waitable = {n[8] for n in order if n[0] in _WAITABLE}
-    found = Feeds()
-    for src, dst, kind, _ in compress(ir.edges, map(waitable.__contains__, map(_SRC, ir.edges))):
-        if kind == "data":
-            found.add(src, dst)
-    return found.waits_of
 
 
 def compile_ir(ir: IR) -> Compiled:
