@@ -8,13 +8,13 @@ regions (any number of them, so skip connections just work).
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 from dataclasses import dataclass, field
 
 from .annotate import reset_counters
 from ..diagnostics import error
 from ..lazy import LazyModule
+from .frames import last_user_frame
 from .model_checks import check_layers
 
 # Imported on first use: planning with `--regions` (Program.chain) never needs torch.
@@ -135,13 +135,6 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _user_frame(text: str) -> str | None:
-    """The last `File "...", line N` of a Dynamo message: where the user's code broke."""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', text)
-    frames = [f for f in frames if "/torch/" not in f[0]]
-    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
-
-
 def _export(model, example_inputs, names=()):
     from .exported import python_data_on_cpu
 
@@ -155,7 +148,7 @@ def _export(model, example_inputs, names=()):
                 return torch.export.export(model, tuple(example_inputs), strict=True)
         except Exception as exc:  # Dynamo raises many types; all mean "cannot capture"
             text = str(exc)
-            where = _user_frame(text)
+            where = last_user_frame(text)     # where the user's code broke
             first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
             raise error(
                 "graph-break",
@@ -170,10 +163,7 @@ def _export(model, example_inputs, names=()):
 
 
 def _stack_line(node: fx.Node) -> str | None:
-    trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    frames = [f for f in frames if "/torch/" not in f[0] and "/piper/" not in f[0]]
-    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
+    return last_user_frame(node.meta.get("stack_trace") or "")
 
 
 def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = ()) -> Program:

@@ -23,13 +23,12 @@ plain ATen ops, or names it with the module and the workaround:
 """
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..diagnostics import error
+from .frames import last_user_frame
 
 _DETACH = torch.ops.aten.detach.default
 _FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
@@ -62,9 +61,7 @@ class python_data_on_cpu(torch.overrides.TorchFunctionMode):
 
 
 def _source(node: fx.Node) -> str | None:
-    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    frames = [f for f in frames if "/torch/" not in f[0] and "/piper/" not in f[0]]
-    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
+    return last_user_frame(node.meta.get("stack_trace") or "")
 
 
 def _at(node: fx.Node) -> str:
