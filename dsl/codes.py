@@ -138,6 +138,7 @@ JOBS = {
     "worker-failed": "a worker raised an exception",
     "job-closed": "`step` on a job that is closed",
     "bad-precision": "`precision=` other than 'fp32', 'bf16' or 'fp16'",
+    "missing-op": "a worker cannot import the module that defines a custom op of the model's graph",
     "bad-clip": "`clip_grad_norm=` that is not a positive number",
     "no-trace": "`job.trace` before the job has run a step",
     "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",

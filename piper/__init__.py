@@ -16,6 +16,16 @@ __all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "Piper
            "FP16", "loss_scale"]
 
 
+def __getattr__(name):
+    # `piper.nn` as `torch.nn` is: there after `import piper`, but loaded on first use, so that
+    # `piper check` (which imports piper) never imports torch.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'piper' has no attribute {name!r}")
+
+
 def compile(*args, **kwargs):
     """Compile a model and a strategy into a running job (see `piper.job.compile`)."""
     from .job import compile as _compile

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .diagnostics import error
 
-__all__ = ["MoE", "SwiGLU", "DispatchHandle", "dispatch", "combine", "expert_mm"]
+__all__ = ["MoE", "SwiGLU", "DispatchHandle", "dispatch", "combine", "expert_mm", "expert_bias"]
 
 
 def _context():
@@ -171,26 +171,44 @@ def _grouped(x: Tensor, sizes: list[int], w: Tensor) -> Tensor:
     return out
 
 
+def _in_out(w: Tensor, transposed: bool) -> Tensor:
+    """`w` as `[experts, in, out]`: a view of an `[experts, out, in]` weight when `transposed`."""
+    return w.transpose(1, 2) if transposed else w
+
+
+def _scatter_home(grad_local: Tensor, w: Tensor, groups: int) -> Tensor:
+    """The gradient of the whole of `w` from this device's experts' part of it."""
+    grad_local = grad_local.to(w.dtype)
+    if grad_local.shape[0] == w.shape[0]:
+        return grad_local
+    grad_w = torch.zeros_like(w)        # replicated experts: the other devices' slices get theirs there
+    group = _context()
+    grad_w[group.index * groups:(group.index + 1) * groups] = grad_local
+    return grad_w
+
+
 @torch.library.custom_op("piper::expert_mm", mutates_args=())
-def _expert_mm(x: Tensor, counts: Tensor, w: Tensor) -> Tensor:
+def _expert_mm(x: Tensor, counts: Tensor, w: Tensor, transposed: bool = False) -> Tensor:
     # In the rows' dtype: under 16-bit compute the expert rows a device holds stay float32 masters.
-    return _grouped(x, counts.tolist(), _local_weight(w, counts.numel()).to(x.dtype))
+    local = _in_out(_local_weight(w, counts.numel()), transposed)
+    return _grouped(x, counts.tolist(), local.to(x.dtype))
 
 
 @_expert_mm.register_fake
-def _(x, counts, w):
-    return x.new_empty(x.shape[0], w.shape[-1])
+def _(x, counts, w, transposed=False):
+    return x.new_empty(x.shape[0], w.shape[-2] if transposed else w.shape[-1])
 
 
 def _expert_mm_setup(ctx, inputs, output):
-    x, counts, w = inputs
+    x, counts, w, *rest = inputs
+    ctx.transposed = bool(rest[0]) if rest else False
     ctx.save_for_backward(x, counts, w)
 
 
 def _expert_mm_backward(ctx, grad):
     x, counts, w = ctx.saved_tensors
     sizes = counts.tolist()
-    local = _local_weight(w, len(sizes))
+    local = _in_out(_local_weight(w, len(sizes)), ctx.transposed)        # [experts, in, out]
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
         grad_x = _grouped(grad, sizes, local.to(grad.dtype).transpose(1, 2))
@@ -201,17 +219,42 @@ def _expert_mm_backward(ctx, grad):
             if n:
                 torch.mm(x[start:start + n].t(), grad[start:start + n], out=grad_local[e])
             start += n
-        grad_local = grad_local.to(w.dtype)
-        if local.shape[0] == w.shape[0]:
-            grad_w = grad_local
-        else:    # replicated experts: the other devices' slices get their gradients there
-            grad_w = torch.zeros_like(w)
-            group = _context()
-            grad_w[group.index * len(sizes):(group.index + 1) * len(sizes)] = grad_local
-    return grad_x, None, grad_w
+        grad_w = _scatter_home(_in_out(grad_local, ctx.transposed), w, len(sizes))
+    return grad_x, None, grad_w, None
 
 
 _expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
+
+
+# -- per-expert bias -----------------------------------------------------------------------------------
+
+@torch.library.custom_op("piper::expert_bias", mutates_args=())
+def _expert_bias(x: Tensor, counts: Tensor, b: Tensor) -> Tensor:
+    local = _local_weight(b, counts.numel()).to(x.dtype)
+    return x + local.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+
+
+@_expert_bias.register_fake
+def _(x, counts, b):
+    return torch.empty_like(x)
+
+
+def _expert_bias_setup(ctx, inputs, output):
+    _, counts, b = inputs
+    ctx.save_for_backward(counts, b)
+
+
+def _expert_bias_backward(ctx, grad):
+    counts, b = ctx.saved_tensors
+    grad_b = None
+    if ctx.needs_input_grad[2]:
+        rows_expert = torch.arange(counts.numel(), device=grad.device).repeat_interleave(counts)
+        grad_local = grad.new_zeros(counts.numel(), grad.shape[-1]).index_add_(0, rows_expert, grad)
+        grad_b = _scatter_home(grad_local, b, counts.numel())
+    return grad, None, grad_b
+
+
+_expert_bias.register_autograd(_expert_bias_backward, setup_context=_expert_bias_setup)
 
 
 # -- the public primitives -----------------------------------------------------------------------------
@@ -239,13 +282,24 @@ def dispatch(x: Tensor, experts: Tensor, num_experts: int) -> tuple[Tensor, Tens
     return routed, counts, DispatchHandle(*handle)
 
 
-def expert_mm(routed: Tensor, counts: Tensor, weight: Tensor) -> Tensor:
+def expert_mm(routed: Tensor, counts: Tensor, weight: Tensor, *, transposed: bool = False) -> Tensor:
     """`routed` rows of expert `e` times `weight[e]`: `[rows, in] x [experts, in, out] -> [rows, out]`.
 
     `weight` is the layer's full `[num_experts, in, out]` parameter; under
     `shard experts` each device holds (and passes) only its own experts.
+    `transposed=True` takes `weight` as `[num_experts, out, in]`, the layout of
+    `nn.Linear` and of most Hugging Face experts (`F.linear(rows, weight[e])`).
     """
-    return torch.ops.piper.expert_mm(routed, counts, weight)
+    return torch.ops.piper.expert_mm(routed, counts, weight, transposed)
+
+
+def expert_bias(routed: Tensor, counts: Tensor, bias: Tensor) -> Tensor:
+    """`routed` rows of expert `e` plus `bias[e]`: `[rows, out] + [experts, out] -> [rows, out]`.
+
+    `bias` is the layer's full `[num_experts, out]` parameter, divided like the
+    expert weights under `shard experts`.
+    """
+    return torch.ops.piper.expert_bias(routed, counts, bias)
 
 
 def combine(y: Tensor, gates: Tensor, handle: DispatchHandle) -> Tensor:

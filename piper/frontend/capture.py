@@ -15,6 +15,7 @@ from .annotate import reset_counters
 from ..diagnostics import error
 from ..lazy import LazyModule
 from .frames import last_user_frame
+from .hf_experts import use_piper_experts
 from .model_checks import check_layers
 
 # Imported on first use: planning with `--regions` (Program.chain) never needs torch.
@@ -183,6 +184,7 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = ())
                         hint="forward takes the batch as tensors, e.g. (idx, targets), and returns the loss")
     meta_model = _meta_copy(model)
     _no_kv_cache(meta_model)
+    use_piper_experts(meta_model)
     meta_inputs = tuple(x.detach().to("meta") for x in example_inputs)
     exported = _export(meta_model, meta_inputs, names)
     program = _cut(exported, model)

@@ -3,7 +3,7 @@ program, check the statement against them, and say what each device holds.
 
 A MoE layer is a `piper::moe_dispatch` node in a region graph (`piper.nn.MoE`
 or any layer built on `piper.nn.dispatch`); an expert weight is a parameter
-fed straight into `piper::expert_mm`. Under `shard experts over dp` member `i`
+fed straight into `piper::expert_mm` (or an expert bias into `piper::expert_bias`). Under `shard experts over dp` member `i`
 of each expert group (the devices of a region, ordered along dp) holds rows
 `[i * E/n, (i + 1) * E/n)` of every expert weight, with its gradients and
 optimizer state; the rest of the model keeps whatever dp/ZeRO says.
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 DISPATCH = "piper.moe_dispatch.default"
 EXPERT_MM = "piper.expert_mm.default"
+EXPERT_BIAS = "piper.expert_bias.default"
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ def moe_layers(program: Program) -> list[MoELayer]:
 
 
 def expert_params(program: Program) -> dict[str, int]:
-    """Expert weight name -> its number of experts (dim 0), for weights fed straight into expert_mm."""
+    """Expert weight name -> its number of experts (dim 0), for weights (and biases) fed straight
+    into expert_mm (expert_bias)."""
     from ..frontend.capture import PARAM
 
     found: dict[str, int] = {}
@@ -63,7 +65,7 @@ def expert_params(program: Program) -> dict[str, int]:
         placeholders = [n for n in region.graph.graph.nodes if n.op == "placeholder"]
         ref = {p: inp for p, inp in zip(placeholders, region.inputs)}
         for node in region.graph.graph.nodes:
-            if node.op == "call_function" and _op_name(node) == EXPERT_MM:
+            if node.op == "call_function" and _op_name(node) in (EXPERT_MM, EXPERT_BIAS):
                 weight = node.args[2]
                 inp = ref.get(weight)
                 if inp is not None and inp.kind == PARAM:

@@ -4,6 +4,11 @@ A GraphModule pickles by re-tracing its generated code, which turns factory
 ops such as `arange(..., device=meta)` into baked constants; and ATen op
 overloads do not pickle at all. So graphs travel as a plain list of nodes
 with ops named by their qualified name, and are rebuilt on the worker.
+
+A custom op (`torch.library.custom_op`: Piper's `piper::expert_mm`, a library's
+`transformers::grouped_mm_fallback`, a user's own) exists in a process only
+once the module defining it is imported, which a worker has no reason to do:
+each op travels with the name of that module, imported on the worker first.
 """
 from __future__ import annotations
 
@@ -20,13 +25,36 @@ class _Ref:
 
 @dataclass(frozen=True)
 class _Op:
-    qualname: str          # "aten.arange.default"
+    qualname: str               # "aten.arange.default"
+    module: str | None = None   # what defines it, for a custom op ("piper.nn")
 
     def resolve(self):
         namespace, name, overload = self.qualname.split(".")
-        if namespace == "piper":
-            from .. import nn  # noqa: F401  registers Piper's own ops (MoE dispatch/combine) on this process
+        if self.module is not None:
+            _import_defining(self.module, f"{namespace}::{name}")
         return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _defining_module(op: torch._ops.OpOverload) -> str | None:
+    """The module whose import registers `op`: a `torch.library.custom_op`'s function's module."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(op._schema.name)
+    return getattr(getattr(opdef, "_init_fn", None), "__module__", None) if opdef is not None else None
+
+
+def _import_defining(module: str, op: str) -> None:
+    import importlib
+
+    from ..diagnostics import error
+
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise error("missing-op", f"the model's graph calls the custom op `{op}`, defined in `{module}`, which "
+                    f"this worker cannot import ({exc})",
+                    hint=f"install `{module.split('.')[0]}` where the workers run, or make `{module}` importable "
+                         "there (the same PYTHONPATH as the driver's)") from None
 
 
 @dataclass(frozen=True)
@@ -59,7 +87,8 @@ def pack(gm: fx.GraphModule) -> PackedGraph:
     for n in gm.graph.nodes:
         target = n.target
         if isinstance(target, torch._ops.OpOverload):
-            target = _Op(f"{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}")
+            target = _Op(f"{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}",
+                         _defining_module(target))
         elif n.op == "call_function" and not callable(target):
             raise TypeError(f"cannot ship graph node {n.format_node()}")
         nodes.append((n.op, n.name, target, _pack_arg(n.args), _pack_arg(n.kwargs)))
