@@ -62,3 +62,67 @@ def test_a_model_without_regions_is_told_so_by_the_api(tmp_path):
         assert d.code == "unknown-region" and "no annotated regions" in d.message
         assert "piper.annotate" in d.hint and "piper.annotate_modules" in d.hint and "one_f_one_b" not in d.hint
         assert d.span.file == str(script)
+
+
+# ---- the deadlock's suggested swap: applied, it must check clean
+
+def _order_line(items) -> str:
+    return "; ".join(f"{op}(MB={mb})" for op, mb in items)
+
+
+def _script(order0, order1) -> str:
+    return (f"mesh pp=2\nsplit MB into {len(order0) // 2}\nplace PP=0 on pp[0]\nplace PP=1 on pp[1]\n"
+            f"order PP=0:\n    {_order_line(order0)}\norder PP=1:\n    {_order_line(order1)}\n")
+
+
+def _orders(microbatches: int):
+    """Every order of F and B over the microbatches in which each F comes before its B."""
+    import itertools
+
+    items = [(op, mb) for mb in range(microbatches) for op in "FB"]
+    for perm in itertools.permutations(items):
+        if all(perm.index(("F", mb)) < perm.index(("B", mb)) for mb in range(microbatches)):
+            yield perm
+
+
+def test_every_suggested_swap_removes_the_deadlock(tmp_path, capsys):
+    import json
+    import re
+
+    suggested = unsuggested = 0
+    orders = list(_orders(2))
+    for order0 in orders:
+        for order1 in orders:
+            out = _check(tmp_path, capsys, _script(order0, order1), "--regions", "PP=2", "--format", "json")
+            found = [d for d in json.loads(out) if d["code"] == "deadlock"]
+            if not found:
+                continue
+            swap = re.match(r"swap (\d)(F|B)(\d) and (\d)(F|B)(\d) in rank (\d)'s order", found[0]["hint"] or "")
+            if swap is None:
+                unsuggested += 1
+                assert "swapping" not in json.dumps(found[0]["labels"])
+                continue
+            suggested += 1
+            region, op_a, mb_a, _, op_b, mb_b, rank = swap.groups()
+            fixed = [list(order0), list(order1)][int(rank)]
+            i, j = fixed.index((op_a, int(mb_a))), fixed.index((op_b, int(mb_b)))
+            fixed[i], fixed[j] = fixed[j], fixed[i]
+            both = (fixed, order1) if rank == "0" else (order0, fixed)
+            after = _check(tmp_path, capsys, _script(*both), "--regions", "PP=2")
+            assert "error" not in after, (order0, order1, swap.group(0), after)
+    assert suggested > 0, unsuggested
+
+
+def test_without_a_swap_that_runs_no_pair_is_named(tmp_path, capsys, monkeypatch):
+    import json
+
+    from piper.compiler import schedule
+
+    monkeypatch.setattr(schedule, "MAX_SWAPS_TRIED", 0)      # as if no swap of two items ran through
+    out = _check(tmp_path, capsys, _script([("F", 0), ("B", 0), ("F", 1), ("B", 1)],
+                                           [("F", 1), ("B", 1), ("F", 0), ("B", 0)]),
+                 "--regions", "PP=2", "--format", "json")
+    d, = json.loads(out)
+    assert d["code"] == "deadlock" and not d["hint"].startswith("swap")
+    assert d["labels"] and all("before" not in label["message"] and "swap" not in label["message"]
+                               for label in d["labels"])
