@@ -23,7 +23,7 @@ class DirectiveStatements:
             if sorted(names, key=str) != ["BI", "BW"]:
                 raise self.fail("bad-split", "`split B` cuts backward into `BI, BW` and takes nothing else",
                                 stmt.span, hint="write `split B into BI, BW`")
-            self.emit(Split("B", None, stmt.span))
+            self.emit(Split("B", None, stmt.span, self.trace))
             return
         if what != "MB":
             raise self.fail("bad-split", f"cannot split `{what}`", stmt.what.span,
@@ -37,7 +37,7 @@ class DirectiveStatements:
             raise self.fail("value-out-of-range", f"the number of microbatches must be at least 1, not {count}",
                             stmt.parts[0].span, hint="split the batch into 1 or more microbatches")
         if isinstance(count, int):
-            self.emit(Split("MB", count, stmt.span))
+            self.emit(Split("MB", count, stmt.span, self.trace))
 
     def exec_place(self, stmt: n.Place, env: Env) -> None:
         selector = self.region(stmt.selector, env)
@@ -68,12 +68,12 @@ class DirectiveStatements:
             seen[item.name] = item.span
         axis = self.axis_of(self.value(stmt.over, env), stmt.over.span, env, "`shard ... over`")
         if isinstance(axis, str):
-            self.emit(Shard(tuple(seen), axis, stmt.span))
+            self.emit(Shard(tuple(seen), axis, stmt.span, self.trace))
 
     def exec_recompute(self, stmt: n.Recompute, env: Env) -> None:
         selectors = [self.region(region, env) for region in stmt.regions]
         if all(s is not None for s in selectors):
-            self.emit(Recompute(tuple(selectors), stmt.span))
+            self.emit(Recompute(tuple(selectors), stmt.span, self.trace))
 
     def exec_order(self, stmt: n.Order, env: Env) -> None:
         selector = self.region(stmt.selector, env)
@@ -83,7 +83,7 @@ class DirectiveStatements:
         finally:
             slots, spans = self._orders.pop()
         if selector is not None:
-            self.emit(Order(selector, tuple(slots), stmt.span, tuple(spans)))
+            self.emit(Order(selector, tuple(slots), stmt.span, tuple(spans), self.trace))
 
     def exec_slots(self, stmt: n.Slots, env: Env) -> None:
         assert self._orders, "slot lines only parse inside an order block"

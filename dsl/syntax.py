@@ -19,6 +19,7 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedInput
 from lark.indenter import Indenter
 
+from piper.cache_dir import cache_dir
 from piper.diagnostics import Diagnostic, PiperError, Span
 
 from . import nodes as n
@@ -81,12 +82,12 @@ def _table_cache(grammar: str) -> str | bool:
     Lark names the grammar's hash, its options and its own version inside the
     file and rebuilds on any mismatch or unreadable file, so a stale or
     half-written cache costs a rebuild, never a wrong parse. The file lives
-    in the user's cache directory (not a shared temporary one, as it is a
-    pickle); PIPER_PARSER_CACHE=0 turns it off."""
+    in the user's cache directory (`piper.cache_dir`: $PIPER_CACHE, else
+    ~/.cache/piper; not a shared temporary one, as it is a pickle);
+    PIPER_PARSER_CACHE=0 turns it off."""
     if os.environ.get("PIPER_PARSER_CACHE", "1") == "0":
         return False
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(root, "piper")
+    folder = cache_dir()
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError:

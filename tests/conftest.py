@@ -1,5 +1,13 @@
-"""Shared fixtures: one local Ray cluster for the session's tests, shut down at the end."""
+"""Shared fixtures: one local Ray cluster for the session's tests, shut down at the end.
+
+The suite is hermetic: Piper's caches (`PIPER_CACHE`: the parser's tables, tune's
+measurements) live in a temporary folder for the session, removed at its end, and
+a local Ray cluster needs no token file (`RAY_AUTH_MODE=disabled`), so nothing is
+written under $HOME.
+"""
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -7,6 +15,16 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite golden files from the current output")
+
+
+# Set before any test imports piper (the parser looks its cache up on first use).
+_CACHE = tempfile.mkdtemp(prefix="piper-test-cache-")
+os.environ["PIPER_CACHE"] = _CACHE
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 FULL = bool(os.environ.get("PIPER_FULL"))

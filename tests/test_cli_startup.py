@@ -57,6 +57,7 @@ def test_import_piper_is_light_but_complete():
 
 def test_parser_tables_are_cached_and_a_broken_cache_is_rebuilt(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PIPER_PARSER_CACHE": "1"}
+    env.pop("PIPER_CACHE", None)         # the suite's own cache folder (conftest.py): here, the default
 
     def check():
         return subprocess.run([sys.executable, "-m", "piper.cli", "check", "examples/gpt_zero3_1f1b.pps"],

@@ -14,6 +14,7 @@ from ..ir.statements import apply_all, initial_ir
 def compile_directives(program, mesh, directives) -> Compiled:
     """Apply the directives to the program's DAG, lower, schedule and verify."""
     from .stage_count import explain_unplaced   # a schedule placing fewer stages than the model has
+    from .use_sites import at_use_sites
 
     with _no_cycle_collection(), explain_unplaced(program, directives):
         ir = apply_all(initial_ir(program, mesh), directives)
@@ -24,4 +25,5 @@ def compile_directives(program, mesh, directives) -> Compiled:
             experts.check(program, compiled.ir)
             compiled = experts.add_all_to_alls(compiled, program)
         check(compiled)       # raises on deadlock before anything runs
+    compiled.warnings = at_use_sites(compiled.warnings, directives)   # at the user's `use` lines
     return compiled

@@ -221,6 +221,7 @@ def _deadlock_error(ir: IR, cycle: list[Edge]):
     # Cross-device dependencies run compute -> SEND -> RECV -> compute.
     feeds: dict[str, list[str]] = defaultdict(list)      # SEND key -> producing computes
     preds: dict[str, list[str]] = defaultdict(list)       # compute -> computes it needs, any device
+    needs: dict[str, list[str]] = defaultdict(list)       # the same, less what only an order asks
     for e in ir.edges:
         src, dst = index[e.src], index[e.dst]
         if dst.op == "SEND" and src.is_compute:
@@ -231,9 +232,12 @@ def _deadlock_error(ir: IR, cycle: list[Edge]):
             continue
         if src.is_compute:
             preds[dst.key].append(src.key)
+            if e.kind != "temporal":
+                needs[dst.key].append(src.key)
         elif src.op == "RECV":
             send = Node("SEND", src.peer, src.mb, src.phase, src.value, src.region).key
             preds[dst.key] += feeds.get(send, [])
+            needs[dst.key] += feeds.get(send, [])
     local_orders = {}
     for g in groups:
         mine = {n.key for n in compute if n.devices == g}
@@ -256,17 +260,7 @@ def _deadlock_error(ir: IR, cycle: list[Edge]):
         if len(seq) != len(mine):
             return None
         local_orders[g] = seq
-    done: set[str] = set()
-    pos = {g: 0 for g in groups}
-    progress = True
-    while progress:
-        progress = False
-        for g in groups:
-            seq = local_orders[g]
-            while pos[g] < len(seq) and all(p in done for p in preds[seq[pos[g]]]):
-                done.add(seq[pos[g]])
-                pos[g] += 1
-                progress = True
+    done, pos = _run_orders(local_orders, preds)
     rank_of = {g: g[0] for g in groups}
     width = max(len(k) for k in index) + 3
     lines = ["step  " + "".join(f"rank {rank_of[g]}".ljust(width) for g in groups)]
@@ -286,8 +280,63 @@ def _deadlock_error(ir: IR, cycle: list[Edge]):
             waits.append(f"rank {rank_of[g]} waits at {k} for " + ", ".join(f"{p} (rank {owner[p]})" for p in missing))
     temporal = [e for e in cycle if e.kind == "temporal"]
     span = temporal[0].span if temporal else None
-    labels = tuple(Label(e.span, f"orders {e.src} before {e.dst}") for e in temporal[1:] if e.span)
+    hint = ("the devices' orders wait on each other; reorder the slots so each device's sends come before the "
+            "receives that unblock the other")
+    swap = _swap_that_runs(local_orders, needs, pos, [(e.src, e.dst) for e in temporal], index)
+    if swap is None:
+        # No one swap of two items runs through: name the other orders in the cycle, but no pair.
+        labels = tuple(Label(e.span, "this order is part of the cycle") for e in temporal[1:]
+                       if e.span and e.span != span)
+        labels = tuple(dict.fromkeys(labels))
+    else:
+        g, a, b = swap
+        where = next((e.span for e in ir.edges if e.kind == "temporal" and e.span is not None
+                      and (e.src in (a, b) or e.dst in (a, b))), None)
+        labels = (Label(where, f"swapping {a} and {b} here removes the deadlock"),) \
+            if where is not None and where != span else ()       # the hint says it of the primary order
+        hint = (f"swap {a} and {b} in rank {rank_of[g]}'s order: with that one change every device runs "
+                "its order through; or " + hint[hint.index("reorder"):])
     return error("deadlock", "the schedule deadlocks: " + "; ".join(waits), span=span, labels=labels,
                  notes=("`*` marks where each device waits, `.` what it never reaches:\n" + "\n".join(lines),),
-                 hint="the devices' orders wait on each other; reorder the slots so each device's sends "
-                      "come before the receives that unblock the other")
+                 hint=hint)
+
+
+def _run_orders(orders: dict, needs: dict) -> tuple[set[str], dict]:
+    """Run each device's order in turn while what its next item needs is done: (done, position per device)."""
+    done: set[str] = set()
+    pos = {g: 0 for g in orders}
+    progress = True
+    while progress:
+        progress = False
+        for g, seq in orders.items():
+            while pos[g] < len(seq) and all(p in done for p in needs[seq[pos[g]]]):
+                done.add(seq[pos[g]])
+                pos[g] += 1
+                progress = True
+    return done, pos
+
+
+# Each candidate swap reruns every device's order: bound the search for long schedules.
+MAX_SWAPS_TRIED = 400
+
+
+def _swap_that_runs(orders: dict, needs: dict, stuck_at: dict, cycle_pairs, index):
+    """One swap of two items in one device's order after which every order runs through, as
+    `(device, a, b)`, or None. Tried first: the pairs the cycle's order edges name; then each
+    item a waiting device is stuck at with each later item of its order. `needs` leaves out the
+    edges orders made, so a swapped order is checked against the data flow and the other
+    devices alone."""
+    device_of = {k: g for g, seq in orders.items() for k in seq}
+    candidates = [(device_of[a], a, b) for a, b in cycle_pairs
+                  if a in device_of and device_of.get(b) == device_of[a]]
+    for g, seq in orders.items():
+        at = stuck_at[g]
+        candidates += [(g, seq[at], later) for later in seq[at + 1:]] if at < len(seq) else []
+    for g, a, b in list(dict.fromkeys(candidates))[:MAX_SWAPS_TRIED]:
+        seq = list(orders[g])
+        i, j = seq.index(a), seq.index(b)
+        seq[i], seq[j] = seq[j], seq[i]
+        _, pos = _run_orders({**orders, g: seq}, needs)
+        if all(pos[h] == len(s) for h, s in {**orders, g: seq}.items()):
+            return g, a, b
+    return None

@@ -38,7 +38,7 @@ def stage_count_error(program, directives) -> Diagnostic | None:
         if not have or indices == have:
             continue
         if indices > have:      # the schedule names regions the model does not have
-            return _too_many(places, tag, indices, have)
+            return _too_many(places, tag, indices, have, annotated=getattr(program, "annotated", True))
         if not indices < have:
             continue
         top = max(indices)
@@ -64,20 +64,43 @@ def stage_count_error(program, directives) -> Diagnostic | None:
     return None
 
 
-def _too_many(places, tag: str, indices: set[int], have: set[int]) -> Diagnostic | None:
+def _too_many(places, tag: str, indices: set[int], have: set[int], *, annotated: bool = True) -> Diagnostic | None:
     extra = sorted(indices - have)
     first = next(d for d in places if dict(d.selector.region_tags()).get(tag) == extra[0])
+    if not annotated:
+        return _no_regions(first, tag, indices)
     if not first.trace:
         return None   # the script's own `place` line: unknown-region points at it
+    # `one_f_one_b` only helps a schedule that holds several regions per device (interleaved ones):
+    # never suggest the kind of schedule that is in use.
+    devices = {d.group for d in places if tag in dict(d.selector.region_tags())}
+    several = len(indices) > len(devices)
     return Diagnostic(
         "unknown-region", f"the strategy places {len(indices)} `{tag}` regions (`{tag}=0..{max(indices)}`), and the "
         f"model has {len(have)}: {', '.join(f'{tag}={i}' for i in extra)} "
         f"{'do' if len(extra) > 1 else 'does'} not exist", span=first.trace[0],
         labels=(Label(first.span, f"places {tag}={extra[0]}"),) if first.span is not None else (),
-        notes=(f"this schedule needs {len(indices)} `{tag}` regions on this mesh (e.g. `virtual` regions per "
-               "device along its axis)",),
-        hint=f"annotate the model with {len(indices)} `{tag}` regions, shrink the pipeline axis or `virtual`, or "
-             "use a schedule with one region per device (`one_f_one_b`)")
+        notes=(f"this schedule needs {len(indices)} `{tag}` regions on this mesh"
+               + (" (`virtual` regions per device along its axis)" if several else " (one per device along its axis)"),),
+        hint=f"annotate the model with {len(indices)} `{tag}` regions, "
+             + ("shrink the pipeline axis or `virtual`, or use a schedule with one region per device "
+                "(`one_f_one_b`)" if several else f"or shrink the pipeline axis to {len(have)} device"
+                f"{'s' if len(have) != 1 else ''}"))
+
+
+def _no_regions(first, tag: str, indices: set[int]) -> Diagnostic:
+    """A model without `piper.annotate` regions is one region, PP=0: say so, and how to add regions."""
+    span = first.trace[0] if first.trace else first.span
+    labels = (Label(first.span, f"places {tag}={max(indices)}"),) if first.trace and first.span is not None else ()
+    count = len(indices)
+    return Diagnostic(
+        "unknown-region", f"the model has no annotated regions (it is one region, PP=0), and the strategy places "
+        f"{count} `{tag}` regions (`{tag}=0..{max(indices)}`)", span=span, labels=labels,
+        notes=("each pipeline stage runs one region of the model; regions come from `piper.annotate` blocks in "
+               "forward or from `piper.annotate_modules`",),
+        hint=f"mark {count} `{tag}` regions: wrap each stage's part of forward in `with piper.annotate(\"{tag}\"):`, "
+             f"or call `piper.annotate_modules(model, \"{tag}\", [[...], ...])` with {count} lists of module "
+             "names (e.g. `blocks.0`), before piper.compile")
 
 
 @contextlib.contextmanager

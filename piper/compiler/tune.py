@@ -24,7 +24,7 @@ device is predicted (`piper.compiler.memory_model`), and its step time simulated
   Gloo moves between processes on one machine);
 - devices that outnumber the CPU cores share them (`simulate(cores=...)`).
 
-The measurements are cached (`$PIPER_CACHE`, default ~/.cache/piper) by
+The measurements are cached (`$PIPER_CACHE`, default ~/.cache/piper: `piper.cache_dir`) by
 model file, factory and microbatch size, so a second search skips them.
 The few best candidates are re-predicted with activations measured at their
 exact microbatch size before the ranking is final.
@@ -107,7 +107,9 @@ class Result:
 
 
 def _cache_dir() -> str:
-    path = os.environ.get("PIPER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "piper")
+    from ..cache_dir import cache_dir
+
+    path = cache_dir()
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -93,6 +93,7 @@ class Program:
     batch: tuple[TensorSpec, ...]        # microbatch-sized example inputs
     input_names: tuple[str, ...] = ()    # keyword names of the batch inputs, when forward took keywords
     constants: dict = field(default_factory=dict)   # tensors forward makes from data, sent as buffers
+    annotated: bool = True               # False: the model has no piper.annotate regions (it is one, PP=0)
 
     def owner(self, param: str) -> int:
         """The region that owns a parameter: the first one that uses it."""
@@ -243,7 +244,7 @@ def _cut(exported, model) -> Program:
                             outputs=region_outputs[r], joined=joined, loss_node=loss_node)
                for r, tags in enumerate(order)]
     return Program(tuple(regions), tuple(values), found.params, found.buffers, tuple(found.batch),
-                   constants=found.constants)
+                   constants=found.constants, annotated=any(n.meta.get("custom") for n in compute))
 
 
 def assign_regions(compute: list[fx.Node]):

@@ -22,6 +22,7 @@ class Split:
     what: str
     count: int | None = None
     span: Span | None = None
+    trace: tuple[Span, ...] = field(default=(), compare=False)   # as `Place.trace`
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class Place:
     selector: Selector
     group: DeviceGroup
     span: Span | None = None
-    # The `use` sites the statement ran under, outermost first (for errors that name the `use` line).
+    # The `use` sites the statement ran under, outermost first (for errors and warnings that name the
+    # user's `use` line rather than a line of the strategy it ran).
     trace: tuple[Span, ...] = field(default=(), compare=False)
 
 
@@ -42,6 +44,7 @@ class Shard:
     what: tuple[str, ...]
     over: str
     span: Span | None = None
+    trace: tuple[Span, ...] = field(default=(), compare=False)   # as `Place.trace`
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Order:
     slots: tuple[tuple[Selector, ...], ...]
     span: Span | None = None
     item_spans: tuple[tuple[Span | None, ...], ...] = ()
+    trace: tuple[Span, ...] = field(default=(), compare=False)   # as `Place.trace`
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class Recompute:
 
     selectors: tuple[Selector, ...]
     span: Span | None = None
+    trace: tuple[Span, ...] = field(default=(), compare=False)   # as `Place.trace`
 
 
 Directive = Split | Place | Shard | Order | Recompute

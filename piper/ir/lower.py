@@ -16,7 +16,7 @@ from collections import Counter
 from itertools import chain, compress, repeat
 from operator import add, itemgetter, mul, not_
 
-from ..diagnostics import Diagnostic, error
+from ..diagnostics import Diagnostic, Label, Span, error
 from .dag import _DST, _SRC, COMPUTE, IR, Edge, Node, node_key
 from .table import Table, unknown_edge
 from .tied import share_across_devices
@@ -83,11 +83,19 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
                                for op, r, mb, phase, value, peer, _, stream, key in ir.nodes]))
     # The nodes keep their keys and positions: so do the indexes of them that hold no node.
     ir._indexes.update((k, v) for k, v in known.items() if k in ("number", "ids", "ops", "pass_at", "temporal"))
+    # One warning per axis of size 1, naming all that is sharded over it (`shard optimizer, grads,
+    # params over dp` is one statement, and zero3's two lines one `use`); further lines are labels.
+    size_one: dict[str, list[tuple[str, Span | None]]] = {}
     for (what, axis), span in zip(ir.sharding, ir.sharding_spans + (None,) * len(ir.sharding)):
         if mesh.size(axis) == 1:
-            warnings.append(Diagnostic("shard-size-one", f"`shard {what} over {axis}` divides over an axis "
-                                       "of size 1: it does nothing", "warning", span,
-                                       hint=f"grow `{axis}` in the mesh or drop the statement"))
+            size_one.setdefault(axis, []).append((what, span))
+    for axis, items in size_one.items():
+        spans = list(dict.fromkeys(span for _, span in items if span is not None))
+        whats = ", ".join(dict.fromkeys(what for what, _ in items))
+        warnings.append(Diagnostic("shard-size-one", f"`shard {whats} over {axis}` divides over an axis "
+                                   "of size 1: it does nothing", "warning", spans[0] if spans else None,
+                                   tuple(Label(s, f"also shards over `{axis}`") for s in spans[1:]),
+                                   hint=f"grow `{axis}` in the mesh or drop the statement"))
     return ir
 
 

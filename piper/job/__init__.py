@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping
 
 import torch
@@ -23,6 +24,7 @@ from ..compiler.plans import Compiled
 from ..diagnostics import error
 from ..frontend.directives import Shard, Split
 from .inspection import JobInspection
+from .progress import reporter
 from .startup import JobStartup
 from .state import JobState
 from .steps import JobSteps
@@ -100,8 +102,11 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     `address` joins an existing Ray cluster ("auto", "ray://head:10001" or
     "head:6379"); workers are placed by the mesh (`piper.runtime.cluster`), and
     `job.placement()` says where each rank went. Starting the workers has its
-    own limit, `startup_timeout` seconds, and reports each stage to
-    `progress(message)` when given. A lost worker makes `step` raise
+    own limit, `startup_timeout` seconds. Each stage of the start (capture,
+    planning, Ray, placement, torch.distributed, set-up) is reported as a line
+    on stderr; `progress=False` (or `PIPER_PROGRESS=0` in the environment)
+    turns that off, and a callable `progress(message)` receives the messages
+    instead (`piper.job.progress`). A lost worker makes `step` raise
     `worker-died` naming its rank, node and pid within seconds; a stalled one
     is named as `worker-timeout` after `timeout`.
     `precision="bf16"` (or "fp16") computes in 16 bits with float32 master
@@ -119,13 +124,17 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     from ..frontend.optim_check import check_optimizer
 
     check_optimizer(optimizer)    # before capture: a wrong optimizer is a one-line fix
+    progress = reporter(progress)
     mesh, directives = build_strategy(strategy, mesh, overrides)
     # A dict of example inputs calls forward with keywords (`input_ids=..., labels=...`).
     names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else ()
     example_inputs = tuple(example_inputs.values()) if names else tuple(example_inputs)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(example_inputs, mesh, directives)
+    started = time.monotonic()
+    progress(f"capturing {type(model).__name__} (torch.export)")
     program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)), names)
     training.master_specs(program, model, mb_inputs)
+    progress(f"planning {len(program.regions)} region(s) on mesh {mesh} ({time.monotonic() - started:.1f} s)")
     compiled = compile_directives(program, mesh, directives)
     job = Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
               batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
@@ -157,7 +166,7 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         self.shards = shards
         self.timeout = timeout
         self.startup_timeout = startup_timeout
-        self._progress = progress or (lambda message: None)
+        self._progress = reporter(progress)
         self.actors = []
         self.where: dict[int, dict] = {}     # rank -> pid, node, ip, device (`placement()`)
         self._owns_ray = False

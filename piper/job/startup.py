@@ -22,6 +22,7 @@ class JobStartup:
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster needs no token
         if not ray.is_initialized():
+            self._progress("starting Ray" + (f" (joining {address})" if address else " (a local cluster)"))
             ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=True)
             self._owns_ray = True
         world = self.mesh.world_size
@@ -39,7 +40,7 @@ class JobStartup:
 
         started = time.monotonic()
         placement = plan_placement(self.mesh.axes, node_capacity(ray.nodes(), device), device)
-        self._progress(f"placing {world} workers ({placement.strategy} over the cluster's nodes)")
+        self._progress(f"placing {world} worker{'s' if world != 1 else ''} ({placement.strategy} over the cluster's nodes)")
         if os.environ.get("PIPER_FAULT"):      # a test's injected fault (runtime.faults) reaches the workers
             self.worker_env.setdefault("PIPER_FAULT", os.environ["PIPER_FAULT"])
         self._pool_key = pool.key(placement, device, self.worker_env)
@@ -52,7 +53,7 @@ class JobStartup:
         self.where = dict(enumerate(self._get([a.where.remote() for a in self.actors], "start",
                                               self.startup_timeout)))
         self._watch.where = self.where
-        self._progress(f"{world} workers started on {len({w['node'] for w in self.where.values()})} node(s) "
+        self._progress(f"{world} worker{'s' if world != 1 else ''} started on {len({w['node'] for w in self.where.values()})} node(s) "
                        f"({time.monotonic() - started:.1f} s); joining torch.distributed")
         self.rendezvous = self._get([self.actors[0].rendezvous_address.remote()], "start", self.startup_timeout)[0]
         self.pids = self._get([a.init.remote(self.rendezvous, self.timeout) for a in self.actors], "join",

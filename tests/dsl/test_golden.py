@@ -94,6 +94,25 @@ def test_compiler_codes_point_at_the_statement(name, capsys, monkeypatch):
             _text(lines, label)
 
 
+# ---- other things a user reads: golden/cases/NAME.pps (any name; a `# args:` line as above)
+
+USER_CASES = sorted(p.stem for p in (GOLDEN / "cases").glob("*.pps"))
+
+
+@pytest.mark.parametrize("name", USER_CASES)
+def test_golden_case(name, capsys, monkeypatch, update_golden):
+    monkeypatch.chdir(HERE)
+    first = (GOLDEN / "cases" / f"{name}.pps").read_text().split("\n", 1)[0]
+    args = shlex.split(first[len("# args:"):]) if first.startswith("# args:") else []
+    main(["check", "--format", "text", f"golden/cases/{name}.pps", *[a.replace("cases/", "golden/cases/", 1)
+                                                                      for a in args]])
+    out = capsys.readouterr().out
+    expected_file = GOLDEN / "cases" / f"{name}.txt"
+    if update_golden:
+        expected_file.write_text(out)
+    assert out == expected_file.read_text()
+
+
 def test_shard_over_an_axis_of_size_one_warns(tmp_path, capsys):
     path = tmp_path / "job.pps"
     path.write_text("mesh dp=1, pp=2\nshard batch over dp\nplace PP=0 on pp[0]\nplace PP=1 on pp[1]\n")
