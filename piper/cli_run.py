@@ -1,8 +1,10 @@
 """`piper run SCRIPT --model path.py:Factory [--steps N] [--batch-size N] [--optimizer adamw --lr 1e-3]
 [--mesh ...] [--set ...] [--address ADDR] [--device cpu|cuda] [--save weights.pt|DIR]
-[--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R]`:
-train a model with a strategy script on a Ray cluster (a local one unless --address),
-saving checkpoints (`piper.job.checkpoint`) and restarting lost workers (`piper.job.recovery`).
+[--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R] [--timeout S]
+[--precision bf16] [--clip-grad-norm 1.0] [--skip-nonfinite] [--metrics F.jsonl] [--trace F.json]`:
+train a model with a strategy script on a Ray cluster (a local one of its own unless --address),
+saving checkpoints (`piper.job.checkpoint`) and restarting lost workers (`piper.job.recovery`,
+whose loop every run goes through: with R = 0 it only saves, resumes and numbers the steps).
 
 The model's file provides the data: `training_batches(batch_size)`, an iterator of
 input tuples, or else `example_batch(batch_size)`, which is then trained on again

@@ -13,6 +13,7 @@ from rich.console import Console
 import piper
 from piper.cli import main
 from piper.diagnostics import error
+from piper.dsl.script import load_strategy
 from piper.job.recovery import Checkpoints, StepData, checkpoint_problem, train
 from tests.test_recovery import _FakeJob
 
@@ -149,7 +150,7 @@ def test_a_trace_labels_steps_with_the_job_s_numbers():
             mesh = piper.Mesh((("pp", 1),))
 
     recorded = [{"clock": (0.0, 0.0), "steps": [(1.0, [], {}, 0), (2.0, [], {}, 0)]}]
-    doc = run_trace(Compiled, recorded, done=15)
+    doc = run_trace(Compiled, recorded, steps_done=15)
     assert [e["name"] for e in doc["traceEvents"] if e.get("cat") == "step"] == ["step 13", "step 14"]
 
 
@@ -312,3 +313,130 @@ def test_memory_is_checked_against_the_nodes():
     finally:
         memory_check.predicted_bytes = real
     assert memory_check.machine_memory() is None or memory_check.machine_memory() > 0
+
+
+# ---- on the cluster ---------------------------------------------------------------------------------
+
+PP2 = "mesh pp=2\nuse one_f_one_b(microbatches=2) on pp\n"
+
+
+def _run(tmp_path, *flags, steps=4):
+    (tmp_path / "m.py").write_text(MODEL_FILE)
+    (tmp_path / "pp2.pps").write_text(PP2)
+    return main(["run", str(tmp_path / "pp2.pps"), "--model", f"{tmp_path}/m.py:make", "--steps", str(steps),
+                 "--batch-size", "4", "--device", "cpu", *flags])
+
+
+def _text(capsys) -> str:
+    return " ".join(capsys.readouterr().err.split())      # rich wraps long lines
+
+
+def _losses(path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_piper_run_resumes_with_restarts_from_the_last_whole_checkpoint(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    first = tmp_path / "first.jsonl"
+    assert _run(tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4", "--metrics", str(first),
+                steps=6) == 0
+    text = _text(capsys)
+    assert f"saved checkpoint {ckpt}/step-4" in text and f"saved checkpoint {ckpt}/step-6" in text  # the final one
+    for shard in (ckpt / "step-6").glob("*.distcp"):
+        shard.unlink()
+        break
+    metrics, trace = tmp_path / "m.jsonl", tmp_path / "t.json"
+    assert _run(tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4", "--resume",
+                "--max-restarts", "1", "--metrics", str(metrics), "--trace", str(trace), steps=8) == 0
+    text = _text(capsys)
+    assert f"skipping checkpoint {ckpt}/step-6: its shard" in text and "is missing" in text
+    assert f"loaded checkpoint {ckpt}/step-4 (step 4)" in text and "over steps 5-8" in text
+    assert "step 4 loss" in text and "step 0 loss" not in text
+    again = _losses(metrics)
+    assert sorted(again) == [4, 5, 6, 7]
+    for step in (4, 5):                     # the same steps as the first run, from the same state
+        assert again[step] == pytest.approx(_losses(first)[step], rel=1e-9)
+    doc = json.loads(trace.read_text())
+    assert sorted({e["name"] for e in doc["traceEvents"] if e.get("cat") == "step"}) == ["step 6", "step 7"]
+    assert (ckpt / "step-8").is_dir()
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_piper_run_names_a_stopped_worker_within_its_timeout_and_goes_on(tmp_path, capsys, monkeypatch):
+    marker = tmp_path / "stopped"
+    monkeypatch.setenv("PIPER_FAULT", f"rank=1 action=1F0 do=stop step=1 once={marker}")
+    metrics = tmp_path / "m.jsonl"
+    assert _run(tmp_path, "--timeout", "8", "--max-restarts", "1", "--metrics", str(metrics), steps=3) == 0
+    text = _text(capsys)
+    assert "restart worker-timeout" in text and "rank 1 (pp=1)" in text and marker.exists()
+    assert "from step 0 (failed at step 1)" in text      # no checkpoint: over from the start
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(m["step"], m["restarts"]) for m in lines] == [(0, 0), (0, 1), (1, 1), (2, 1)]
+    assert lines[1]["loss"] == pytest.approx(lines[0]["loss"], rel=1e-12)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_worker_killed_while_saving_restarts_and_ends_as_an_uninterrupted_run(tmp_path, capsys, monkeypatch):
+    reference = tmp_path / "ref.jsonl"
+    assert _run(tmp_path, "--metrics", str(reference)) == 0
+    capsys.readouterr()
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("PIPER_FAULT", f"rank=0 action=SAVE do=kill step=2 once={marker}")
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    assert _run(tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--max-restarts", "1",
+                "--metrics", str(metrics)) == 0
+    text = _text(capsys)
+    assert "restart worker-died" in text and "failed while saving the checkpoint of step 2" in text
+    assert marker.exists() and sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]
+    want = _losses(reference)
+    assert _losses(metrics) == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_infinite_learning_rate_stops_at_the_step_it_spoils(tmp_path, capsys):
+    assert _run(tmp_path, "--lr", "inf", "--optimizer", "sgd") == 1
+    text = _text(capsys)
+    assert "error[non-finite]" in text and "the loss of step 1 is nan" in text and "step 0's loss was finite" in text
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_nonfinite_skip_leaves_the_weights_as_they_were_and_trains_on():
+    import functools
+
+    from piper.testing import single_device
+
+    torch.manual_seed(0)
+    ns = {}
+    exec(MODEL_FILE, ns)
+    model = ns["make"]()
+    batches = [next(ns["training_batches"](4)) for _ in range(1)]
+    bad = (torch.full_like(batches[0][0], float("nan")), batches[0][1])
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with piper.compile(model, batches[0], strategy=load_strategy(PP2), optimizer=sgd, nonfinite="skip",
+                       timeout=60) as job:
+        before = job.state_dict()
+        assert job.step(*bad) != job.step(*bad)                  # nan, twice: both skipped
+        torch.testing.assert_close(job.state_dict(), before, rtol=0, atol=0)
+        loss = job.step(*batches[0])
+        after = job.state_dict()
+        assert piper.loss_scale(job)["skipped_steps"] == 2 and job.skipped_steps == 2
+    torch.manual_seed(0)
+    ref_losses, ref_state = single_device(ns["make"](), batches, sgd)
+    assert loss == pytest.approx(ref_losses[0], rel=1e-9)
+    torch.testing.assert_close(after, ref_state, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_workers_that_cannot_fit_are_refused_before_they_start(monkeypatch):
+    from piper.job import memory_check
+
+    monkeypatch.setattr(memory_check, "node_memory", lambda nodes, ip=None: [1024])
+    from piper.job import Job
+
+    monkeypatch.setattr(Job, "_new_workers", lambda *a: pytest.fail("workers were started"))
+    ns = {}
+    exec(MODEL_FILE, ns)
+    with pytest.raises(piper.PiperError) as err:
+        piper.compile(ns["make"](), next(ns["training_batches"](4)), strategy=load_strategy(PP2))
+    assert err.value.code == "not-enough-memory" and "the cluster's 1 node(s) have 1.00 KiB" in str(err.value)

@@ -10,8 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class StepReport:
-    """What a run shows and records per step: a progress bar, a line every 10 steps and after the
-    last, and with `metrics` one JSON line per step (`step`: the job's own step number, from 0, also
+    """What a run shows and records per step: a progress bar, a line for its first step, every 10th
+    and the last, and with `metrics` one JSON line per step (`step`: the job's own step number, from 0, also
     after a resume or a restart; `loss`, `step_s`, `tokens_per_s`, `tokens` processed by the job up to
     that step (`samples_per_s`, `samples` for other models), `time`: seconds since this run's first
     step began, `restarts`: the restarts so far). A step replayed after a restart gets a line again.
@@ -49,8 +49,10 @@ class StepReport:
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         """Step `step` (the job's own number) ended with `loss` after `seconds`."""
-        if self._progress is None:
+        first = self._progress is None
+        if first:
             self._open(step)
+            self._began -= seconds            # `time` counts from when the first step began
         speed = self.tokens_per_batch / seconds if seconds > 0 else float("inf")
         self._progress.update(self._task, completed=step + 1, loss=f"{loss:.4f}", speed=f"{speed:,.0f}",
                               step_s=f"{seconds:.3f}")
@@ -60,7 +62,7 @@ class StepReport:
                                         "time": time.perf_counter() - self._began,
                                         "restarts": self.restarts}) + "\n")
             self._out.flush()
-        if step % 10 == 0 or step == self.steps - 1:
+        if first or step % 10 == 0 or step == self.steps - 1:
             self._progress.console.log(f"step {step:3d}  loss {loss:.4f}  {seconds:.3f} s  {speed:,.0f} {self.unit}/s")
 
     def close(self) -> None:
