@@ -4,6 +4,7 @@ last checkpoint.
 
     python -m benchmarks.recovery                  # pp=2 and dp=2 x pp=2, 3 trials each
     python -m benchmarks.recovery --trials 1 --mesh pp=2
+    python -m benchmarks.recovery --at save        # killed while writing a checkpoint instead
 
 Reported per mesh (medians over trials; wall-clock seconds, so on a shared machine
 they include whatever else runs):
@@ -40,7 +41,9 @@ def _two_stages(data_parallel: bool):
     return two_stages
 
 
-def one_trial(mesh: str, steps: int = 4, kill_at: int = 2) -> dict[str, float]:
+def one_trial(mesh: str, steps: int = 4, kill_at: int = 2, at: str = "step") -> dict[str, float]:
+    """`at="step"`: killed in step `kill_at` (checkpoints every `kill_at` steps); `at="save"`: killed
+    as it starts writing the checkpoint after step `kill_at` (checkpoints every step)."""
     import piper
     from examples.gpt import batches, _corpus_tokens, make_model
     from piper.mesh import Mesh
@@ -54,6 +57,8 @@ def one_trial(mesh: str, steps: int = 4, kill_at: int = 2) -> dict[str, float]:
     strategy = _two_stages(data_parallel="dp" in m.names)
     with tempfile.TemporaryDirectory() as tmp:
         marker = os.path.join(tmp, "killed")
+        if at == "save":
+            action = "SAVE"
         os.environ["PIPER_FAULT"] = f"rank={rank} action={action} do=kill step={kill_at} once={marker}"
         times: dict[str, float] = {}
 
@@ -68,7 +73,8 @@ def one_trial(mesh: str, steps: int = 4, kill_at: int = 2) -> dict[str, float]:
 
         try:
             train(lambda: piper.compile(model, data(0), strategy=strategy, mesh=dict(m.axes), timeout=60),
-                  data, steps, max_restarts=1, checkpoints=Checkpoints(os.path.join(tmp, "ckpt"), every=kill_at),
+                  data, steps, max_restarts=1,
+                  checkpoints=Checkpoints(os.path.join(tmp, "ckpt"), every=1 if at == "save" else kill_at),
                   on_step=on_step, on_restart=on_restart)
         finally:
             os.environ.pop("PIPER_FAULT", None)
@@ -80,6 +86,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.recovery", description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", action="append", choices=sorted(RANKS_TO_KILL))
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--at", choices=("step", "save"), default="step",
+                        help="kill the worker in a step (default) or while it writes a checkpoint")
     args = parser.parse_args(argv)
     import ray
 
@@ -89,7 +97,7 @@ def main(argv=None) -> int:
     print(f"{'mesh':<12} {'detect s':>9} {'restart s':>10} {'step s':>7} {'total s':>8}   (median of {args.trials})")
     try:
         for mesh in args.mesh or ["pp=2", "dp=2,pp=2"]:
-            trials = [one_trial(mesh) for _ in range(args.trials)]
+            trials = [one_trial(mesh, at=args.at) for _ in range(args.trials)]
             med = {k: statistics.median(t[k] for t in trials) for k in ("detect", "restart", "step", "total")}
             print(f"{mesh:<12} {med['detect']:>9.2f} {med['restart']:>10.2f} {med['step']:>7.2f} {med['total']:>8.2f}"
                   f"   detect range {min(t['detect'] for t in trials):.2f}-{max(t['detect'] for t in trials):.2f}")

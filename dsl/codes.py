@@ -156,8 +156,19 @@ COMMANDS = {
     "no-fit": "`piper tune` found no strategy that fits the memory budget",
 }
 
+# What a job is given and what a run writes, checked before workers start or as steps end
+# (job/, frontend/model_checks.py, run_paths.py).
+TRAINING_INPUTS = {
+    "bad-output": "a `piper run` output path (--save, --trace, --metrics, --checkpoint-dir) that cannot be written",
+    "non-finite": "a step's loss is inf or NaN",
+    "bad-nonfinite": "`nonfinite=` other than 'stop' or 'skip'",
+    "loss-without-gradient": "forward returns an integer loss, or one detached from every parameter",
+    "meta-parameters": "`piper.compile` of a model whose parameters are on the meta device",
+    "not-enough-memory": "the workers' predicted memory does not fit in the Ray cluster's nodes",
+}
+
 CODES: dict[str, str] = {**SYNTAX, **NAMES_AND_TYPES, **VALUES, **FILES, **WARNINGS, **TOOLS, **PYTHON_API,
-                         **STATEMENTS, **PLACEMENT, **SCHEDULE, **MODEL, **JOBS, **COMMANDS}
+                         **STATEMENTS, **PLACEMENT, **SCHEDULE, **MODEL, **JOBS, **COMMANDS, **TRAINING_INPUTS}
 
 
 def docs_dir():

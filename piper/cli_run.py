@@ -1,8 +1,10 @@
 """`piper run SCRIPT --model path.py:Factory [--steps N] [--batch-size N] [--optimizer adamw --lr 1e-3]
 [--mesh ...] [--set ...] [--address ADDR] [--device cpu|cuda] [--save weights.pt|DIR]
-[--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R]`:
-train a model with a strategy script on a Ray cluster (a local one unless --address),
-saving checkpoints (`piper.job.checkpoint`) and restarting lost workers (`piper.job.recovery`).
+[--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R] [--timeout S]
+[--precision bf16] [--clip-grad-norm 1.0] [--skip-nonfinite] [--metrics F.jsonl] [--trace F.json]`:
+train a model with a strategy script on a Ray cluster (a local one of its own unless --address),
+saving checkpoints (`piper.job.checkpoint`) and restarting lost workers (`piper.job.recovery`,
+whose loop every run goes through: with R = 0 it only saves, resumes and numbers the steps).
 
 The model's file provides the data: `training_batches(batch_size)`, an iterator of
 input tuples, or else `example_batch(batch_size)`, which is then trained on again
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 
 import torch
 from rich.console import Console
@@ -20,6 +23,7 @@ from .job import checkpoint
 from .diagnostics import error
 from .job import compile
 from .frontend.models import example_batch, load_model
+from .run_paths import WEIGHT_FILES, check_output_paths
 
 OPTIMIZER_CLASSES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
 
@@ -62,13 +66,11 @@ def run(args) -> int:
     if steps < 1 or batch_size < 1:
         console.print("piper run: error: --steps and --batch-size take whole numbers of at least 1")
         return 2
-    problem = checkpoint.check_run_flags(args)
-    if (getattr(args, "max_restarts", 0) or 0) < 0:
-        problem = f"--max-restarts {args.max_restarts} is not a number of restarts (0 or more)"
+    problem = checkpoint.check_run_flags(args) or _problem_with_limits(args)
     if problem:
         console.print(f"piper run: error: {problem}")
         return 2
-    directory = getattr(args, "checkpoint_dir", None)
+    check_output_paths(args)          # before anything trains: a run is not lost to a bad --save at its end
     torch.manual_seed(getattr(args, "seed", 0) or 0)
     model, module = load_model(args.model)
     stream, _ = training_data(module, batch_size, console)
@@ -78,57 +80,58 @@ def run(args) -> int:
     params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]piper run[/] {args.script}: {type(model).__name__}, {params:,} parameters, "
                   f"batch {batch_size}, {steps} steps", highlight=False)
-    if getattr(args, "max_restarts", 0):
-        return _run_recoverable(args, model, module, batch_size, steps, optimizer, count, unit, console)
-    with console.status("capturing the model, checking the plans, starting the workers on Ray "
-                        "(a minute on a busy machine)..."):
-        job = compile(model, first, strategy=args.script, mesh=args.mesh, optimizer=optimizer,
-                      overrides=args.overrides or None, address=getattr(args, "address", None),
-                      device=getattr(args, "device", "auto"), progress=lambda message: console.print(f"  {message}"))
-    with job:
-        console.print(f"mesh {job.mesh}: {job.mesh.world_size} workers ready ({job.device})", highlight=False)
-        from .job.train import fit
-
-        data = itertools.chain([first], stream)
-        start = checkpoint.resume(job, directory, data, console) if getattr(args, "resume", False) else 0
-        if start >= steps:
-            console.print(f"the checkpoint is at step {start}: nothing left of {steps} steps")
-            return 0
-        every = getattr(args, "checkpoint_every", None)
-        stepper = checkpoint.Every(job, directory, every) if every else job
-        losses = fit(stepper, data, steps - start, tokens_per_batch=count, unit=unit, console=console,
-                     metrics=getattr(args, "metrics", None))
-        if getattr(args, "trace", None):
-            console.print(f"trace of the last steps: {job.trace(args.trace)} (open it in ui.perfetto.dev)")
-        if getattr(args, "save", None):
-            save_outputs(job, args.save, console)
-    span = f"steps {start + 1}-{steps}" if start else f"{steps} steps"
-    console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {span}", highlight=False)
-    return 0
+    return _train(args, model, module, batch_size, steps, optimizer, count, unit, console)
 
 
-def _run_recoverable(args, model, module, batch_size: int, steps: int, optimizer, count: int, unit: str,
-                     console) -> int:
-    """`--max-restarts R`: the loop of `piper.job.recovery`, with the data deterministic per step."""
-    import os
+def _problem_with_limits(args) -> str | None:
+    """What is wrong with --max-restarts, --timeout, --startup-timeout or --clip-grad-norm, or None."""
+    import math
 
+    if (getattr(args, "max_restarts", 0) or 0) < 0:
+        return f"--max-restarts {args.max_restarts} is not a number of restarts (0 or more)"
+    for flag, name in (("--timeout", "timeout"), ("--startup-timeout", "startup_timeout"),
+                       ("--clip-grad-norm", "clip_grad_norm")):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"{flag} {value} is not a positive number (e.g. {flag} {'1.0' if 'clip' in flag else '60'})"
+    return None
+
+
+def _train(args, model, module, batch_size: int, steps: int, optimizer, count: int, unit: str, console) -> int:
+    """The run: `piper.job.recovery.train`, with the data deterministic per step, so --resume and
+    --max-restarts replay the batches an uninterrupted run trains on. Steps are the job's own numbers."""
     import ray
 
     from .job.recovery import Checkpoints, StepData, train
+    from .job.train import StepReport
 
     quiet = Console(quiet=True)           # the repeated-batch warning was printed once already
     data = StepData(lambda: training_data(module, batch_size, quiet)[0])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # Ray stays up across restarts: a job that started Ray would shut it down on close.
+    address = getattr(args, "address", None)
+    # Ray stays up across restarts: a job that started Ray would shut it down on close. Without
+    # --address the cluster is this run's own ("local"): never one another run left recorded.
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        ray.init(address=getattr(args, "address", None), include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=True)
+        ray.init(address=address or "local", include_dashboard=False, logging_level="ERROR", log_to_driver=True)
+    started = []
 
     def start_job():
-        job = compile(model, data(0), strategy=args.script, mesh=args.mesh, optimizer=optimizer,
-                      overrides=args.overrides or None, address=getattr(args, "address", None),
-                      device=getattr(args, "device", "auto"), progress=lambda m: console.print(f"  {m}"))
+        options = dict(strategy=args.script, mesh=args.mesh, optimizer=optimizer, overrides=args.overrides or None,
+                       address=address, device=getattr(args, "device", "auto"),
+                       timeout=getattr(args, "timeout", None) or 300.0,
+                       startup_timeout=getattr(args, "startup_timeout", None) or 600.0,
+                       precision=getattr(args, "precision", None) or "fp32",
+                       clip_grad_norm=getattr(args, "clip_grad_norm", None),
+                       nonfinite="skip" if getattr(args, "skip_nonfinite", False) else "stop",
+                       progress=lambda m: console.print(f"  {m}"))
+        if started:                       # a restart: a live progress bar is showing, so no spinner
+            job = compile(model, data(0), **options)
+        else:
+            with console.status("capturing the model, checking the plans, starting the workers on Ray "
+                                "(a minute on a busy machine)..."):
+                job = compile(model, data(0), **options)
+        started.append(job)
         nodes = {}
         for rank, w in job.placement().items():
             nodes.setdefault(w["node"][:8], []).append(str(rank))
@@ -137,36 +140,59 @@ def _run_recoverable(args, model, module, batch_size: int, steps: int, optimizer
                       highlight=False)
         return job
 
-    def on_step(step, loss, seconds):
-        if step % 10 == 0 or step == steps - 1:
-            console.print(f"step {step:3d}  loss {loss:.4f}  {count / seconds:,.0f} {unit}/s", highlight=False)
+    report = StepReport(steps, tokens_per_batch=count, unit=unit, console=console,
+                        metrics=getattr(args, "metrics", None))
 
     def on_restart(r):
+        report.restarts += 1
+        what = {"save": f"while saving the checkpoint of step {r.failed_at}",
+                "finish": "while writing the outputs"}.get(r.during, f"at step {r.failed_at}")
         console.print(f"[yellow]restart {r.error.code}[/]: {r.error.diagnostics[0].message}")
         console.print(f"  training again {r.seconds:.1f} s after the failure, from step {r.resumed_from} "
-                      f"(failed at step {r.failed_at}), on node(s) {', '.join(n[:8] for n in r.nodes)}")
+                      f"(failed {what}), on node(s) {', '.join(n[:8] for n in r.nodes)}")
 
     def finish(job):
+        # --save first: whatever happens to the trace, the trained weights are kept.
         if getattr(args, "save", None):
             save_outputs(job, args.save, console)
+        if getattr(args, "trace", None):
+            console.print(f"trace of the last steps: {job.trace(args.trace)} (open it in ui.perfetto.dev)")
 
     directory = getattr(args, "checkpoint_dir", None)
-    checkpoints = Checkpoints(directory, getattr(args, "checkpoint_every", None) or 0) if directory else None
+    checkpoints = None
+    if directory:
+        checkpoints = Checkpoints(
+            directory, getattr(args, "checkpoint_every", None) or 0,
+            on_save=lambda path, s: console.print(f"saved checkpoint {path} ({s:.1f} s)", highlight=False),
+            on_load=lambda step, path: console.print(f"loaded checkpoint {path} (step {step}): training goes "
+                                                     "on from there", highlight=False),
+            on_skip=lambda path, why: console.print(f"[yellow]warning[/]: skipping checkpoint {path}: {why}; "
+                                                    "trying the one before it", highlight=False))
+    resume = bool(getattr(args, "resume", False))
     try:
-        losses, restarts = train(start_job, data, steps, max_restarts=args.max_restarts, checkpoints=checkpoints,
-                                 resume=bool(getattr(args, "resume", False)), on_step=on_step,
-                                 on_restart=on_restart, finish=finish)
+        with report:
+            if resume and checkpoints is not None and not _has_checkpoints(directory):
+                console.print(f"no checkpoint in {directory} yet: starting at step 0")
+            losses, restarts = train(start_job, data, steps, max_restarts=getattr(args, "max_restarts", 0) or 0,
+                                     checkpoints=checkpoints, resume=resume, on_step=report.step,
+                                     on_restart=on_restart, finish=finish)
     finally:
         if owns_ray:
             ray.shutdown()
-    console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps", highlight=False)
+    start = steps - len(losses)          # the step the run went on from (a resumed checkpoint's)
+    if not losses:
+        console.print(f"the checkpoint is at step {start}: nothing left of {steps} steps")
+        return 0
+    span = f"steps {start + 1}-{steps}" if start else f"{steps} steps"
+    console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {span}", highlight=False)
     if restarts:
         # Full precision: a recovered run ends exactly where an uninterrupted one does.
         console.print(f"restarted {len(restarts)} time(s); final loss {losses[-1]!r}", highlight=False)
     return 0
 
 
-WEIGHT_FILES = (".pt", ".pth", ".bin")
+def _has_checkpoints(directory) -> bool:
+    return bool(checkpoint.checkpoints(directory))
 
 
 def save_outputs(job, path: str, console) -> None:

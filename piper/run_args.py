@@ -23,6 +23,7 @@ def add_run_arguments(run) -> None:
     add_observation_arguments(run)
     add_checkpoint_arguments(run)
     add_recovery_arguments(run)
+    add_numerics_arguments(run)
 
 
 def add_training_arguments(run) -> None:
@@ -49,6 +50,24 @@ def add_recovery_arguments(run) -> None:
     run.add_argument("--max-restarts", type=int, default=0, metavar="R",
                      help="when a worker or node is lost, restart the workers (on whatever nodes the cluster has), "
                           "load the last checkpoint and go on, up to R times")
+    run.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                     help="a step (or any call to the workers) that takes longer fails with worker-timeout, naming "
+                          "the stalled workers (default 300); with --max-restarts it is then restarted")
+    run.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                     help="the most seconds starting the workers may take (placement, torch.distributed, set-up; "
+                          "default 600)")
+
+
+def add_numerics_arguments(run) -> None:
+    """How each step computes: precision, gradient clipping, steps with a non-finite loss or gradient."""
+    run.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                     help="bf16/fp16: compute in 16 bits with float32 master weights, optimizer state and "
+                          "reductions (fp16 also scales the loss); fp32: the model's own dtype (default)")
+    run.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
+                     help="clip the gradients by their global norm over the whole model before each update")
+    run.add_argument("--skip-nonfinite", action="store_true",
+                     help="skip (on every device) the update of a step whose loss or gradients hold an inf or a "
+                          "NaN, and go on; default: stop with a non-finite error naming the step")
 
 
 def add_output_arguments(run) -> None:

@@ -19,15 +19,17 @@ class _FakeJob:
         self.log, self.weight, self.closed, self.steps = log, 0.0, False, 0
 
     def save(self, path):
-        os.makedirs(path)
-        open(os.path.join(path, ".metadata"), "w").close()     # what marks a finished DCP checkpoint
-        with open(os.path.join(path, "w"), "w") as f:
-            f.write(f"{self.weight!r} {self.steps}")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"w": torch.tensor(self.weight, dtype=torch.float64), "steps": torch.tensor(self.steps)},
+                 checkpoint_id=path, no_dist=True)      # a real DCP directory: `.metadata` and a shard
 
     def load(self, path):
-        with open(os.path.join(path, "w")) as f:
-            weight, steps = f.read().split()
-        self.weight, self.steps = float(weight), int(steps)
+        import torch.distributed.checkpoint as dcp
+
+        state = {"w": torch.tensor(0.0, dtype=torch.float64), "steps": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+        self.weight, self.steps = float(state["w"]), int(state["steps"])
 
     def placement(self):
         return {0: {"node": "n1"}}

@@ -126,8 +126,12 @@ def simulation_trace(plans, sim, *, mesh=None, scale: float = 1e6, meta: dict | 
                  meta={"source": "piper simulate", **(meta or {})})
 
 
-def run_trace(compiled, recorded: list[dict], *, steps: int | None = None, meta: dict | None = None) -> dict:
+def run_trace(compiled, recorded: list[dict], *, steps: int | None = None, meta: dict | None = None,
+              steps_done: int | None = None) -> dict:
     """A real run's last `steps` steps (default: every step the workers kept) as a trace document.
+
+    `steps_done`: the job's steps so far (`job.steps`, a loaded checkpoint's included), so the steps
+    are labelled with the job's own numbers (the last one `steps_done - 1`); without it, from 0.
 
     `recorded[rank]` is what `Worker.trace()` returned: the clocks of that
     process (perf_counter, time) at one instant, and per step its start, its
@@ -144,6 +148,8 @@ def run_trace(compiled, recorded: list[dict], *, steps: int | None = None, meta:
         plan = {a.key: a for a in compiled.plans[rank]}
         out, marks = [], []
         first = len(rec["steps"]) - len(kept)
+        if steps_done is not None:
+            first = steps_done - len(kept)
         for number, (t0, actions, done, main) in enumerate(kept, first):
             lanes = {main: 0}
             end_of_step = t0
@@ -180,6 +186,6 @@ def job_trace(job, path: str, steps: int | None = None) -> str:
 
         raise error("no-trace", "this job has not run a step yet, so there is nothing to trace",
                     hint="call job.step(...) first; job.trace keeps the last steps")
-    return write(run_trace(job.compiled, recorded, steps=steps,
+    return write(run_trace(job.compiled, recorded, steps=steps, steps_done=job.steps,
                            meta={"mesh": str(job.mesh), "batch": job.batch_size,
                                  "microbatches": job.microbatches}), path)

@@ -32,6 +32,19 @@ def compute_dtype(precision: str) -> torch.dtype | None:
     return PRECISIONS[precision]
 
 
+NONFINITE = ("stop", "skip")
+
+
+def check_nonfinite(value) -> str:
+    """`nonfinite=`: "stop" (a step with a non-finite loss raises `non-finite`) or "skip" (its update is
+    skipped on every device, as fp16's scaler skips one, and training goes on)."""
+    if value not in NONFINITE:
+        raise error("bad-nonfinite", f"nonfinite={value!r} is not one of {', '.join(map(repr, NONFINITE))}",
+                    hint="nonfinite='stop' (the default) stops at the first step whose loss is inf or NaN; "
+                         "nonfinite='skip' skips the updates of such steps and goes on")
+    return value
+
+
 def check_clip(value) -> float | None:
     """`clip_grad_norm=` as a float (None: no clipping); a positive finite number or a diagnostic."""
     if value is None:
@@ -46,15 +59,18 @@ class TrainingOptions:
     """What `piper.compile` hands each worker of `precision=`, `clip_grad_norm=` and the
     regions a strategy's `recompute` statements picked."""
 
-    def __init__(self, dtype: torch.dtype | None = None, clip: float | None = None, scaling: FP16 | None = None):
+    def __init__(self, dtype: torch.dtype | None = None, clip: float | None = None, scaling: FP16 | None = None,
+                 nonfinite: str = "stop"):
         self.dtype = dtype
         self.clip = clip
         self.scaling = scaling        # fp16's loss scaling (`loss_scaling.py`), else None
+        self.nonfinite = nonfinite    # "stop" or "skip": a step whose loss or gradients are inf/NaN
 
     def configure(self, spec, ir, program) -> None:
         """Set this job's options on one worker's spec."""
         spec.clip_grad_norm = self.clip
         spec.loss_scaling = self.scaling
+        spec.skip_nonfinite = self.nonfinite == "skip"
         for r, region in spec.regions.items():
             region.recompute = r in ir.recompute
         spec.compute_dtype = self.dtype

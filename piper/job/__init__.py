@@ -31,7 +31,8 @@ from .steps import JobSteps
 from .worker_specs import WorkerSpecs
 from ..mesh import Mesh
 from ..frontend.loss_scaling import loss_scaling
-from ..frontend.options import TrainingOptions, check_clip, compute_dtype
+from ..frontend.model_checks import check_loss_gradient, check_parameters
+from ..frontend.options import TrainingOptions, check_clip, check_nonfinite, compute_dtype
 from ..compiler.planning import _no_cycle_collection, compile_directives
 from ..runtime.flat import UnitLayout, layout_unit
 from ..frontend.strategy import as_strategy
@@ -87,7 +88,7 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
             address: str | None = None, device: str = "auto", timeout: float = 300.0,
             overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None,
             startup_timeout: float = 600.0, progress=None, precision: str = "fp32",
-            clip_grad_norm: float | None = None) -> "Job":
+            clip_grad_norm: float | None = None, nonfinite: str = "stop") -> "Job":
     """Capture `model`, apply `strategy` on `mesh`, verify, and start one worker per device.
 
     `strategy` is a `@piper.strategy` function, a path to a `.pps` script, or
@@ -115,8 +116,15 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     computes in the model's own dtype. `clip_grad_norm=1.0` clips the
     gradients by their global norm over the whole model before each update,
     as torch.nn.utils.clip_grad_norm_ on one device.
+    A step whose loss is inf or NaN raises `non-finite` naming it (`nonfinite="stop"`, the
+    default); `nonfinite="skip"` skips the update of every step whose gradients hold an inf or a
+    NaN, on every device (fp16's loss scaler does so anyway), and `job.step` returns its loss.
+    Before any worker starts, the model is checked (`piper.frontend.model_checks`: a loss
+    without a gradient, parameters on the meta device) and so is memory: the memory model's
+    prediction of what the workers hold against what the machine or Ray's nodes have.
     """
-    training = TrainingOptions(compute_dtype(precision), check_clip(clip_grad_norm), loss_scaling(precision))
+    training = TrainingOptions(compute_dtype(precision), check_clip(clip_grad_norm), loss_scaling(precision),
+                               check_nonfinite(nonfinite))
     if device not in DEVICES:
         raise error("bad-device", f"device={device!r} is not one of {', '.join(map(repr, DEVICES))}",
                     hint="device='cuda' runs one worker per GPU (NCCL), 'cpu' one process per device (Gloo); "
@@ -130,9 +138,11 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else ()
     example_inputs = tuple(example_inputs.values()) if names else tuple(example_inputs)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(example_inputs, mesh, directives)
+    check_parameters(model)
     started = time.monotonic()
     progress(f"capturing {type(model).__name__} (torch.export)")
     program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)), names)
+    check_loss_gradient(program)
     training.master_specs(program, model, mb_inputs)
     progress(f"planning {len(program.regions)} region(s) on mesh {mesh} ({time.monotonic() - started:.1f} s)")
     compiled = compile_directives(program, mesh, directives)

@@ -31,31 +31,73 @@ class StepData:
         self.make_stream = make_stream
         self._stream = None
         self._next = 0
+        self._last = None             # the batch of step `_next - 1`, asked again by a job's start
 
     def __call__(self, step: int):
+        if self._last is not None and step == self._next - 1:
+            return self._last
         if self._stream is None or step != self._next:
             self._stream = iter(self.make_stream())
             for _ in itertools.islice(self._stream, step):
                 pass
         self._next = step + 1
-        return tuple(next(self._stream))
+        self._last = tuple(next(self._stream))
+        return self._last
+
+
+def checkpoint_problem(path) -> str | None:
+    """Why checkpoint directory `path` cannot be loaded as it stands, or None when it looks whole.
+
+    Whole means: its `.metadata` reads, and every file that metadata names is there, non-empty
+    and at least as long as the bytes it is said to hold (a shard lost or cut short by a full disk
+    or a killed writer is caught here, before any worker reads it). This is the one place
+    `--resume` and restarts ask; a per-file checksum check belongs here too."""
+    from .checkpoint import read_metadata
+
+    try:
+        md = read_metadata(path)
+    except PiperError as err:
+        return err.diagnostics[0].message
+    needed: dict[str, int] = {}
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        rel = os.fspath(info.relative_path)
+        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(needed.items()):
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"its shard {rel} is missing"
+        have = os.path.getsize(full)
+        if have == 0:
+            return f"its shard {rel} is empty"
+        if have < size:
+            return f"its shard {rel} holds {have} bytes, and its metadata names {size}"
+    return None
 
 
 class Checkpoints:
-    """`DIR/step-N`, written with `job.save` every `every` steps, the last `keep` kept
-    (`piper.job.checkpoint.save_step`); `restore` loads the newest into a new job."""
+    """`DIR/step-N`, written with `job.save` every `every` steps and after the last one, the last
+    `keep` kept; `restore` loads the newest whole one into a new job.
 
-    def __init__(self, directory: str, every: int, keep: int = 2):
+    `on_save(path, seconds)` is told of each checkpoint written, `on_load(step, path)` of each one
+    loaded, `on_skip(path, why)` of each newer one `restore` passed over because it is broken
+    (`checkpoint_problem`)."""
+
+    def __init__(self, directory: str, every: int, keep: int = 2, *, on_save=None, on_load=None, on_skip=None):
         self.directory, self.every, self.keep = directory, every, keep
+        self.on_save, self.on_load, self.on_skip = on_save, on_load, on_skip
         self.written = False          # saved by this run (only then does a restart load one unasked)
+        self.skipped: list[tuple[str, str]] = []      # (path, why) of every broken one passed over
+        self.loaded: tuple[int, str] | None = None    # (step, path) of the last one `restore` loaded
 
-    def after_step(self, job, steps_done: int) -> None:
-        """Every `every` steps: `job.save` to `DIR/step-N.partial`, renamed `DIR/step-N` once whole
-        (the names `piper.job.checkpoint.checkpoints` lists), then all but the last `keep` deleted."""
+    def after_step(self, job, steps_done: int, last: bool = False) -> str | None:
+        """Every `every` steps, and after the `last` one: `job.save` to `DIR/step-N.partial`, renamed
+        `DIR/step-N` once whole (the names `piper.job.checkpoint.checkpoints` lists), then all but the
+        last `keep` deleted. Returns the checkpoint's path, or None when this step saves none."""
         from .checkpoint import checkpoints
 
-        if not self.every or steps_done % self.every:
-            return
+        if not self.every or (steps_done % self.every and not last):
+            return None
+        began = time.perf_counter()
         final = os.path.join(self.directory, f"step-{steps_done}")
         partial = final + ".partial"
         os.makedirs(self.directory, exist_ok=True)
@@ -66,49 +108,87 @@ class Checkpoints:
         self.written = True
         for _, old in checkpoints(self.directory)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+        if self.on_save is not None:
+            self.on_save(final, time.perf_counter() - began)
+        return final
 
     def restore(self, job) -> int:
-        """Load the newest checkpoint into `job`; the step to go on from (0 without one)."""
+        """Load the newest whole checkpoint into `job`; the step to go on from (0 without one).
+
+        A newer one that is broken (a shard missing or cut short, unreadable metadata) is passed
+        over for the one before it, and said so (`skipped`, `on_skip`)."""
         from .checkpoint import checkpoints
 
-        saved = checkpoints(self.directory)
-        if not saved:
-            return 0
-        step, path = saved[-1]
-        job.load(path)
-        return step
+        for step, path in reversed(checkpoints(self.directory)):
+            why = checkpoint_problem(path)
+            if why is None:
+                try:
+                    job.load(path)
+                except PiperError as err:
+                    if err.code != "not-a-checkpoint" or getattr(job, "_closed", False):
+                        raise
+                    why = err.diagnostics[0].message
+                else:
+                    self.loaded = (step, path)
+                    if self.on_load is not None:
+                        self.on_load(step, path)
+                    return step
+            self.skipped.append((path, why))
+            if self.on_skip is not None:
+                self.on_skip(path, why)
+        return 0
 
 
 @dataclass
 class Restart:
     """One recovery: why, when, and how long until training went on."""
     error: PiperError
-    failed_at: int              # the step that failed
+    failed_at: int              # the step that failed (or that was being saved)
     resumed_from: int           # the step training went on from (a checkpoint's, or 0)
     seconds: float              # from the failure to the new job being ready
     nodes: list[str] = field(default_factory=list)   # the new job's nodes
-    detected_at: float = 0.0    # time.time() when the failed step raised
+    detected_at: float = 0.0    # time.time() when the failed call raised
+    during: str = "step"        # what was running: "step", "save" (a checkpoint) or "finish"
 
 
 def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Checkpoints | None = None,
           resume: bool = False, on_step=None, on_restart=None, finish=None) -> tuple[list[float], list[Restart]]:
-    """Run `steps` steps on `start_job()`'s job, restarting up to `max_restarts` times.
+    """Run the job `start_job()` gives up to `steps` steps, restarting up to `max_restarts` times.
 
-    `resume` starts from the newest checkpoint in `checkpoints`; without it, a
-    restart loads only checkpoints this run wrote. `data(step)` gives the step's batch; `on_step(step, loss, seconds)` and
-    `on_restart(Restart)` report progress; `finish(job)` runs after the last step, before the job closes. Returns (the loss of every step, the restarts).
-    Errors other than a lost or stalled worker, and the failure after the last
-    allowed restart, are raised as they are.
+    `resume` starts from the newest whole checkpoint in `checkpoints`; without it, a restart
+    loads only checkpoints this run wrote. `data(step)` gives the step's batch;
+    `on_step(step, loss, seconds)` (the job's own step number, from 0) and `on_restart(Restart)`
+    report progress; `finish(job)` runs after the last step, before the job closes. A worker
+    lost while a checkpoint is written or while `finish` runs restarts the job too: training
+    goes on from the last checkpoint, then the save or `finish` runs again.
+
+    Returns (the loss of every step this run trained, from the step it started at (0, or the
+    resumed checkpoint's: `checkpoints.loaded`), the restarts). Errors other than a lost or
+    stalled worker, and the failure after the last allowed restart, are raised as they are.
     """
     restarts: list[Restart] = []
     losses: dict[int, float] = {}
     job = start_job()
     try:
-        step = checkpoints.restore(job) if checkpoints is not None and resume else 0
-        while step < steps:
+        step = first = checkpoints.restore(job) if checkpoints is not None and resume else 0
+        while True:
+            during = "step"
             try:
-                start = time.perf_counter()
-                loss = job.step(*data(step))
+                while step < steps:
+                    during = "step"
+                    start = time.perf_counter()
+                    loss = job.step(*data(step))
+                    losses[step] = loss
+                    if on_step is not None:
+                        on_step(step, loss, time.perf_counter() - start)
+                    step += 1
+                    if checkpoints is not None:
+                        during = "save"
+                        checkpoints.after_step(job, step, last=step == steps)
+                during = "finish"
+                if finish is not None:
+                    finish(job)
+                break
             except PiperError as err:
                 if err.code not in RECOVERABLE or len(restarts) >= max_restarts:
                     raise
@@ -118,19 +198,11 @@ def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Ch
                 reload = checkpoints is not None and (resume or checkpoints.written)
                 resumed = checkpoints.restore(job) if reload else 0
                 nodes = sorted({w["node"] for w in job.placement().values()})
-                restarts.append(Restart(err, step, resumed, time.perf_counter() - failed, nodes, detected_at))
+                restarts.append(Restart(err, step, resumed, time.perf_counter() - failed, nodes, detected_at,
+                                        during))
                 if on_restart is not None:
                     on_restart(restarts[-1])
                 step = resumed
-                continue
-            losses[step] = loss
-            if on_step is not None:
-                on_step(step, loss, time.perf_counter() - start)
-            step += 1
-            if checkpoints is not None:
-                checkpoints.after_step(job, step)
-        if finish is not None:
-            finish(job)
     finally:
         job.close()
-    return [losses[i] for i in range(steps)], restarts
+    return [losses[i] for i in range(first, steps)], restarts

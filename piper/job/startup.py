@@ -35,6 +35,9 @@ class JobStartup:
                         f"cluster has {gpus:g}", hint="shrink the mesh, add GPUs to the cluster, or run on CPU "
                         "(device='cpu', Gloo)")
         self.device = device
+        from .memory_check import check_memory, local_address
+
+        check_memory(self, optimizer, ray.nodes(), local_address())    # before any worker starts
         from ..runtime.cluster import node_capacity, plan_placement
         from ..runtime.health import Watch
 

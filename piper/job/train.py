@@ -1,5 +1,5 @@
 """A training loop with live progress (loss, tokens/s), shared by `piper run`
-and the examples."""
+and the examples; `StepReport` is its progress and `--metrics` lines, by the job's real step."""
 from __future__ import annotations
 
 import json
@@ -9,43 +9,85 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
+class StepReport:
+    """What a run shows and records per step: a progress bar, a line for its first step, every 10th
+    and the last, and with `metrics` one JSON line per step (`step`: the job's own step number, from 0, also
+    after a resume or a restart; `loss`, `step_s`, `tokens_per_s`, `tokens` processed by the job up to
+    that step (`samples_per_s`, `samples` for other models), `time`: seconds since this run's first
+    step began, `restarts`: the restarts so far). A step replayed after a restart gets a line again.
+
+        with StepReport(100, tokens_per_batch=1024, console=console, metrics="m.jsonl") as report:
+            report.step(step, loss, seconds)
+    """
+
+    def __init__(self, steps: int, *, tokens_per_batch: int, console: Console | None = None,
+                 unit: str = "tok", metrics: str | None = None):
+        self.steps, self.tokens_per_batch, self.unit = steps, tokens_per_batch, unit
+        self.console = console or Console()
+        self.metrics = metrics
+        self.restarts = 0
+        self.what = "tokens" if unit == "tok" else unit          # the metrics' name for what a step processes
+        self._progress = self._task = self._out = None
+        self._began = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _open(self, step: int) -> None:
+        columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                   TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("[magenta]{task.fields[step_s]} s/step"),
+                   TextColumn("[green]{task.fields[speed]} " + self.unit + "/s"), TimeElapsedColumn())
+        self._progress = Progress(*columns, console=self.console, transient=False)
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=self.steps, completed=step, loss="-", speed="-",
+                                             step_s="-")
+        self._out = open(self.metrics, "w", encoding="utf-8") if self.metrics else None
+        self._began = time.perf_counter()
+
+    def step(self, step: int, loss: float, seconds: float) -> None:
+        """Step `step` (the job's own number) ended with `loss` after `seconds`."""
+        first = self._progress is None
+        if first:
+            self._open(step)
+            self._began -= seconds            # `time` counts from when the first step began
+        speed = self.tokens_per_batch / seconds if seconds > 0 else float("inf")
+        self._progress.update(self._task, completed=step + 1, loss=f"{loss:.4f}", speed=f"{speed:,.0f}",
+                              step_s=f"{seconds:.3f}")
+        if self._out is not None:
+            self._out.write(json.dumps({"step": step, "loss": loss, "step_s": seconds, f"{self.what}_per_s": speed,
+                                        self.what: self.tokens_per_batch * (step + 1),
+                                        "time": time.perf_counter() - self._began,
+                                        "restarts": self.restarts}) + "\n")
+            self._out.flush()
+        if first or step % 10 == 0 or step == self.steps - 1:
+            self._progress.console.log(f"step {step:3d}  loss {loss:.4f}  {seconds:.3f} s  {speed:,.0f} {self.unit}/s")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._out is not None:
+            self._out.close()
+        self._progress = self._out = None
+
+
 def fit(job, batches, steps: int, *, tokens_per_batch: int, console: Console | None = None,
         unit: str = "tok", metrics: str | None = None) -> list[float]:
     """Run `steps` optimizer steps on `job`; show step, loss, step time and throughput (`tokens_per_batch`
     of `unit` per step: "tok", or "samples" for a model that does not take tokens); return the losses.
 
-    `metrics`: a file that gets one JSON line per step (`step`, `loss`, `step_s`, `tokens_per_s`,
-    `tokens` so far (`samples_per_s`, `samples` for other models), `time`: seconds since the first
-    step began), written as each step ends."""
-    console = console or Console()
+    Steps are numbered from the job's own count (`job.steps`: a loaded checkpoint's step), and
+    `metrics` gets one JSON line per step as it ends (`StepReport`)."""
     losses = []
-    columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-               TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("[magenta]{task.fields[step_s]} s/step"),
-               TextColumn("[green]{task.fields[speed]} " + unit + "/s"), TimeElapsedColumn())
-    what = "tokens" if unit == "tok" else unit          # the metrics' name for what a step processes
-    out = open(metrics, "w", encoding="utf-8") if metrics else None
-    began = time.perf_counter()
-    try:
-        with Progress(*columns, console=console, transient=False) as progress:
-            task = progress.add_task("train", total=steps, loss="-", speed="-", step_s="-")
-            for step in range(steps):
-                batch = next(batches)
-                start = time.perf_counter()
-                loss = job.step(*batch)
-                end = time.perf_counter()
-                elapsed = end - start
-                losses.append(loss)
-                progress.update(task, advance=1, loss=f"{loss:.4f}", speed=f"{tokens_per_batch / elapsed:,.0f}",
-                                step_s=f"{elapsed:.3f}")
-                if out is not None:
-                    out.write(json.dumps({"step": step, "loss": loss, "step_s": elapsed,
-                                          f"{what}_per_s": tokens_per_batch / elapsed,
-                                          what: tokens_per_batch * (step + 1), "time": end - began}) + "\n")
-                    out.flush()
-                if step % 10 == 0 or step == steps - 1:
-                    progress.console.log(f"step {step:3d}  loss {loss:.4f}  {elapsed:.3f} s  "
-                                         f"{tokens_per_batch / elapsed:,.0f} {unit}/s")
-    finally:
-        if out is not None:
-            out.close()
+    first = int(getattr(job, "steps", 0) or 0)
+    with StepReport(first + steps, tokens_per_batch=tokens_per_batch, console=console, unit=unit,
+                    metrics=metrics) as report:
+        for step in range(first, first + steps):
+            batch = next(batches)
+            start = time.perf_counter()
+            loss = job.step(*batch)
+            losses.append(loss)
+            report.step(step, loss, time.perf_counter() - start)
     return losses

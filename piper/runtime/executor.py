@@ -66,7 +66,8 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self._init_accounting()
         self._init_lanes(spec)
         self.clip = GlobalNormClip(spec.clip_grad_norm) if spec.clip_grad_norm is not None else None
-        self.clip = with_loss_scaling(self.clip, spec.loss_scaling)     # fp16 (`precision.py`)
+        self.clip = with_loss_scaling(self.clip, spec.loss_scaling,     # fp16 (`precision.py`)
+                                      skip_nonfinite=getattr(spec, "skip_nonfinite", False))
 
     def shards(self) -> dict:
         out = {u: unit.shards() for u, unit in self.units.items()}

@@ -176,6 +176,20 @@ def drop_gradients(unit) -> None:
                 grad.zero_()
 
 
-def with_loss_scaling(clip, config):
-    """What the executor holds back its updates with: `clip` alone, or fp16's loss scaler around it."""
+class _KeepScale:
+    """`DynamicLossScale` settings that never scale: a scale of 1 that neither grows nor shrinks,
+    so only the scaler's skip of a step with inf/NaN gradients is left
+    (`piper.compile(..., nonfinite="skip")` in full or bf16 precision)."""
+    init_scale = 1.0
+    growth_factor = 1.0
+    backoff_factor = 1.0
+    growth_interval = 2 ** 62
+
+
+def with_loss_scaling(clip, config, *, skip_nonfinite: bool = False):
+    """What the executor holds back its updates with: `clip` alone, or fp16's loss scaler around it
+    (which skips a step whose gradients hold an inf or a NaN; `skip_nonfinite` without fp16: the
+    scaler's skip alone, at a scale of 1, so the gradients are exactly the unscaled ones)."""
+    if config is None and skip_nonfinite:
+        config = _KeepScale()
     return clip if config is None else DynamicLossScale(config, clip)

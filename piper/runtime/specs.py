@@ -43,4 +43,5 @@ class WorkerSpec:
     clip_grad_norm: float | None = None           # clip by the global gradient norm (`clip.py`)
     compute_dtype: torch.dtype | None = None      # 16-bit compute, float32 master (`precision.py`)
     loss_scaling: object = None                   # fp16's loss scaling (piper.FP16), else None
+    skip_nonfinite: bool = False                  # skip updates whose gradients hold inf/NaN (`precision.py`)
     experts: object = None                        # runtime.experts.ExpertSpec under `shard experts`

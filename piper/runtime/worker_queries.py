@@ -15,6 +15,8 @@ class WorkerQueries:
 
     def save_checkpoint(self, path: str, extra: dict, aliases: dict, skip=()) -> int:
         from . import checkpoint
+        if self.executor.fault is not None:      # a test's fault at a save (`faults.py`, action=SAVE)
+            self.executor.fault("SAVE")
         return checkpoint.save(self.executor, path, extra, aliases, skip)
 
     def optimizer_layout(self, with_state: bool):
