@@ -151,3 +151,35 @@ def test_without_expert_parallel_under_zero3_and_1f1b():
     """No `shard experts`: the experts are one more parameter of their unit, under any strategy."""
     assert_same(_train("olmoe", "use one_f_one_b(microbatches=2) on pp\nuse zero3() on dp\n", {"dp": 2, "pp": 2},
                        pieces=2, batch=8))
+
+
+def test_experts_of_an_implementation_piper_cannot_divide_are_named():
+    from piper.compiler.planning import compile_directives
+
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+
+    ALL_EXPERTS_FUNCTIONS["my_kernel"] = grouped_mm_experts_forward     # a user's registered kernel
+    try:
+        model = hf.make("qwen3_moe", dtype=torch.float32, experts="my_kernel")
+        program = capture(model, hf.batches(1, 2)[0])                   # kept as it is, and captured
+    finally:
+        del ALL_EXPERTS_FUNCTIONS["my_kernel"]
+    assert program.undivided_experts and "m.m.model.layers.0.mlp.experts" not in program.undivided_experts[0]
+    assert "`m.model.layers.0.mlp.experts`: its config names the experts implementation 'my_kernel'" \
+        in program.undivided_experts[0]
+    mesh, directives = load_strategy("use dp() on dp\n" + EP).build({"dp": 2})
+    with pytest.raises(piper.PiperError) as err:
+        compile_directives(program, mesh, directives)
+    assert err.value.code == "no-experts" and "my_kernel" in str(err.value)
+
+
+def test_routing_state_lives_in_the_call_not_on_the_module():
+    """Two microbatches in flight (DualPipeV's lanes) each keep their routing: nothing is stored on the module."""
+    model = hf.make("gpt_oss")
+    experts = next(m for m in model.modules() if is_hf_experts(m))
+    before = dict(vars(experts))
+    hidden = torch.randn(6, 16, dtype=torch.float64)
+    index = torch.randint(0, hf.EXPERTS, (6, hf.TOP_K))
+    experts_forward(experts, hidden, index, torch.rand(6, hf.TOP_K, dtype=torch.float64))
+    assert vars(experts).keys() == before.keys()
+    assert all(vars(experts)[k] is v for k, v in before.items())

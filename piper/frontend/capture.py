@@ -94,6 +94,7 @@ class Program:
     input_names: tuple[str, ...] = ()    # keyword names of the batch inputs, when forward took keywords
     constants: dict = field(default_factory=dict)   # tensors forward makes from data, sent as buffers
     annotated: bool = True               # False: the model has no piper.annotate regions (it is one, PP=0)
+    undivided_experts: tuple[str, ...] = ()   # Hugging Face experts modules capture left as they are, and why
 
     def owner(self, param: str) -> int:
         """The region that owns a parameter: the first one that uses it."""
@@ -185,11 +186,12 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = ())
                         hint="forward takes the batch as tensors, e.g. (idx, targets), and returns the loss")
     meta_model = _meta_copy(model)
     _no_kv_cache(meta_model)
-    use_piper_experts(meta_model)
+    undivided = use_piper_experts(meta_model)
     meta_inputs = tuple(x.detach().to("meta") for x in example_inputs)
     exported = _export(meta_model, meta_inputs, names)
     program = _cut(exported, model)
     program.input_names = tuple(names)
+    program.undivided_experts = undivided
     return program
 
 

@@ -27,19 +27,29 @@ import torch
 _LIBRARY_IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")
 
 
-def is_hf_experts(module: torch.nn.Module) -> bool:
-    """A module made by transformers' `use_experts_implementation` with a library implementation."""
-    flags = ("has_gate", "has_bias", "is_transposed", "num_experts", "config")
-    if not all(hasattr(module, f) for f in flags) or getattr(module, "_is_expert_parallel", False):
-        return False
+def _why_not(module: torch.nn.Module) -> str | None:
+    """Why a transformers experts module cannot run on Piper's primitives; None when it can."""
+    if getattr(module, "_is_expert_parallel", False):
+        return "it is already divided by transformers' own expert parallelism"
+    implementation = getattr(module.config, "_experts_implementation", None)
+    if not (implementation is None or isinstance(implementation, str) and implementation in _LIBRARY_IMPLEMENTATIONS):
+        return f"its config names the experts implementation {implementation!r}, not one of transformers' own"
     first = getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None)
     down = getattr(module, "down_proj", None)
-    if not (isinstance(first, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)):
-        return False
-    if first.dim() != 3 or down.dim() != 3 or first.shape[0] != module.num_experts:
-        return False
-    implementation = getattr(module.config, "_experts_implementation", None)
-    return isinstance(implementation, str | None) and implementation in _LIBRARY_IMPLEMENTATIONS
+    if not (isinstance(first, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+            and first.dim() == down.dim() == 3 and first.shape[0] == down.shape[0] == module.num_experts):
+        return "its weights are not stacked [experts, ...] parameters (quantized, or another layout)"
+    return None
+
+
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    """Made by transformers' `use_experts_implementation` (which sets these flags)."""
+    return all(hasattr(module, f) for f in ("has_gate", "has_bias", "is_transposed", "num_experts", "config"))
+
+
+def is_hf_experts(module: torch.nn.Module) -> bool:
+    """A transformers experts module that capture runs on Piper's primitives."""
+    return _is_experts_module(module) and _why_not(module) is None
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -62,12 +72,17 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return nn.combine(y, top_k_weights, handle).to(hidden_states.dtype)
 
 
-def use_piper_experts(model: torch.nn.Module) -> int:
+def use_piper_experts(model: torch.nn.Module) -> tuple[str, ...]:
     """Run every Hugging Face experts module of `model` (capture's meta copy) on Piper's
-    primitives; how many there were."""
-    found = 0
-    for module in model.modules():
-        if is_hf_experts(module):
+    primitives; the experts modules left on their own forward, each with why
+    (`shard experts` cannot divide those, and says so)."""
+    left = []
+    for name, module in model.named_modules():
+        if not _is_experts_module(module):
+            continue
+        why = _why_not(module)
+        if why is None:
             module.forward = types.MethodType(experts_forward, module)
-            found += 1
-    return found
+        else:
+            left.append(f"`{name}`: {why}")
+    return tuple(left)

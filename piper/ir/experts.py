@@ -95,8 +95,18 @@ def check(program: Program, ir: IR) -> None:
     size = ir.mesh.size(axis)
     layers = moe_layers(program)
     if not layers:
+        undivided = getattr(program, "undivided_experts", ())
+        if undivided:
+            raise error("no-experts", f"`shard experts over {axis}` but no experts module of the model can be "
+                        f"divided: {undivided[0]}" + (f" (and {len(undivided) - 1} more)" if len(undivided) > 1
+                                                      else ""), span=span,
+                        notes=("Piper divides transformers' experts modules that run one of the library's own "
+                               "implementations ('eager', 'grouped_mm', 'batched_mm') on stacked weights",),
+                        hint="set `config._experts_implementation = \"eager\"` (or leave it unset), or drop the "
+                             "statement")
         raise error("no-experts", f"`shard experts over {axis}` but the model has no MoE layer", span=span,
-                    notes=("a MoE layer is a piper.nn.MoE, or a layer that calls piper.nn.dispatch/combine",),
+                    notes=("a MoE layer is a piper.nn.MoE, a layer that calls piper.nn.dispatch/combine, or a "
+                           "Hugging Face MoE family's experts module",),
                     hint="drop the statement, or build the feed-forward with piper.nn.MoE")
     for layer in layers:
         if layer.num_experts % size:
