@@ -183,3 +183,28 @@ def test_routing_state_lives_in_the_call_not_on_the_module():
     experts_forward(experts, hidden, index, torch.rand(6, hf.TOP_K, dtype=torch.float64))
     assert vars(experts).keys() == before.keys()
     assert all(vars(experts)[k] is v for k, v in before.items())
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_checkpoint_saved_with_the_experts_divided_loads_replicated_and_into_the_plain_model(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    batch = hf.batches(1, 4)[0]
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+    with piper.compile(hf.make("olmoe"), batch, strategy=load_strategy("use dp() on dp\n" + EP), mesh={"dp": 2},
+                       optimizer=adamw) as job:
+        job.step(*batch)
+        job.save(tmp_path / "step-1")
+        saved = job.state_dict()
+    other = hf.make("olmoe", seed=7)          # other initial weights: all must come from the checkpoint
+    with piper.compile(other, batch, strategy=load_strategy("use dp() on dp\n"), mesh={"dp": 2},
+                       optimizer=adamw) as job:
+        job.load(tmp_path / "step-1")
+        loaded = job.state_dict()
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    dcp_to_torch_save(tmp_path / "step-1", tmp_path / "model.pt")
+    plain = hf.make("olmoe", seed=7)
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True)["model"])
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
