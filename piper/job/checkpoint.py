@@ -550,7 +550,10 @@ def _check_optimizer(job, md, path: str, layouts: list[dict]) -> None:
 
 def load(job, path) -> dict:
     """Read checkpoint `path` into the running `job`, whatever strategy and mesh wrote it:
-    parameters, persistent buffers, optimizer state and the step count. Returns its metadata."""
+    parameters, persistent buffers, optimizer state and the step count. Returns its metadata.
+
+    First, on the driver: `verify_checkpoint` (checksums, items as data), the model's names
+    and shapes, the optimizer's state; a checkpoint refused there leaves the job untouched."""
     job._check_open()
     path = os.path.abspath(os.fspath(path))
     md = _verify(path)                  # before any worker reads: refused here, the job is untouched
