@@ -117,6 +117,15 @@ def test_real_metadata_reads_the_same_as_plain_pickle(tmp_path):
     checkpoint.to_torch_save(tmp_path / "torch", tmp_path / "torch.pt")
     whole = torch.load(tmp_path / "torch.pt", weights_only=True)
     torch.testing.assert_close(whole["model"], model.state_dict(), rtol=0, atol=0)
+    # The same file torch's own converter writes, for a checkpoint one trusts.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint.to_torch_save(tmp_path / "piper", tmp_path / "ours.pt")
+    dcp_to_torch_save(tmp_path / "piper", tmp_path / "theirs.pt")
+    ours, theirs = (torch.load(tmp_path / n, weights_only=True) for n in ("ours.pt", "theirs.pt"))
+    assert ours["piper"] == theirs["piper"] and ours["piper"]["step"] == 3
+    torch.testing.assert_close({k: v for k, v in ours.items() if k != "piper"},
+                               {k: v for k, v in theirs.items() if k != "piper"}, rtol=0, atol=0)
 
 
 def test_an_index_naming_files_outside_the_checkpoint_is_refused(tmp_path):
