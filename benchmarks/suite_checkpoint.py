@@ -214,7 +214,7 @@ def run(ctx) -> SuiteResult:
                   ["devices", "system", "save ms", "load ms", "MiB per device (min-max)", "MiB written in all",
                    "files"])
     safety = Table(f"What an atomic, checksummed job.save and a verified job.load cost (Piper zero3, same job, "
-                   f"same run, median of {repeats} alternated repeats, over an existing checkpoint)",
+                   f"same run, median of {3 * repeats} alternated repeats, over an existing checkpoint)",
                    ["devices", "save in place ms", "atomic + CRC-32 save ms", "ratio", "verify ms",
                     "load ms (verify included)", "verify / load"])
     root = tempfile.mkdtemp(prefix="piper-bench-ckpt-")
@@ -234,7 +234,8 @@ def run(ctx) -> SuiteResult:
                     costs, why = None, errors["piper"]
                     if not why:
                         try:
-                            costs = _safety_costs(ctx, systems["piper"], os.path.join(root, f"safety-{n}"), repeats)
+                            costs = _safety_costs(ctx, systems["piper"], os.path.join(root, f"safety-{n}"),
+                                                  3 * repeats)
                         except Exception as exc:
                             why = f"failed: {short_error(exc)}"
                             ctx.log(traceback.format_exc())

@@ -34,17 +34,23 @@ def test_a_failed_save_keeps_the_old_checkpoint_and_the_job(ray_cluster, tmp_pat
     with compile_job(worker_env={"PIPER_FAULT": "rank=1 do=raise action=save step=1"}) as job:
         job.save(ckpt)                                        # step 0: whole
         first = job.state_dict()
+        (tmp_path / "afile").write_text("not a directory")
+        for bad in (tmp_path / "afile", tmp_path / "afile" / "ckpt"):      # a file; a path under a file
+            with pytest.raises(piper.PiperError) as err:
+                job.save(bad)
+            assert err.value.code == "checkpoint-save-failed"
+        assert (tmp_path / "afile").read_text() == "not a directory"
         job.step(*BATCHES[0])
         with pytest.raises(piper.PiperError) as err:
             job.save(ckpt)
         assert err.value.code == "checkpoint-save-failed" and "injected fault" in str(err.value)
-        assert siblings(ckpt) == ["ckpt"]                     # no staging directory left
+        assert siblings(ckpt) == ["afile", "ckpt"]            # no staging directory left
         verify_checkpoint(ckpt)
         assert piper.job.checkpoint.read_info(ckpt)["step"] == 0
         job.step(*BATCHES[1])                                 # the job still trains and saves
         job.save(ckpt)
         second = job.state_dict()
-        assert piper.job.checkpoint.read_info(ckpt)["step"] == 2 and siblings(ckpt) == ["ckpt"]
+        assert piper.job.checkpoint.read_info(ckpt)["step"] == 2 and siblings(ckpt) == ["afile", "ckpt"]
         job.load(ckpt)
         torch.testing.assert_close(job.state_dict(), second, rtol=0, atol=0)
         # A flipped byte in a shard: refused before any worker reads, the job untouched.

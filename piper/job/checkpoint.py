@@ -92,15 +92,27 @@ def save(job, path) -> str:
     path = os.path.abspath(os.fspath(path))
     target = os.path.realpath(path)                  # a symlink's target is what gets replaced
     _check_replaceable(target)
-    staging = _staging_dir(target)
+    try:
+        staging = _staging_dir(target)
+    except OSError as exc:                           # a parent that cannot be written
+        raise _save_failed(f"{type(exc).__name__}: {exc}") from None
     try:
         files = write(job, staging)
-        files[METADATA] = _files().checksum(os.path.join(staging, METADATA))
-        _write_manifest(staging, files)
-        _swap_into_place(staging, target)
+        try:
+            files[METADATA] = _files().checksum(os.path.join(staging, METADATA))
+            _write_manifest(staging, files)
+            _swap_into_place(staging, target)
+        except OSError as exc:                       # the driver's part: a full disk, permissions
+            raise _save_failed(f"{type(exc).__name__}: {exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)   # after the swap it holds the old checkpoint
     return path
+
+
+def _save_failed(why: str):
+    return error("checkpoint-save-failed", f"the checkpoint could not be written: {why}",
+                 notes=("nothing was replaced: the path holds what it held before, and the job still runs",),
+                 hint="make room or pick a writable path (on a cluster, one every node mounts), then save again")
 
 
 def write(job, directory, *, checksums: bool = True) -> dict[str, dict]:
@@ -130,9 +142,7 @@ def write(job, directory, *, checksums: bool = True) -> dict[str, dict]:
     results = job._get(refs, "save")
     failed = [r["error"] for r in results if "error" in r]
     if failed:
-        raise error("checkpoint-save-failed", f"the checkpoint could not be written: {failed[0]}",
-                    notes=("nothing was replaced: the path holds what it held before, and the job still runs",),
-                    hint="make room or pick a writable path (on a cluster, one every node mounts), then save again")
+        raise _save_failed(failed[0])
     job.saved_bytes = {rank: r["bytes"] for rank, r in enumerate(results)}
     return {name: sums for r in results for name, sums in r["files"].items()}
 
@@ -566,12 +576,12 @@ def load(job, path) -> dict:
     results = job._get([a.load_checkpoint.remote(path, with_state, buffers) for a in job.actors], "load")
     failed = [r for r in results if r is not None]
     if failed:
-        unsafe = any(r["unsafe"] for r in failed)
-        raise error("not-a-checkpoint" if unsafe else "checkpoint-corrupt",
-                    f"the workers could not read checkpoint {path}: {failed[0]['error']}",
-                    notes=("nothing in it was run; the job still runs, but its parameters and optimizer state "
-                           "may be partly read: load a good checkpoint before training on",),
-                    hint=_CORRUPT_FIX)
+        message = f"the workers could not read checkpoint {path}: {failed[0]['error']}"
+        notes = ("nothing in it was run; the job still runs, but its parameters and optimizer state may be "
+                 "partly read: load a good checkpoint before training on",)
+        if any(r["unsafe"] for r in failed):
+            raise error("not-a-checkpoint", message, notes=notes, hint=_CORRUPT_FIX)
+        raise error("checkpoint-corrupt", message, notes=notes, hint=_CORRUPT_FIX)
     if buffers:                     # the driver's copy, which new workers would start from
         _read_here({"model": {k: job._buffers[k] for k in buffers}}, path)
     loss_scaling.restore(job, info.get("loss_scale"))
