@@ -58,7 +58,7 @@ def one_trial(mesh: str, steps: int = 4, kill_at: int = 2, at: str = "step") -> 
     with tempfile.TemporaryDirectory() as tmp:
         marker = os.path.join(tmp, "killed")
         if at == "save":
-            action = "SAVE"
+            action = "save"
         os.environ["PIPER_FAULT"] = f"rank={rank} action={action} do=kill step={kill_at} once={marker}"
         times: dict[str, float] = {}
 

@@ -8,7 +8,14 @@ torch side is what its documentation prescribes: `get_state_dict` then
 `dcp.save`; `get_state_dict`, `dcp.load`, `set_state_dict`. Times are wall
 clock from the driver's call to every worker having finished (what a
 training loop waits), medians of alternated repeats; bytes per device are
-the sizes of each rank's `__RANK_*.distcp` files.
+the sizes of each rank's `__R_*.distcp` files.
+
+A second table prices the safety of `job.save` in the same run, on the same
+job: the atomic, checksummed save (a staging directory beside the path, each
+data file's CRC-32, `piper.json`, one rename) against the save as it was
+(the old files removed, the workers writing in place, no checksums), and
+the load's checking (`verify_checkpoint`: every byte's CRC-32 on the driver,
+and every non-tensor item read as data) against the whole load.
 
     python -m benchmarks --suite checkpoint [--quick]
 """
@@ -65,7 +72,7 @@ def _barrier(worker) -> None:
 
 
 def bytes_per_rank(path: str) -> dict[int, int]:
-    """Bytes of the data files each rank wrote (DCP names them __RANK_N.distcp)."""
+    """Bytes of the data files each rank wrote (DCP names them __R_N.distcp)."""
     out: dict[int, int] = {}
     for name in os.listdir(path):
         m = re.match(r"__(\d+)_\d+\.distcp\Z", name)
@@ -135,6 +142,46 @@ def _save_and_load(ctx, systems: dict, errors: dict, paths: dict, repeats: int, 
     return times
 
 
+def _save_in_place(job, path: str) -> None:
+    """`job.save` as it was before saves were atomic: the old checkpoint's files removed, then
+    every worker writes into `path` itself, no checksums."""
+    from piper.job import checkpoint
+
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            if re.fullmatch(r"\.metadata|__\d+_\d+\.distcp|piper\.json", name):
+                os.remove(os.path.join(path, name))
+    checkpoint.write(job, path, checksums=False)
+
+
+def _safety_costs(ctx, job, root: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds per repeat of: the save in place, the atomic checksummed save, `verify_checkpoint`
+    and `job.load` (which verifies first), the two saves alternated, each over an existing checkpoint."""
+    from piper.job.checkpoint import verify_checkpoint
+
+    plain, safe = os.path.join(root, "in-place"), os.path.join(root, "atomic")
+    _save_in_place(job, plain)
+    job.save(safe)
+    times: dict[str, list[float]] = {"in_place": [], "atomic": [], "verify": [], "load": []}
+    for _ in range(repeats):
+        times["in_place"].append(_timed(lambda: _save_in_place(job, plain)))
+        times["atomic"].append(_timed(lambda: job.save(safe)))
+        times["verify"].append(_timed(lambda: verify_checkpoint(safe)))
+        times["load"].append(_timed(lambda: job.load(safe)))
+    return times
+
+
+def _report_safety(table: Table, result: SuiteResult, n: int, times: dict | None, error: str | None) -> None:
+    if error or not times:
+        table.add(n, error or "not measured", None, None, None, None, None)
+        return
+    med = {k: statistics.median(v) for k, v in times.items()}
+    table.add(n, ms(med["in_place"]), ms(med["atomic"]), f"{med['atomic'] / med['in_place']:.2f}x",
+              ms(med["verify"]), ms(med["load"]), f"{med['verify'] / med['load']:.0%}")
+    for key, value in med.items():
+        result.metrics[f"piper.dp{n}.safety.{key}_ms"] = ms(value)
+
+
 def _report(table: Table, result: SuiteResult, n: int, paths: dict, times: dict, errors: dict) -> None:
     for system, label in (("piper", f"Piper zero3 (dp={n})"), ("torch", f"FSDP2 + DCP (dp={n})")):
         if errors[system]:
@@ -166,6 +213,10 @@ def run(ctx) -> SuiteResult:
                   f"{repeats} alternated repeats; {wl.describe(regions)}; ZeRO-3 / FSDP2 over dp",
                   ["devices", "system", "save ms", "load ms", "MiB per device (min-max)", "MiB written in all",
                    "files"])
+    safety = Table(f"What an atomic, checksummed job.save and a verified job.load cost (Piper zero3, same job, "
+                   f"same run, median of {3 * repeats} alternated repeats, over an existing checkpoint)",
+                   ["devices", "save in place ms", "atomic + CRC-32 save ms", "ratio", "verify ms",
+                    "load ms (verify included)", "verify / load"])
     root = tempfile.mkdtemp(prefix="piper-bench-ckpt-")
     try:
         with ray_cluster():
@@ -180,6 +231,15 @@ def run(ctx) -> SuiteResult:
                 try:
                     times = _save_and_load(ctx, systems, errors, paths, repeats, timeout)
                     _report(table, result, n, paths, times, errors)
+                    costs, why = None, errors["piper"]
+                    if not why:
+                        try:
+                            costs = _safety_costs(ctx, systems["piper"], os.path.join(root, f"safety-{n}"),
+                                                  3 * repeats)
+                        except Exception as exc:
+                            why = f"failed: {short_error(exc)}"
+                            ctx.log(traceback.format_exc())
+                    _report_safety(safety, result, n, costs, why)
                 finally:
                     for closeable in systems.values():
                         if closeable is not None:
@@ -199,4 +259,13 @@ def run(ctx) -> SuiteResult:
         "AdamW step counts (one per parameter on both sides).",
     ]
     result.tables.append(table)
+    safety.notes += [
+        "Save in place: what job.save did before (the old files removed first, so a save cut short left no "
+        "checkpoint). Atomic: written into a sibling directory, each worker's data files' CRC-32 computed "
+        "after writing (read back from the page cache), .metadata's on the driver, piper.json written and "
+        "flushed, then one renameat2(RENAME_EXCHANGE) and the old directory removed.",
+        "verify: verify_checkpoint (every file's CRC-32 on the driver, files in parallel, every non-tensor item "
+        "read with weights_only=True), which job.load runs before any worker reads.",
+    ]
+    result.tables.append(safety)
     return result

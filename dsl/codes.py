@@ -143,6 +143,8 @@ JOBS = {
     "no-trace": "`job.trace` before the job has run a step",
     "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",
     "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
+    "checkpoint-corrupt": "a checkpoint file missing, cut short or not matching its checksum, or unreadable",
+    "checkpoint-save-failed": "`job.save` could not write (full disk, unwritable path, a path holding other files)",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

@@ -4,30 +4,40 @@ format that any strategy on any mesh can load.
     job.save("ckpt/step-100")      # every worker writes its own shards, at once
     job.load("ckpt/step-100")      # into a job of any strategy and mesh: resharded on read
 
-A checkpoint is a DCP directory (`.metadata` plus one `__RANK_N.distcp` file per
-writing worker) holding
+A checkpoint is a DCP directory (`.metadata`, one `__R_0.distcp` file per writing
+worker R, and `piper.json`: each file's size and CRC-32) holding
 
     model.<name>                   every parameter and persistent buffer, model.state_dict() names and shapes
     optim.state.<name>.<key>       the optimizer's state per parameter (AdamW: exp_avg, exp_avg_sq, step)
-    piper.<key>                    step, strategy, mesh, world_size, zero, microbatches, format
+    piper.<key>                    step, strategy, mesh, world_size, zero, microbatches, format, checksums
 
 so it does not depend on the strategy that wrote it: regions, pipeline stages,
 flat ZeRO units and expert rows under `shard experts` are the job's business,
 not the file's (see
-`piper.runtime.checkpoint` for how a flat shard is described). DCP's own
-`format_utils.dcp_to_torch_save(dir, file)` turns it into one `torch.save`
-file: `torch.load(file)["model"]` loads into the plain model.
+`piper.runtime.checkpoint` for how a flat shard is described).
+
+A save is atomic (written beside the path, renamed into place); a load first
+verifies every file's checksum and reads everything as data only, running no
+code a crafted file names (`piper.runtime.checkpoint_files`); `verify_checkpoint`
+does the checking alone, and `to_torch_save(dir, file)` turns a checkpoint into
+one `torch.save` file that `torch.load(file, weights_only=True)["model"]` loads
+into the plain model.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import uuid
 
 from ..frontend import loss_scaling
 from ..diagnostics import error
 
-FORMAT = 1
+FORMAT = 1                  # the layout of the entries below; checksums add a file, not a format
+METADATA = ".metadata"
+MANIFEST = "piper.json"     # {"checksums": "crc32", "files": {name: {"bytes": n, "crc32": c}}}
+CHECKSUM = "crc32"
 
 
 def describe_strategy(strategy, overrides=None) -> str:
@@ -69,15 +79,50 @@ def _persistent_buffers(job) -> list[str]:
     return [k for k in job._buffers if k in job.state_keys]
 
 
+# -- save: into a new sibling directory, renamed into place once whole -----------------------
+
 def save(job, path) -> str:
     """Write `job`'s parameters, persistent buffers, optimizer state and step count to the
-    DCP directory `path` (created; an earlier checkpoint there is replaced). Returns the
-    absolute path."""
+    DCP directory `path`, atomically: everything goes into a new sibling directory that then
+    takes `path`'s place in one rename, so `path` holds the old checkpoint or the new one,
+    whole, whatever stops the save (a worker lost, a full disk, the driver killed). A save
+    that fails is `checkpoint-save-failed`, the old checkpoint untouched and the job still
+    running. Returns the absolute path."""
     job._check_open()
     path = os.path.abspath(os.fspath(path))
-    _clear_old_save(path)
+    target = os.path.realpath(path)                  # a symlink's target is what gets replaced
+    _check_replaceable(target)
+    try:
+        staging = _staging_dir(target)
+    except OSError as exc:                           # a parent that cannot be written
+        raise _save_failed(f"{type(exc).__name__}: {exc}") from None
+    try:
+        files = write(job, staging)
+        try:
+            files[METADATA] = _files().checksum(os.path.join(staging, METADATA))
+            _write_manifest(staging, files)
+            _swap_into_place(staging, target)
+        except OSError as exc:                       # the driver's part: a full disk, permissions
+            raise _save_failed(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)   # after the swap it holds the old checkpoint
+    return path
+
+
+def _save_failed(why: str):
+    return error("checkpoint-save-failed", f"the checkpoint could not be written: {why}",
+                 notes=("nothing was replaced: the path holds what it held before, and the job still runs",),
+                 hint="make room or pick a writable path (on a cluster, one every node mounts), then save again")
+
+
+def write(job, directory, *, checksums: bool = True) -> dict[str, dict]:
+    """Every worker writes its shards into `directory` (rank 0 the buffers and `piper.*`), in
+    place; {file: checkpoint_files.checksum} of the data files ({} without `checksums`).
+    `save` is this into a staging directory, plus the manifest and the rename."""
     meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
+    if checksums:                           # a checkpoint with this key is verified against MANIFEST
+        meta["checksums"] = CHECKSUM
     scaler = loss_scaling.checkpoint_state(job)
     if scaler is not None:                  # fp16: a resumed run goes on at the same loss scale
         meta["loss_scale"] = scaler
@@ -91,53 +136,277 @@ def save(job, path) -> str:
                 for e in bucket.entries:
                     copies.setdefault(e.name, []).append(u)
     skip = {(u, name) for name, units in copies.items() for u in units[1:]}
-    refs = [a.save_checkpoint.remote(path, first if rank == 0 else {}, job.aliases, skip)
+    directory = os.fspath(directory)
+    refs = [a.save_checkpoint.remote(directory, first if rank == 0 else {}, job.aliases, skip, checksums)
             for rank, a in enumerate(job.actors)]
-    job.saved_bytes = dict(enumerate(job._get(refs, "save")))
-    return path
+    results = job._get(refs, "save")
+    failed = [r["error"] for r in results if "error" in r]
+    if failed:
+        raise _save_failed(failed[0])
+    job.saved_bytes = {rank: r["bytes"] for rank, r in enumerate(results)}
+    return {name: sums for r in results for name, sums in r["files"].items()}
 
 
-def _clear_old_save(path: str) -> None:
-    """Remove the files of an earlier checkpoint at `path`: a save by more workers would
-    leave data files the new `.metadata` does not name. Other files are left alone."""
-    if not os.path.isdir(path):
+def _check_replaceable(path: str) -> None:
+    """`path` is free, an empty directory or a checkpoint (which `save` replaces), or a
+    `checkpoint-save-failed` error: other files would be lost with the directory."""
+    if not os.path.lexists(path):
         return
-    for name in os.listdir(path):
-        if name == ".metadata" or re.fullmatch(r"__\d+_\d+\.distcp", name):
-            os.remove(os.path.join(path, name))
+    if not os.path.isdir(path):
+        raise error("checkpoint-save-failed", f"{path} is a file, not a checkpoint directory",
+                    hint="save to a new path or to an earlier checkpoint's directory")
+    others = sorted(n for n in os.listdir(path) if not _CHECKPOINT_FILE.fullmatch(n))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise error("checkpoint-save-failed", f"{path} holds files that are not a checkpoint's ({shown}): "
+                    "saving replaces the whole directory, and they would be lost",
+                    hint="save to a new path (or an empty directory), or move those files out first")
+
+
+# The files of a checkpoint (DCP's index, data files, per-rank index, its leftover temporary, ours).
+_CHECKPOINT_FILE = re.compile(r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+\.metadata(\.tmp)?|piper\.json")
+
+
+def _staging_dir(path: str) -> str:
+    """A new, empty sibling of `path` to write into (same file system, so a rename moves it),
+    after removing those an earlier save of `path` left when its process was killed."""
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    stale = re.compile(re.escape(f".{name}.saving-") + r"[0-9a-f]{12}\Z")
+    for other in os.listdir(parent):
+        if stale.match(other):
+            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
+    staging = os.path.join(parent, f".{name}.saving-{uuid.uuid4().hex[:12]}")
+    os.mkdir(staging)
+    return staging
+
+
+def _write_manifest(directory: str, files: dict[str, dict]) -> None:
+    """MANIFEST: the size and checksum of every file, flushed to disk with the directory."""
+    text = json.dumps({"checksums": CHECKSUM, "files": dict(sorted(files.items()))}, indent=1)
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(new: str, path: str) -> None:
+    """Make directory `new` be `path`. An existing `path` trades places with `new` in one
+    atomic rename (Linux's renameat2 RENAME_EXCHANGE), so `new` then holds the old one; where
+    the file system cannot, the old one is renamed aside into `new`'s place first (a moment
+    in which `path` is missing, the old checkpoint whole next to it)."""
+    parent = os.path.dirname(path)
+    if not os.path.lexists(path):
+        os.rename(new, path)
+    elif not _exchange(new, path):
+        aside = new + ".old"
+        os.rename(path, aside)
+        os.rename(new, path)
+        os.rename(aside, new)
+    _fsync_dir(parent)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap paths `a` and `b` atomically; False where the system or file system cannot."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import errno
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):           # a C library before glibc 2.28
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd, exchange = -100, 2                  # AT_FDCWD, RENAME_EXCHANGE
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+# -- read and verify, running no code --------------------------------------------------------
+
+def _files():
+    """`piper.runtime.checkpoint_files`, imported on use (torch.distributed.checkpoint costs about a second)."""
+    from ..runtime import checkpoint_files
+
+    return checkpoint_files
+
+
+_FIX = ("pass the directory job.save(path) wrote (it holds a `.metadata` file); `piper run "
+        "--checkpoint-dir DIR` writes them as DIR/step-N")
 
 
 def read_metadata(path):
-    """The DCP metadata of checkpoint `path`, or a `not-a-checkpoint` error saying why not."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    """The DCP metadata of checkpoint `path`, read without running code
+    (`runtime.checkpoint_files.MetadataUnpickler`), or a `not-a-checkpoint` error saying why not."""
     path = os.path.abspath(os.fspath(path))
-    fix = ("pass the directory job.save(path) wrote (it holds a `.metadata` file); `piper run "
-           "--checkpoint-dir DIR` writes them as DIR/step-N")
     if not os.path.isdir(path):
         what = "is a file" if os.path.exists(path) else "does not exist"
-        raise error("not-a-checkpoint", f"{path} {what}, so it is not a checkpoint directory", hint=fix)
-    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise error("not-a-checkpoint", f"{path} {what}, so it is not a checkpoint directory", hint=_FIX)
+    if not os.path.exists(os.path.join(path, METADATA)):
         raise error("not-a-checkpoint", f"{path} has no `.metadata` file: it is not a finished checkpoint "
-                    "(an interrupted save leaves none)", hint=fix)
+                    "(an interrupted save leaves none)", hint=_FIX)
     try:
-        return FileSystemReader(path).read_metadata()
+        return _files().Reader(path).read_metadata()
+    except _files().UnsafeFile as exc:
+        raise _unsafe(path, METADATA, exc) from None
     except Exception as exc:
         raise error("not-a-checkpoint", f"cannot read the checkpoint metadata in {path}: "
-                    f"{type(exc).__name__}: {exc}", hint=fix) from None
+                    f"{type(exc).__name__}: {exc}", hint=_FIX) from None
 
 
-def read_info(path) -> dict:
-    """The `piper.*` metadata of checkpoint `path` (step, strategy, mesh...), read on this process.
+def _unsafe(path: str, name: str, exc) -> Exception:
+    return error("not-a-checkpoint", f"{os.path.join(path, name)} is not a checkpoint's: {exc}",
+                 notes=("nothing in it was run: checkpoint files are read as data only",),
+                 hint="load only checkpoints job.save or torch.distributed.checkpoint wrote; this one was "
+                      "made or changed by something else")
+
+
+def verify_checkpoint(path) -> None:
+    """Check that `path` is a whole checkpoint that loads without running code, or raise
+    `PiperError`: `not-a-checkpoint` (no `.metadata`, a crafted one, an item that is not plain
+    data) or `checkpoint-corrupt` (a data file missing or shorter than its index says, or a
+    file whose size or CRC-32 differs from what the save recorded in `piper.json`). Reads
+    every byte once (CRC-32, about 2 GB/s per core, files in parallel); loads nothing.
+    A checkpoint torch wrote has no `piper.json`: only its index and items are checked.
+
+        verify_checkpoint("ckpt/step-100")        # None, or raises
+    """
+    _verify(os.path.abspath(os.fspath(path)))
+
+
+def _verify(path: str):
+    """`verify_checkpoint`; returns the DCP metadata."""
+    md = read_metadata(path)
+    try:
+        storage = {info.relative_path: 0 for info in md.storage_data.values()}
+        for info in md.storage_data.values():
+            storage[info.relative_path] = max(storage[info.relative_path], int(info.offset) + int(info.length))
+        keys = dict(md.state_dict_metadata)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise error("not-a-checkpoint", f"the checkpoint metadata in {path} is malformed: "
+                    f"{type(exc).__name__}: {exc}", hint=_FIX) from None
+    for name in storage:
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise _unsafe(path, METADATA, f"it names data outside the checkpoint directory ({name!r})")
+    manifest = _read_manifest(path)
+    if manifest is None and "piper.checksums" in keys:
+        raise error("checkpoint-corrupt", f"{os.path.join(path, MANIFEST)} is missing: the checkpoint's "
+                    "files cannot be checked", hint=_CORRUPT_FIX)
+    for name, end in sorted(storage.items()):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            raise error("checkpoint-corrupt", f"{full} is missing: the checkpoint's index names it",
+                        hint=_CORRUPT_FIX)
+        if os.path.getsize(full) < end:
+            raise error("checkpoint-corrupt", f"{full} holds {os.path.getsize(full)} bytes, and the "
+                        f"checkpoint's index reads up to byte {end}: it was cut short", hint=_CORRUPT_FIX)
+    if manifest is not None:
+        unlisted = sorted(set(storage) - set(manifest))
+        if unlisted:
+            raise error("checkpoint-corrupt", f"{os.path.join(path, unlisted[0])} has no checksum in "
+                        f"{MANIFEST}: the checkpoint was changed after its save", hint=_CORRUPT_FIX)
+        _check_sums(path, manifest)
+    _check_items(path, md)
+    return md
+
+
+_CORRUPT_FIX = ("load an earlier checkpoint, or copy this one again from where it came from "
+                "(`piper.job.checkpoint.verify_checkpoint(path)` checks one)")
+
+
+def _read_manifest(path: str) -> dict[str, dict] | None:
+    """{file: {"bytes", "crc32"}} from MANIFEST, None without one; `not-a-checkpoint` if malformed."""
+    full = os.path.join(path, MANIFEST)
+    if not os.path.exists(full):
+        return None
+    bad = error("not-a-checkpoint", f"{full} is not the manifest job.save writes", hint=_FIX)
+    if os.path.getsize(full) > 64 << 20:                # a few hundred bytes per data file
+        raise bad
+    try:
+        with open(full, encoding="utf-8") as f:
+            text = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        raise bad from None
+    files = text.get("files") if isinstance(text, dict) else None
+    if (text.get("checksums") if isinstance(text, dict) else None) != CHECKSUM or not isinstance(files, dict) \
+            or not all(isinstance(k, str) and os.path.basename(k) == k and isinstance(v, dict)
+                       and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), int)
+                       for k, v in files.items()):
+        raise bad
+    return files
+
+
+def _check_sums(path: str, manifest: dict[str, dict]) -> None:
+    """Every file of `manifest` has its size and CRC-32, or `checkpoint-corrupt` naming the first that has not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def check(name):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"{full} is missing"
+        if os.path.getsize(full) != manifest[name]["bytes"]:
+            return f"{full} holds {os.path.getsize(full)} bytes, and {manifest[name]['bytes']} were saved"
+        got = _files().checksum(full)["crc32"]
+        if got != manifest[name]["crc32"]:
+            return (f"{full} does not match its checksum (CRC-32 {got:08x}, saved {manifest[name]['crc32']:08x}): "
+                    "it was damaged or changed after the save")
+        return None
+
+    names = sorted(manifest)
+    with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:   # zlib lets go of the GIL
+        problems = [p for p in pool.map(check, names) if p]
+    if problems:
+        raise error("checkpoint-corrupt", problems[0],
+                    notes=(f"{len(problems)} of its {len(names)} files are not as saved",) if len(problems) > 1 else (),
+                    hint=_CORRUPT_FIX)
+
+
+def _check_items(path: str, md) -> None:
+    """Read every non-tensor item (Piper's metadata, optimizer counts) as data here, so a
+    crafted one is refused before any worker reads the checkpoint."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    items = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    if items:
+        _read_nested(path, md, items, lambda fqn: None)
+
+
+def read_info(path, md=None) -> dict:
+    """The `piper.*` metadata of checkpoint `path` (step, strategy, mesh...), read on this
+    process as data only (its DCP metadata `md` when read already).
 
     A DCP checkpoint another program wrote with torch's own layout (`get_state_dict`:
     `model.<name>`, `optim.state.<name>.<key>`, as FSDP2 training saves) loads too: its
     step is the optimizer's step count, and its strategy is unknown."""
-    md = read_metadata(path)
+    path = os.path.abspath(os.fspath(path))
+    md = read_metadata(path) if md is None else md
     keys = md.state_dict_metadata
     if "piper.step" in keys:
-        info = _read_nested(path, md, [k for k in keys if k.startswith("piper.")], lambda fqn: None)["piper"]
-        found = info.get("format", FORMAT)
+        info = _read_nested(path, md, [k for k in keys if k.startswith("piper.")], lambda fqn: None).get("piper")
+        found = info.get("format", FORMAT) if isinstance(info, dict) else None
+        if not isinstance(found, int) or not isinstance(info.get("step"), int):
+            raise _unsafe(path, METADATA, "its `piper.*` entries are not the step count and format job.save writes")
         if found > FORMAT:
             raise error("not-a-checkpoint", f"{os.fspath(path)} is in checkpoint format {found}, newer than "
                         f"this Piper's {FORMAT}", hint="load it with the Piper that wrote it, or upgrade Piper")
@@ -178,15 +447,60 @@ def _read_nested(path, md, fqns, make) -> dict:
     return state
 
 
-def _read_here(state: dict, path) -> None:
-    """DCP's load in this process alone (the driver), in place into `state`."""
+def _read_here(state: dict, path, *, whole: bool = False) -> None:
+    """DCP's load in this process alone (the driver), in place into `state`, running no code
+    (`checkpoint_files`); `whole`: every entry, into the empty dict `state`. A crafted file is
+    `not-a-checkpoint`, one that cannot be read `checkpoint-corrupt`."""
     import warnings
 
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=os.path.abspath(os.fspath(path)), no_dist=True)
+    path = os.path.abspath(os.fspath(path))
+    try:
+        with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            if whole:                        # as DCP's dcp_to_torch_save reads
+                reader = _files().Reader(path)
+                _load_state_dict(state, storage_reader=reader, planner=_files().WholeLoadPlanner(),
+                                 no_dist=True)
+            else:
+                _files().load(state, path, _files().LoadPlanner(), no_dist=True)
+    except BaseException as exc:
+        cause = _cause(exc)
+        if isinstance(cause, _files().UnsafeFile):
+            raise _unsafe(path, "", cause) from None
+        if cause is not exc or isinstance(exc, Exception):
+            raise error("checkpoint-corrupt", f"cannot read checkpoint {path}: {type(cause).__name__}: "
+                        f"{str(cause).splitlines()[0] if str(cause) else ''}", hint=_CORRUPT_FIX) from None
+        raise
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException, else `exc`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return next(iter(exc.failures.values()))[0]
+    return exc
+
+
+def to_torch_save(path, file) -> str:
+    """Convert checkpoint `path` into one `torch.save` file, as DCP's `dcp_to_torch_save`
+    does, after `verify_checkpoint` and reading as data only (torch's converter unpickles
+    `.metadata` and its items as they come): `torch.load(file, weights_only=True)["model"]`
+    then loads into the plain model. Returns `file`'s absolute path.
+
+        to_torch_save("ckpt/step-100", "gpt.pt")
+    """
+    import torch
+
+    path = os.path.abspath(os.fspath(path))
+    _verify(path)
+    state: dict = {}
+    _read_here(state, path, whole=True)
+    file = os.path.abspath(os.fspath(file))
+    torch.save(state, file)
+    return file
 
 
 def _check_model(job, md, path: str, info: dict) -> None:
@@ -246,17 +560,28 @@ def _check_optimizer(job, md, path: str, layouts: list[dict]) -> None:
 
 def load(job, path) -> dict:
     """Read checkpoint `path` into the running `job`, whatever strategy and mesh wrote it:
-    parameters, persistent buffers, optimizer state and the step count. Returns its metadata."""
+    parameters, persistent buffers, optimizer state and the step count. Returns its metadata.
+
+    First, on the driver: `verify_checkpoint` (checksums, items as data), the model's names
+    and shapes, the optimizer's state; a checkpoint refused there leaves the job untouched."""
     job._check_open()
     path = os.path.abspath(os.fspath(path))
-    md = read_metadata(path)
-    info = read_info(path)
+    md = _verify(path)                  # before any worker reads: refused here, the job is untouched
+    info = read_info(path, md)
     _check_model(job, md, path, info)
     with_state = any(k.startswith("optim.state.") for k in md.state_dict_metadata)
     layouts = job._get([a.optimizer_layout.remote(with_state) for a in job.actors], "load")
     _check_optimizer(job, md, path, layouts)
     buffers = _persistent_buffers(job)
-    job._get([a.load_checkpoint.remote(path, with_state, buffers) for a in job.actors], "load")
+    results = job._get([a.load_checkpoint.remote(path, with_state, buffers) for a in job.actors], "load")
+    failed = [r for r in results if r is not None]
+    if failed:
+        message = f"the workers could not read checkpoint {path}: {failed[0]['error']}"
+        notes = ("nothing in it was run; the job still runs, but its parameters and optimizer state may be "
+                 "partly read: load a good checkpoint before training on",)
+        if any(r["unsafe"] for r in failed):
+            raise error("not-a-checkpoint", message, notes=notes, hint=_CORRUPT_FIX)
+        raise error("checkpoint-corrupt", message, notes=notes, hint=_CORRUPT_FIX)
     if buffers:                     # the driver's copy, which new workers would start from
         _read_here({"model": {k: job._buffers[k] for k in buffers}}, path)
     loss_scaling.restore(job, info.get("loss_scale"))
@@ -283,15 +608,10 @@ def checkpoints(directory) -> list[tuple[int, str]]:
 def save_step(job, directory, keep: int = 2) -> str:
     """Save `job` as `directory/step-N` (N = job.steps), then delete all but the last `keep`.
 
-    The checkpoint is written under a temporary name and renamed once every worker has
+    `save` writes under a hidden temporary name and renames it once every worker has
     written, so a save cut short never looks like a checkpoint."""
     os.makedirs(directory, exist_ok=True)
-    final = os.path.join(directory, f"step-{job.steps}")
-    partial = final + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    save(job, partial)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(partial, final)
+    final = save(job, os.path.join(directory, f"step-{job.steps}"))
     for _, old in checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

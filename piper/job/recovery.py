@@ -46,31 +46,18 @@ class StepData:
 
 
 def checkpoint_problem(path) -> str | None:
-    """Why checkpoint directory `path` cannot be loaded as it stands, or None when it looks whole.
+    """Why checkpoint directory `path` cannot be loaded as it stands, or None when it is whole.
 
-    Whole means: its `.metadata` reads, and every file that metadata names is there, non-empty
-    and at least as long as the bytes it is said to hold (a shard lost or cut short by a full disk
-    or a killed writer is caught here, before any worker reads it). This is the one place
-    `--resume` and restarts ask; a per-file checksum check belongs here too."""
-    from .checkpoint import read_metadata
+    Whole is what `piper.job.checkpoint.verify_checkpoint` says: its `.metadata` reads as DCP's
+    metadata and nothing else, and every file is there with the size and CRC-32 its manifest
+    records (a shard lost, cut short or damaged is caught here, before any worker reads it).
+    This is the one place `--resume` and restarts ask."""
+    from .checkpoint import verify_checkpoint
 
     try:
-        md = read_metadata(path)
+        verify_checkpoint(path)
     except PiperError as err:
         return err.diagnostics[0].message
-    needed: dict[str, int] = {}
-    for info in (getattr(md, "storage_data", None) or {}).values():
-        rel = os.fspath(info.relative_path)
-        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
-    for rel, size in sorted(needed.items()):
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full):
-            return f"its shard {rel} is missing"
-        have = os.path.getsize(full)
-        if have == 0:
-            return f"its shard {rel} is empty"
-        if have < size:
-            return f"its shard {rel} holds {have} bytes, and its metadata names {size}"
     return None
 
 
@@ -90,21 +77,17 @@ class Checkpoints:
         self.loaded: tuple[int, str] | None = None    # (step, path) of the last one `restore` loaded
 
     def after_step(self, job, steps_done: int, last: bool = False) -> str | None:
-        """Every `every` steps, and after the `last` one: `job.save` to `DIR/step-N.partial`, renamed
-        `DIR/step-N` once whole (the names `piper.job.checkpoint.checkpoints` lists), then all but the
-        last `keep` deleted. Returns the checkpoint's path, or None when this step saves none."""
+        """Every `every` steps, and after the `last` one: `job.save` to `DIR/step-N` (atomic: the
+        names `piper.job.checkpoint.checkpoints` lists are whole), then all but the last `keep`
+        deleted. Returns the checkpoint's path, or None when this step saves none."""
         from .checkpoint import checkpoints
 
         if not self.every or (steps_done % self.every and not last):
             return None
         began = time.perf_counter()
         final = os.path.join(self.directory, f"step-{steps_done}")
-        partial = final + ".partial"
         os.makedirs(self.directory, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        job.save(partial)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
+        job.save(final)
         self.written = True
         for _, old in checkpoints(self.directory)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -36,10 +36,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from . import checkpoint_files
 
 MODEL, OPTIM, META = "model", "optim", "piper"
 
@@ -112,8 +114,9 @@ class SavePlanner(DefaultSavePlanner):
         return super().lookup_object(index) if box is None else box
 
 
-class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading into `Chunks` boxes (views of the units' own storage)."""
+class LoadPlanner(checkpoint_files.LoadPlanner):
+    """DCP's default planner, reading into `Chunks` boxes (views of the units' own storage), and
+    non-tensor items as data only (`checkpoint_files`)."""
 
     def set_up_planner(self, state_dict, *args, **kwargs) -> None:
         # The default set-up first materialises meta tensors, rebuilding the dict and dropping
@@ -243,11 +246,12 @@ def optimizer_layout(executor, with_state: bool) -> dict[str, dict[str, str]]:
     return out
 
 
-def save(executor, path: str, extra: dict, aliases: dict[str, str], skip=()) -> int:
+def save(executor, path: str, extra: dict, aliases: dict[str, str], skip=(), checksums: bool = True) -> dict:
     """Write this rank's shards into the checkpoint `path` (all ranks call it at once).
     `extra` adds entries this rank writes (rank 0: buffers and metadata); each of
     `aliases` (tied parameters' other names) is written as the parameter it names.
-    Returns the bytes this rank's data takes (tensors only)."""
+    Returns {"bytes": what this rank's data takes (tensors only), "files": {name:
+    checkpoint_files.checksum} of the data files it wrote ({} without `checksums`)}."""
     import torch.distributed.checkpoint as dcp
 
     model, optim = {}, {}
@@ -263,18 +267,20 @@ def save(executor, path: str, extra: dict, aliases: dict[str, str], skip=()) -> 
     state = {MODEL: model, OPTIM: {"state": optim}}
     for key, value in extra.items():
         state.setdefault(key, {}).update(value)
+    fault = getattr(executor, "fault", None)         # a test's `PIPER_FAULT=... action=save` (named only)
+    at_save = fault is not None and fault.fault.action == "save"
+    writer = checkpoint_files.Writer(path, after_write=(lambda: fault("save")) if at_save else None)
     with torch.no_grad():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), planner=SavePlanner())
-    return sum(v.numel() * v.element_size() for c in _leaves(state) if isinstance(c, Chunks)
-               for v in c.views.values())
+        dcp.save(state, storage_writer=writer, planner=SavePlanner())
+    n_bytes = sum(v.numel() * v.element_size() for c in _leaves(state) if isinstance(c, Chunks)
+                  for v in c.views.values())
+    return {"bytes": n_bytes, "files": checkpoint_files.checksums(path, writer.written) if checksums else {}}
 
 
 def load(executor, path: str, with_state: bool, buffers) -> None:
     """Read this rank's parameters, the `buffers` named (the persistent ones it holds) and,
     `with_state`, its optimizer state from `path`, in place (all ranks call it at once,
-    after `optimizer_layout`)."""
-    import torch.distributed.checkpoint as dcp
-
+    after `optimizer_layout`). Files are read as data only (`checkpoint_files`)."""
     model, optim = {}, {}
     for unit in executor.units.values():
         params, state = unit_state(unit, saving=False)
@@ -288,7 +294,7 @@ def load(executor, path: str, with_state: bool, buffers) -> None:
     model.update({k: v for k, v in executor.buffers.items() if k in buffers})
     state = {MODEL: model, OPTIM: {"state": optim}} if optim else {MODEL: model}
     with torch.no_grad():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner())
+        checkpoint_files.load(state, path, LoadPlanner())
     # Tensors were read in place; values that are not tensors (an optimizer's plain-number
     # counts) DCP puts into the dict instead: hand them to the optimizer.
     for unit in executor.units.values():

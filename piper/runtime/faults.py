@@ -6,8 +6,9 @@ Set `PIPER_FAULT` in the workers' environment (`piper.compile(..., worker_env=
     rank=R      the rank that misbehaves (required)
     do=KIND     kill (SIGKILL itself), stop (SIGSTOP itself), raise (a RuntimeError),
                 exit (os._exit(1)), pause (only the delay: time to remove its node mid-step)
-    action=KEY  the plan action to misbehave at, e.g. 1F0 (default: the first of the step);
-                SAVE: as the worker starts writing a checkpoint (`step` then counts the steps done)
+    action=KEY  the plan action to misbehave at, e.g. 1F0 (default: the first of the step),
+                or `save` (only when named): in a checkpoint save, once this rank's data files
+                are written
     step=N      the worker's N-th step, counting from 0 (default: 0)
     delay=S     run the action's prelude S seconds first (the driver sees the rank at KEY)
     once=PATH   write "node_id pid" to PATH and act only if PATH did not exist yet, so
