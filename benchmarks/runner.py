@@ -53,6 +53,7 @@ SUITES = (
     Suite(12, "tune", "piper tune: search time, tuned vs hand-picked", "suite_tune"),
     Suite(13, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "suite_checkpoint"),
     Suite(14, "training-features", "Mixed precision and recomputation vs fp32 and FSDP2", "suite_training"),
+    Suite(15, "hf-moe", "Hugging Face Qwen3-MoE: experts divided vs replicated; EP under pipelines", "suite_hf_moe"),
 )
 BY_NAME = {s.name: s for s in SUITES}
 GPU_HEADING = "# Measured on GPU (CUDA, NCCL)"
