@@ -57,6 +57,31 @@ def test_tolerance_is_the_model_error_or_the_noise_or_the_floor():
     assert Calibration(rm, measured=0.1, predicted=0.1, spread=0.3).tolerance == 0.3
 
 
+def test_the_other_candidates_error_sets_the_tolerance_and_the_run_the_scale():
+    rm = RuntimeModel()
+    cal = Calibration(rm, measured=0.2, predicted=0.1, check="b", check_measured=0.1, check_predicted=0.112)
+    assert cal.scale == 2.0 and cal.error == pytest.approx(-0.5)
+    assert cal.check_error == pytest.approx(0.12) and cal.tolerance == pytest.approx(0.12)
+    assert Calibration(rm).scale == 1.0 and Calibration(rm).check_error is None
+
+
+def test_the_calibration_runs_one_candidate_and_checks_on_another_mesh():
+    from piper.compiler.tune import candidates
+    from piper.compiler.tune_calibration import choose, pair
+
+    first, other = pair(choose(candidates(4, 16, regions=4)))
+    # pipeline sends and ZeRO-3's collectives, whole backwards; then another mesh
+    assert (first.dp, first.pp, first.data) == (2, 2, "zero3") and first.schedule == "interleaved_1f1b"
+    assert (other.dp, other.pp) != (2, 2)
+    assert pair([first]) == [first] and pair([]) == []
+
+
+def test_a_scale_multiplies_every_prediction(search):
+    base = search.with_calibration(_cal(driver=0.001)).evaluate(PIPE).step_s
+    scaled = search.with_calibration(_cal(driver=0.001, measured=0.3, predicted=0.2)).evaluate(PIPE).step_s
+    assert scaled == pytest.approx(1.5 * base)
+
+
 def test_the_driver_and_the_message_latency_add_what_they_measure(search):
     base = search.with_calibration(_cal()).evaluate(PIPE).step_s
     driven = search.with_calibration(_cal(driver=0.005)).evaluate(PIPE).step_s

@@ -48,6 +48,7 @@ import json
 import os
 import pickle
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -385,10 +386,12 @@ class Search:
         Without a calibration: the computes on the machine's cores, communication by its bytes.
         With one (`tune_calibration.Calibration`): the runtime's measured costs laid onto the plans
         (`RuntimeModel.apply`: its work per action and per step, each device's start skew), a
-        receive costing the measured message latency, the computes scaled by what they measured
-        in the calibration's workers over what the profile says (`Calibration.compute`), each device's other threads (Gloo's copies of
-        its bytes, `comm_seconds`, and the rest measured) competing for the cores other processes
-        leave, and the driver's own part of a step added."""
+        receive costing the measured message latency, the computes scaled by what they measured in
+        the calibration's workers over what the profile says (`Calibration.compute`), each device's
+        other threads (Gloo's copies of its bytes, `comm_seconds`, and the rest measured) competing
+        for the cores other processes leave, and the driver's own part of a step added; all of it
+        times what the calibration's run measured over what this predicts for it (`scale`).
+        """
         from .simulate import simulate
         from .tune_calibration import comm_seconds, cores_left
 
@@ -402,7 +405,7 @@ class Search:
         sim = simulate(led, costs=full, comm_cost=cal.runtime.comm_cost(comm), overlap=overlap,
                        cores=cores_left(cal.cores, self.external or 0.0), devices=self.devices,
                        background=cal.background + comm_seconds(plans, comm))
-        return sim.step_time + cal.driver, sim.bubble_fraction
+        return (sim.step_time + cal.driver) * cal.scale, sim.bubble_fraction
 
     def run(self, *, refine: int = 3) -> tuple[list[Result], list[Result]]:
         """(the results that fit, best first; every result) for every candidate."""
@@ -447,63 +450,83 @@ class Search:
 
 def calibrate(search: Search, *, log=None, again: bool = False):
     """The runtime's costs for `search`'s model and device count on this machine
-    (`tune_calibration.Calibration`): a short run of one candidate (`tune_calibration.choose`),
-    cached (`$PIPER_CACHE`) by machine, model, batch and devices (`again`: measure anew); None
-    where no candidate runs."""
-    from .tune_calibration import choose
+    (`tune_calibration.Calibration`): a short run of two candidates side by side
+    (`tune_calibration.choose`, `pair`), cached (`$PIPER_CACHE`) by machine, model, batch and
+    devices (`again`: measure anew); None where they do not run."""
+    from .tune_calibration import choose, pair
 
     path, _, factory = search.model_spec.rpartition(":")
     key = {"what": "calibration", "model": os.path.abspath(path), "factory": factory, "batch": search.batch,
            "mtime": os.path.getmtime(path) if os.path.exists(path) else 0, "devices": search.devices,
            "cores": search.machine["cores"]}
-    todo = choose(candidates(search.devices, search.batch, search.regions))
+    log = log or search.log
 
     def make():
-        for c in todo[:3]:
-            try:
-                return _calibrate_on(search, c, log or search.log)
-            except Exception as err:       # a candidate that does not run: the next one
-                (log or search.log)(f"calibrating on {c.label()} failed: {err}")
-        return None
+        chosen = pair(choose(candidates(search.devices, search.batch, search.regions)))
+        if not chosen:
+            return None
+        try:
+            return _calibrate_on(search, chosen, log)
+        except Exception as err:       # noqa: BLE001 - a run that fails leaves the search uncalibrated
+            log(f"calibrating on {chosen[0].label()} failed ({err}): steps are predicted from the computes alone")
+            return None
 
     return _cached(key, make, again=again)
 
 
-def _calibrate_on(search: Search, c: Candidate, log):
-    """Run `c` for a few steps and make a `Calibration` of it, with its own prediction."""
+def _calibrate_on(search: Search, chosen: list[Candidate], log):
+    """Run the `chosen` candidates a step each in turn; the first makes the `Calibration`, the second
+    (where there is one) checks what it predicts for another candidate."""
+    import contextlib
+
     import piper
     import ray
 
     from ..dsl import load_strategy
     from ..frontend.models import example_batch, load_model
     from .step_costs import comm_cost
-    from .tune_calibration import from_run, measure
+    from .tune_calibration import from_run, measure_together
 
-    log(f"calibrating the runtime's costs on {c.label()} ({search.devices} devices; cached)")
-    b = search.batch // (c.dp * c.microbatches)
-    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+    log(f"calibrating the runtime's costs on {' and '.join(c.label() for c in chosen)} "
+        f"({search.devices} devices; cached)")
     owned = not ray.is_initialized()
     if owned:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
-        model, module = load_model(search.model_spec)
-        data = example_batch(module, search.batch)
-        with piper.compile(model, data, strategy=load_strategy(c.script(), file="<tune>"), timeout=300,
-                           progress=lambda m: log(f"calibration: {m}")) as job:
-            run = measure(job, data)
-            compiled, program = job.compiled, (exact or search.reference).program
+        with contextlib.ExitStack() as stack:
+            jobs = []
+            for c in chosen:
+                model, module = load_model(search.model_spec)
+                data = example_batch(module, search.batch)
+                jobs.append(stack.enter_context(piper.compile(
+                    model, data, strategy=load_strategy(c.script(), file="<tune>"), timeout=300,
+                    progress=lambda m: log(f"calibration: {m}"))))
+            runs = measure_together(jobs, data)
+            compiled = jobs[0].compiled
     finally:
         if owned:
             ray.shutdown()
-    plans = compiled.plans.representatives()
+    c = chosen[0]
+    b = search.batch // (c.dp * c.microbatches)
+    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+    program = (exact or search.reference).program
     comm = comm_cost(compiled, program, bandwidth=search.machine["bandwidth"],
                      value_scale=b / (exact or search.reference).microbatch)
     fwd, bwd, _ = search._scaled(b, exact)
-    cal = from_run(run, cores=search.machine["cores"], comm=comm, plans=plans, candidate=c.label(),
-                   estimated=search.compute_costs(compiled, program, c, fwd, bwd))
-    own = search.with_calibration(cal, external=cal.external).evaluate(c, exact)
-    return replace(cal, predicted=own.step_s if own is not None else 0.0)
+    cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=compiled.plans.representatives(),
+                   candidate=c.label(), estimated=search.compute_costs(compiled, program, c, fwd, bwd))
+    own = search.with_calibration(cal).evaluate(c, exact)
+    cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
+    if len(chosen) > 1:
+        other = chosen[1]
+        b = search.batch // (other.dp * other.microbatches)
+        checked = search.with_calibration(cal).evaluate(
+            other, profile(search.model_spec, b) if b != search.reference.microbatch else None)
+        if checked is not None:
+            measured = statistics.median(runs[1]["times"])
+            cal = replace(cal, check=other.label(), check_measured=measured, check_predicted=checked.step_s)
+    return cal
 
 
 def groups(results: list[Result], tolerance: float) -> list[int]:
@@ -652,7 +675,8 @@ def main(args) -> int:
         console.print(line)
     if cal is not None:
         console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
-                      f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; steps varied ±{cal.spread:.0%}),"
+                      f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; "
+                      f"steps varied ±{cal.spread:.0%}),"
                       f" for {cal.external:.1f} of {cal.cores} cores busy with other work as then; "
                       "--recalibrate to measure again[/]")
     else:

@@ -1,11 +1,11 @@
-"""What `piper tune` measures of the runtime on this machine before it predicts: a short run of one
-candidate, turned into costs that apply to every candidate on the same number of devices.
+"""What `piper tune` measures of the runtime on this machine before it predicts: a short run of two
+candidates, turned into costs that apply to every candidate on the same number of devices.
 
 The per-region compute that `piper.compiler.tune` times in its own process is only part of a step
 on the CPU runtime. On a 2-core machine with 4 devices the step also holds the runtime's own work
 around each action (`job.overheads()`), a latency per message that waits on a rendezvous of two
 busy processes, Gloo's threads copying every byte sent, the driver's call, and whatever other
-processes take of the cores. A `Calibration` holds each as it was measured (nothing is fitted):
+processes take of the cores. A `Calibration` holds each as it was measured:
 
 - `runtime`: a `piper.compiler.runtime_costs.RuntimeModel` in CPU seconds (per op, per step, start
   skews, message latency), which `RuntimeModel.apply` lays onto any candidate's plans;
@@ -14,14 +14,16 @@ processes take of the cores. A `Calibration` holds each as it was measured (noth
 - `compute`: the computes' CPU seconds in the workers over what tune's profile (one process,
   one thread) says for the same actions;
 - `driver`: the driver's step less the devices' span (the Ray call, the batch in, losses out);
-- `error`: the calibrated model's own error on the run it came from, and `spread`, how much the
-  run's steps varied: what `tolerance` makes of the two says which predictions differ on this
-  machine.
+- `scale`: the run's measured step over what all of the above predicts for it (what they leave
+  out on this machine, mostly the load's effect), carried to every candidate;
+- `check_error`: the error, `scale` included, on a second candidate run beside the first (another
+  mesh), and `spread`, how much the steps varied: `tolerance` makes of them which predictions
+  can be told apart on this machine.
 
 The run is cached (`$PIPER_CACHE`) by machine, torch, model, batch and device count, with the
 load other processes put on the cores while it ran (`LoadMeter`): predictions are for that load.
 
-    cal = calibrate(search)                       # one short job, or the cached result
+    cal = calibrate(search)                       # two short jobs, or the cached result
     search = Search(model, 4, budget, 16, calibration=cal)
 """
 from __future__ import annotations
@@ -55,17 +57,34 @@ class Calibration:
     external: float = 0.0           # cores other processes kept busy during it
     steps: tuple[float, ...] = field(default_factory=tuple)
     compute: float = 1.0            # the workers' compute CPU seconds over the profile's, same actions
+    check: str = ""                 # the label of another candidate run beside it
+    check_measured: float = 0.0     # its median step (s)
+    check_predicted: float = 0.0    # what this calibration predicts for it, `scale` included (s)
 
     @property
     def error(self) -> float:
-        """The calibrated model's error on its own run: predicted / measured - 1."""
-        return self.predicted / self.measured - 1 if self.measured else 0.0
+        """The model's error on the run it was measured on, before `scale`: predicted / measured - 1."""
+        return self.predicted / self.measured - 1 if self.measured and self.predicted else 0.0
+
+    @property
+    def scale(self) -> float:
+        """What the run measured over what the model predicts for it: the part of a step the measured
+        costs leave out on this machine (the load's effect, mostly), carried to every candidate."""
+        return self.measured / self.predicted if self.measured and self.predicted else 1.0
+
+    @property
+    def check_error(self) -> float | None:
+        """The error on the other candidate (`check`): predicted / measured - 1; None without one."""
+        return self.check_predicted / self.check_measured - 1 if self.check_measured and self.check_predicted \
+            else None
 
     @property
     def tolerance(self) -> float:
         """How far apart two predictions must be to be told apart on this machine: the larger of
-        the model's own error, the run's step-to-step spread and `FLOOR`."""
-        return max(FLOOR, abs(self.error), self.spread)
+        the error on the other candidate (else the model's own error), the run's step-to-step
+        spread and `FLOOR`."""
+        check = self.check_error
+        return max(FLOOR, abs(check if check is not None else self.error), self.spread)
 
 
 def machine_busy() -> float:
@@ -100,8 +119,8 @@ class LoadMeter:
 
 
 def cores_left(cores: int, external: float) -> float:
-    """The cores the devices can count on: at least one."""
-    return max(1.0, cores - external)
+    """The cores the devices can count on: what other processes leave, at least a quarter core."""
+    return max(0.25, cores - external)
 
 
 def comm_seconds(plans, comm) -> float:
@@ -110,6 +129,16 @@ def comm_seconds(plans, comm) -> float:
     total = [sum(comm(a.node) for a in plan if getattr(a, "node", None) is not None and not a.node.is_compute)
              for plan in plans.values()]
     return statistics.fmean(total) if total else 0.0
+
+
+def pair(ordered) -> list:
+    """The candidate to calibrate on (`ordered`'s first) and one to check it with: the first after
+    it on another mesh (its costs come from other kinds of action), else the next."""
+    if not ordered:
+        return []
+    first = ordered[0]
+    other = next((c for c in ordered[1:] if (c.dp, c.pp) != (first.dp, first.pp)), None)
+    return [first, other] if other is not None else ordered[:2]
 
 
 def choose(candidates):
@@ -122,25 +151,27 @@ def choose(candidates):
     return sorted(candidates, key=score)
 
 
-def measure(job, data, *, steps: int = STEPS, warmup: int = WARMUP) -> dict:
-    """Run `job` on `data`: each timed step's driver seconds and what its workers recorded
-    (`job.timings(cpu=True)`, `job.overheads(cpu=True)`, the last traced step) and the other load."""
-    out = {"times": [], "cpu_timings": [], "cpu_overheads": [], "traced": [], "external": []}
+def measure_together(jobs, data, *, steps: int = STEPS, warmup: int = WARMUP) -> list[dict]:
+    """Step `jobs` on `data` a step each in turn (a change of load falls on all alike): per job, each
+    timed step's driver seconds, what its workers recorded (`job.timings(cpu=True)`,
+    `job.overheads(cpu=True)`, the last traced step) and the cores other processes took meanwhile."""
+    runs = [{"times": [], "cpu_timings": [], "cpu_overheads": [], "traced": [], "external": []} for _ in jobs]
     for i in range(warmup + steps):
-        meter = LoadMeter()
-        start = time.perf_counter()
-        job.step(*data)
-        wall = time.perf_counter() - start
-        if i < warmup:
-            continue
-        timings = job.timings(cpu=True)
-        out["external"].append(meter.cores(less=sum(r.get("step", 0.0) for r in timings.values())))
-        out["times"].append(wall)
-        out["cpu_timings"].append(timings)
-        out["cpu_overheads"].append(job.overheads(cpu=True))
-        out["traced"].append({"recorded": [{**r, "steps": r["steps"][-1:]} for r in job.traced()],
-                              "plans": job.compiled.plans})
-    return out
+        for job, out in zip(jobs, runs):
+            meter = LoadMeter()
+            start = time.perf_counter()
+            job.step(*data)
+            wall = time.perf_counter() - start
+            if i < warmup:
+                continue
+            timings = job.timings(cpu=True)
+            out["external"].append(meter.cores(less=sum(r.get("step", 0.0) for r in timings.values())))
+            out["times"].append(wall)
+            out["cpu_timings"].append(timings)
+            out["cpu_overheads"].append(job.overheads(cpu=True))
+            out["traced"].append({"recorded": [{**r, "steps": r["steps"][-1:]} for r in job.traced()],
+                                  "plans": job.compiled.plans})
+    return runs
 
 
 def driver_seconds(times, traced) -> float:
