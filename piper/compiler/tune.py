@@ -23,11 +23,13 @@ device is predicted (`piper.compiler.memory_model`), and its step time simulated
 - communication by its bytes over a measured loopback TCP throughput (what
   Gloo moves between processes on one machine);
 - devices that outnumber the CPU cores share them (`simulate(cores=...)`);
-- the runtime's own costs, measured by one short run of a candidate on as
+- the runtime's own costs, measured by a short run of two candidates on as
   many devices (`calibrate`, `piper.compiler.tune_calibration`): its work per
   action and per step, each device's start skew, the message latency, Gloo's
   threads, the driver's part of a step, the computes' CPU time in the
-  workers over the profile's, and the cores other processes took meanwhile.
+  workers over the profile's, and the cores other processes took meanwhile;
+  the first run's measured step over its prediction scales every prediction,
+  and the second's error says how far they can be trusted.
   Without it (`--no-calibrate`) a step on the CPU runtime runs 3-4x longer
   than predicted, and every candidate on more devices than cores predicts
   about the same (their computes add up to the same CPU seconds).
