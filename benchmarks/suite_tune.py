@@ -135,10 +135,12 @@ def _accuracy(ctx, result, quick) -> Table:
                           log=ctx.log)
     table = Table("tune's predicted vs measured step, its top candidates on 4 devices, global batch 16 "
                   "(two budgets: every candidate fits; the median predicted peak); the candidates run in turn",
-                  ["model", "budget / device", "group", "strategy", "predicted ms", "measured ms", "error", "spread"])
+                  ["model", "budget / device", "group", "strategy", "predicted ms", "measured ms", "error", "spread",
+                   "other load (cores)", "error at that load"])
     for r in rows:
         table.add(r["model"].rpartition(":")[2], format_bytes(r["budget"]), r["group"], r["strategy"],
-                  r["predicted_ms"], r["measured_ms"], f"{r['error']:+.1%}", r["spread"])
+                  r["predicted_ms"], r["measured_ms"], f"{r['error']:+.1%}", r["spread"], r["load"],
+                  f"{r['error_at_load']:+.1%}")
         result.metrics[f"accuracy.{r['model'].rpartition(':')[2]}.{r['budget']}.{r['strategy']}.error"] = r["error"]
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
     result.metrics["accuracy.within_15pct"] = within
