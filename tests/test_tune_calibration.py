@@ -48,6 +48,7 @@ def test_groups_join_the_predictions_that_overlap():
     notes = group_notes(rows, groups(rows, 0.08), 0.08)
     assert notes[0].startswith("rows 1-3 are indistinguishable within ±8%") and notes[1].startswith("rows 5-6")
     assert len(notes) == 2          # a group of one says nothing
+    assert "(assumed: no calibration)" in group_notes(rows, [1] * 6, 0.15, calibrated=False)[0]
 
 
 def test_tolerance_is_the_model_error_or_the_noise_or_the_floor():

@@ -547,15 +547,15 @@ def groups(results: list[Result], tolerance: float) -> list[int]:
     return out
 
 
-def group_notes(results: list[Result], numbers: list[int], tolerance: float) -> list[str]:
+def group_notes(results: list[Result], numbers: list[int], tolerance: float, *, calibrated: bool = True) -> list[str]:
     """One line per group of several rows: which rows cannot be told apart, and within what."""
+    why = "the model's error on this machine" if calibrated else "assumed: no calibration"
     lines = []
     for g in sorted(set(numbers)):
         rows = [i + 1 for i, n in enumerate(numbers) if n == g]
         if len(rows) > 1:
-            lines.append(f"rows {rows[0]}-{rows[-1]} are indistinguishable within ±{tolerance:.0%} (the model's "
-                         "error on this machine): their order is not a ranking; choose among them by memory, "
-                         "or --verify them")
+            lines.append(f"rows {rows[0]}-{rows[-1]} are indistinguishable within ±{tolerance:.0%} ({why}): "
+                         "their order is not a ranking; choose among them by memory, or --verify them")
     return lines
 
 
@@ -673,7 +673,7 @@ def main(args) -> int:
         table.add_row(*row)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(table)
-    for line in group_notes(shown, numbers, tolerance):
+    for line in group_notes(shown, numbers, tolerance, calibrated=cal is not None):
         console.print(line)
     if cal is not None:
         console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
