@@ -155,3 +155,33 @@ def _out(fn, args, capsys) -> str:
 
 def _sizes(numbers):
     return [numbers.count(g) for g in set(numbers)]
+
+
+class _FakeJob:
+    """Steps that take no time, with what `measure_steps` reads of a job."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, *batch):
+        self.steps += 1
+        return 0.0
+
+    def timings(self, cpu=False):
+        return {0: {"step": 0.0}}
+
+    def memory(self):
+        return {0: {"step_peak": 100 + self.steps}, 1: {"step_peak": 7}}
+
+
+def test_verify_measures_the_other_load_and_predicts_for_it(search):
+    from piper.compiler.tune import at_load, measure_steps
+
+    job = _FakeJob()
+    step, peak, load = measure_steps(job, (), 3)
+    assert job.steps == 3 and peak == 103 and step >= 0 and load >= 0
+    dp = Candidate(4, 1, None, 1, None, "dp")
+    calibrated = search.with_calibration(_cal(cores=2))
+    r = calibrated.evaluate(dp)
+    assert at_load(search, r, 1.0) is None              # no calibration: nothing to predict again
+    assert at_load(calibrated, r, 0.0) < at_load(calibrated, r, 1.0)

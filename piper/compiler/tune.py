@@ -562,16 +562,34 @@ def group_notes(results: list[Result], numbers: list[int], tolerance: float, *, 
 # ---- the command ---------------------------------------------------------------------------------
 
 
-def measure_steps(job, data, steps: int) -> tuple[float, int]:
-    """`steps` steps of `job` on `data`: (median step seconds after the first, the largest step_peak)."""
+def measure_steps(job, data, steps: int) -> tuple[float, int, float]:
+    """`steps` steps of `job` on `data`: (median step seconds after the first, the largest step_peak,
+    the median cores other processes kept busy during those steps)."""
     import statistics
 
-    times = []
+    from .tune_calibration import LoadMeter
+
+    times, loads = [], []
     for _ in range(steps):
+        meter = LoadMeter()
         start = time.perf_counter()
         job.step(*data)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:] or times), max(m["step_peak"] for m in job.memory().values())
+        loads.append(meter.cores(less=sum(r.get("step", 0.0) for r in job.timings(cpu=True).values())))
+    return (statistics.median(times[1:] or times), max(m["step_peak"] for m in job.memory().values()),
+            statistics.median(loads[1:] or loads))
+
+
+def at_load(search: Search, result: Result, external: float) -> float | None:
+    """`result`'s step predicted again for `external` cores of other load (what `--verify` measured
+    while it ran), its activations at its own microbatch size; None without a calibration."""
+    if search.calibration is None:
+        return None
+    c = result.candidate
+    b = search.batch // (c.dp * c.microbatches)
+    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+    again = search.with_calibration(search.calibration, external=external).evaluate(c, exact)
+    return again.step_s if again is not None else None
 
 
 def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) -> list[tuple[float, int]]:
@@ -646,14 +664,19 @@ def main(args) -> int:
                     + best.script())
     tolerance, cal = search.tolerance, search.calibration
     numbers = groups(shown, tolerance)
+    again: dict[int, float | None] = {}
     if args.format == "json":
         rows = []
         for i, r in enumerate(shown):
             d = r.as_dict()
             d.update(group=numbers[i], tolerance=tolerance, calibrated=cal is not None)
             if i < len(measured):
-                d["measured_step_s"], d["measured_peak_bytes"] = measured[i]
+                d["measured_step_s"], d["measured_peak_bytes"], d["measured_other_load"] = measured[i][:3]
                 d["step_error"] = r.step_s / measured[i][0] - 1
+                again[i] = at_load(search, r, measured[i][2])
+                if again[i] is not None:
+                    d["step_s_at_measured_load"] = again[i]
+                    d["step_error_at_measured_load"] = again[i] / measured[i][0] - 1
             rows.append(d)
         sys.stdout.write(json.dumps(rows, indent=1) + "\n")
         return 0
@@ -670,11 +693,17 @@ def main(args) -> int:
         if measured:
             row += ([f"{measured[i][0] * 1e3:.1f} ms", f"{r.step_s / measured[i][0] - 1:+.0%}",
                      format_bytes(measured[i][1])] if i < len(measured) else ["", "", ""])
+            if i < len(measured):
+                again[i] = at_load(search, r, measured[i][2])
         table.add_row(*row)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(table)
     for line in group_notes(shown, numbers, tolerance, calibrated=cal is not None):
         console.print(line)
+    for i, step in again.items():
+        if step is not None:
+            console.print(f"row {i + 1}: {measured[i][2]:.1f} cores busy with other work while it ran; predicted for "
+                          f"that load {step * 1e3:.1f} ms ({step / measured[i][0] - 1:+.0%} of the measured step)")
     if cal is not None:
         console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
                       f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; "
