@@ -125,9 +125,35 @@ def _tuned_vs_hand(ctx, result, quick) -> Table:
     return table
 
 
+def _accuracy(ctx, result, quick) -> Table:
+    """(c) tune's predicted step against the measured one for its top candidates (`tune_accuracy`)."""
+    from .tune_accuracy import MODELS, run_model
+
+    rows = []
+    for model in MODELS:
+        rows += run_model(model, top=2 if quick else 3, steps=3 if quick else 6, warmup=1 if quick else 2,
+                          log=ctx.log)
+    table = Table("tune's predicted vs measured step, its top candidates on 4 devices, global batch 16 "
+                  "(two budgets: every candidate fits; the median predicted peak); the candidates run in turn",
+                  ["model", "budget / device", "group", "strategy", "predicted ms", "measured ms", "error", "spread",
+                   "other load (cores)", "error at that load"])
+    for r in rows:
+        table.add(r["model"].rpartition(":")[2], format_bytes(r["budget"]), r["group"], r["strategy"],
+                  r["predicted_ms"], r["measured_ms"], f"{r['error']:+.1%}", r["spread"], r["load"],
+                  f"{r['error_at_load']:+.1%}")
+        result.metrics[f"accuracy.{r['model'].rpartition(':')[2]}.{r['budget']}.{r['strategy']}.error"] = r["error"]
+    within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
+    result.metrics["accuracy.within_15pct"] = within
+    table.notes.append(f"{within} of {len(rows)} within ±15%. Each model: a fresh cost cache, one calibration run "
+                       "(`piper.compiler.tune.calibrate`), then the search; spread: (max - min) / median of the "
+                       "measured steps. Group: tune's groups of predictions it cannot tell apart.")
+    return table
+
+
 def run(ctx) -> SuiteResult:
     result = SuiteResult("tune", 12, "piper tune: search time, tuned vs hand-picked", ctx.command("tune"))
     result.tables.append(_search_times(ctx, result, (8, 64) if ctx.quick else (8, 64, 512)))
     with ray_cluster():
         result.tables.append(_tuned_vs_hand(ctx, result, ctx.quick))
+        result.tables.append(_accuracy(ctx, result, ctx.quick))
     return result

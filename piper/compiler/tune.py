@@ -1,7 +1,7 @@
 """`piper tune`: search strategies for a model, a number of devices and a memory budget.
 
     piper tune --model examples/gpt.py:small_gpt --devices 4 --memory 8MiB [--batch-size 16]
-               [--verify 2] [-o best.pps] [--format text|json]
+               [--verify 2] [-o best.pps] [--format text|json] [--no-calibrate | --recalibrate]
 
 The search covers mesh factorisations (dp x pp), the stdlib pipeline
 schedules the model's regions allow (a schedule with one region per device
@@ -22,12 +22,25 @@ device is predicted (`piper.compiler.memory_model`), and its step time simulated
 - the optimizer's update per parameter element (AdamW's step, timed);
 - communication by its bytes over a measured loopback TCP throughput (what
   Gloo moves between processes on one machine);
-- devices that outnumber the CPU cores share them (`simulate(cores=...)`).
+- devices that outnumber the CPU cores share them (`simulate(cores=...)`);
+- the runtime's own costs, measured by a short run of two candidates on as
+  many devices (`calibrate`, `piper.compiler.tune_calibration`): its work per
+  action and per step, each device's start skew, the message latency, Gloo's
+  threads, the driver's part of a step, the computes' CPU time in the
+  workers over the profile's, and the cores other processes took meanwhile;
+  the first run's measured step over its prediction scales every prediction,
+  and the second's error says how far they can be trusted.
+  Without it (`--no-calibrate`) a step on the CPU runtime runs 3-4x longer
+  than predicted, and every candidate on more devices than cores predicts
+  about the same (their computes add up to the same CPU seconds).
 
 The measurements are cached (`$PIPER_CACHE`, default ~/.cache/piper: `piper.cache_dir`) by
-model file, factory and microbatch size, so a second search skips them.
-The few best candidates are re-predicted with activations measured at their
-exact microbatch size before the ranking is final.
+model file, factory and microbatch size (the calibration by model, batch and
+device count), so a second search skips them. The few best candidates are
+re-predicted with activations measured at their exact microbatch size before
+the ranking is final. Predictions closer than the calibrated model's error
+on this machine (`Search.tolerance`) are one group (`groups`): tune says
+they are indistinguishable rather than ranking them.
 """
 from __future__ import annotations
 
@@ -37,6 +50,7 @@ import json
 import os
 import pickle
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -114,19 +128,23 @@ def _cache_dir() -> str:
     return path
 
 
-def _cached(key: dict, make):
-    """A pickled value on disk under a hash of `key` (and this machine and torch), else `make()`."""
+def _cached(key: dict, make, *, again: bool = False):
+    """A pickled value on disk under a hash of `key` (and this machine and torch), else (or with
+    `again`) `make()`, stored there."""
     import torch
 
     full = {**key, "host": socket.gethostname(), "torch": torch.__version__, "version": 2}
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = os.path.join(_cache_dir(), f"tune-{digest}.pkl")
     try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        if not again:
+            with open(path, "rb") as f:
+                return pickle.load(f)
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ModuleNotFoundError):
         pass
     value = make()
+    if value is None:          # nothing made: try again next time
+        return value
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -278,7 +296,8 @@ def candidates(devices: int, batch: int, regions: int, *, max_microbatches: int 
 class Search:
     """The state of one search: the model's measured profiles, the machine, the budget."""
 
-    def __init__(self, model_spec: str, devices: int, memory: int, batch: int, *, optimizer=None, log=None):
+    def __init__(self, model_spec: str, devices: int, memory: int, batch: int, *, optimizer=None, log=None,
+                 calibration=None, external: float | None = None):
         self.model_spec = model_spec
         self.devices = devices
         self.memory = memory
@@ -289,6 +308,27 @@ class Search:
         self.reference = profile(model_spec, max(1, batch // max(devices, 1)))
         self.regions = pp_regions(self.reference.program)
         self.skipped: list[tuple[Candidate, str]] = []
+        # The runtime's costs on this machine (`tune_calibration.Calibration`, from `calibrate`); None
+        # prices the computes, the update and the bytes alone. `external`: cores other processes
+        # keep busy (default: as measured during the calibration's run).
+        self.calibration = calibration
+        self.external = external if external is not None else getattr(calibration, "external", 0.0)
+
+    @property
+    def tolerance(self) -> float:
+        """Predictions closer than this (relative) cannot be told apart on this machine."""
+        from .tune_calibration import UNCALIBRATED
+
+        return self.calibration.tolerance if self.calibration is not None else UNCALIBRATED
+
+    def with_calibration(self, calibration, external: float | None = None) -> "Search":
+        """This search (its profiles, budget and machine) priced with `calibration`."""
+        other = object.__new__(Search)
+        other.__dict__.update(self.__dict__)
+        other.skipped = []
+        other.calibration = calibration
+        other.external = external if external is not None else calibration.external
+        return other
 
     def _scaled(self, b: int, exact: Profile | None = None):
         ref = exact or self.reference
@@ -302,8 +342,7 @@ class Search:
         from ..frontend.interop import overlapped_slots
         from ..job import plan
         from .memory_model import predict_memory
-        from .simulate import simulate
-        from .step_costs import comm_cost, recompute_costs
+        from .step_costs import comm_cost
 
         program = (exact or self.reference).program
         try:
@@ -316,8 +355,21 @@ class Search:
         memory = predict_memory(compiled, program, optimizer=self.optimizer, saved=saved,
                                 ranks=compiled.plans.representatives())
         fullest = max(memory.values(), key=lambda m: m.peak)
+        costs = self.compute_costs(compiled, program, c, fwd, bwd)
+        bandwidth = self.machine["bandwidth"]
+        comm = comm_cost(compiled, program, bandwidth=bandwidth,
+                         value_scale=b / (exact or self.reference).microbatch)
+        step, bubble = self.step(compiled.plans.representatives(), costs, comm, overlapped_slots(compiled))
+        return Result(c, step, fullest.peak, bubble, fullest.as_dict(), exact is not None)
+
+    def compute_costs(self, compiled, program, c: Candidate, fwd: dict, bwd: dict) -> dict[str, float]:
+        """Seconds per compute key of `compiled`: each region's forward and backward (`fwd`, `bwd`:
+        region -> seconds at the candidate's microbatch size), a split backward's halves, the
+        update of the shard each device owns, and recomputed regions' reruns."""
+        from .step_costs import recompute_costs
+
         costs = {}
-        bandwidth, per_element = self.machine["bandwidth"], self.machine["update"]
+        per_element = self.machine["update"]
         owned = {r.index: sum(program.params[p].nbytes for p in r.owned) for r in compiled.ir.regions}
         for n in compiled.ir.nodes:
             if n.op == "F":
@@ -329,12 +381,35 @@ class Search:
             elif n.op == "UPD":
                 shard = owned.get(n.region, 0) / 4 / (c.dp if c.data in ("zero1", "zero2", "zero3") else 1)
                 costs[n.key] = shard * per_element
-        costs = recompute_costs(compiled, costs, measured=())      # B/BI of `recompute` regions: + their F
-        comm = comm_cost(compiled, program, bandwidth=bandwidth,
-                         value_scale=b / (exact or self.reference).microbatch)
-        sim = simulate(compiled.plans.representatives(), costs=costs, comm_cost=comm,
-                       overlap=overlapped_slots(compiled), cores=self.machine["cores"], devices=self.devices)
-        return Result(c, sim.step_time, fullest.peak, sim.bubble_fraction, fullest.as_dict(), exact is not None)
+        return recompute_costs(compiled, costs, measured=())      # B/BI of `recompute` regions: + their F
+
+    def step(self, plans, costs: dict, comm, overlap=()) -> tuple[float, float]:
+        """(predicted step seconds, bubble fraction) of `plans` (one replica per shard) with compute
+        `costs` per key and `comm(node)` the seconds of each communication's bytes.
+
+        Without a calibration: the computes on the machine's cores, communication by its bytes.
+        With one (`tune_calibration.Calibration`): the runtime's measured costs laid onto the plans
+        (`RuntimeModel.apply`: its work per action and per step, each device's start skew), a
+        receive costing the measured message latency, the computes scaled by what they measured in
+        the calibration's workers over what the profile says (`Calibration.compute`), each device's
+        other threads (Gloo's copies of its bytes, `comm_seconds`, and the rest measured) competing
+        for the cores other processes leave, and the driver's own part of a step added; all of it
+        times what the calibration's run measured over what this predicts for it (`scale`).
+        """
+        from .simulate import simulate
+        from .tune_calibration import comm_seconds, cores_left
+
+        cal = self.calibration
+        if cal is None:
+            sim = simulate(plans, costs=costs, comm_cost=comm, overlap=overlap, cores=self.machine["cores"],
+                           devices=self.devices)
+            return sim.step_time, sim.bubble_fraction
+        costs = {k: v * cal.compute for k, v in costs.items()}
+        led, full = cal.runtime.apply(plans, costs, overlap)
+        sim = simulate(led, costs=full, comm_cost=cal.runtime.comm_cost(comm), overlap=overlap,
+                       cores=cores_left(cal.cores, self.external or 0.0), devices=self.devices,
+                       background=cal.background + comm_seconds(plans, comm))
+        return (sim.step_time + cal.driver) * cal.scale, sim.bubble_fraction
 
     def run(self, *, refine: int = 3) -> tuple[list[Result], list[Result]]:
         """(the results that fit, best first; every result) for every candidate."""
@@ -377,19 +452,146 @@ class Search:
         return fits, every
 
 
+def calibrate(search: Search, *, log=None, again: bool = False):
+    """The runtime's costs for `search`'s model and device count on this machine
+    (`tune_calibration.Calibration`): a short run of two candidates side by side
+    (`tune_calibration.choose`, `pair`), cached (`$PIPER_CACHE`) by machine, model, batch and
+    devices (`again`: measure anew); None where they do not run."""
+    from .tune_calibration import choose, pair
+
+    path, _, factory = search.model_spec.rpartition(":")
+    key = {"what": "calibration", "model": os.path.abspath(path), "factory": factory, "batch": search.batch,
+           "mtime": os.path.getmtime(path) if os.path.exists(path) else 0, "devices": search.devices,
+           "cores": search.machine["cores"]}
+    log = log or search.log
+
+    def make():
+        chosen = pair(choose(candidates(search.devices, search.batch, search.regions)))
+        if not chosen:
+            return None
+        try:
+            return _calibrate_on(search, chosen, log)
+        except Exception as err:       # noqa: BLE001 - a run that fails leaves the search uncalibrated
+            log(f"calibrating on {chosen[0].label()} failed ({err}): steps are predicted from the computes alone")
+            return None
+
+    return _cached(key, make, again=again)
+
+
+def _calibrate_on(search: Search, chosen: list[Candidate], log):
+    """Run the `chosen` candidates a step each in turn; the first makes the `Calibration`, the second
+    (where there is one) checks what it predicts for another candidate."""
+    import contextlib
+
+    import piper
+    import ray
+
+    from ..dsl import load_strategy
+    from ..frontend.models import example_batch, load_model
+    from .step_costs import comm_cost
+    from .tune_calibration import from_run, measure_together
+
+    log(f"calibrating the runtime's costs on {' and '.join(c.label() for c in chosen)} "
+        f"({search.devices} devices; cached)")
+    owned = not ray.is_initialized()
+    if owned:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        with contextlib.ExitStack() as stack:
+            jobs = []
+            for c in chosen:
+                model, module = load_model(search.model_spec)
+                data = example_batch(module, search.batch)
+                jobs.append(stack.enter_context(piper.compile(
+                    model, data, strategy=load_strategy(c.script(), file="<tune>"), timeout=300,
+                    progress=lambda m: log(f"calibration: {m}"))))
+            runs = measure_together(jobs, data)
+            compiled = jobs[0].compiled
+    finally:
+        if owned:
+            ray.shutdown()
+    c = chosen[0]
+    b = search.batch // (c.dp * c.microbatches)
+    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+    program = (exact or search.reference).program
+    comm = comm_cost(compiled, program, bandwidth=search.machine["bandwidth"],
+                     value_scale=b / (exact or search.reference).microbatch)
+    fwd, bwd, _ = search._scaled(b, exact)
+    cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=compiled.plans.representatives(),
+                   candidate=c.label(), estimated=search.compute_costs(compiled, program, c, fwd, bwd))
+    own = search.with_calibration(cal).evaluate(c, exact)
+    cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
+    if len(chosen) > 1:
+        other = chosen[1]
+        b = search.batch // (other.dp * other.microbatches)
+        checked = search.with_calibration(cal).evaluate(
+            other, profile(search.model_spec, b) if b != search.reference.microbatch else None)
+        if checked is not None:
+            measured = statistics.median(runs[1]["times"])
+            cal = replace(cal, check=other.label(), check_measured=measured, check_predicted=checked.step_s)
+    return cal
+
+
+def groups(results: list[Result], tolerance: float) -> list[int]:
+    """For `results` (fastest first), the number of the group each falls in (1, 2, ...): a result
+    joins the group of the fastest before it while their predictions, each within ±`tolerance`,
+    overlap (`step <= first * (1 + tolerance) / (1 - tolerance)`); their order within it is noise.
+
+        steps 100, 105, 118, 200 ms at ±8%: groups 1, 1, 1, 2
+    """
+    out, first, number = [], None, 0
+    ratio = (1 + tolerance) / max(1e-9, 1 - tolerance)
+    for r in results:
+        if first is None or r.step_s > first * ratio:
+            first, number = r.step_s, number + 1
+        out.append(number)
+    return out
+
+
+def group_notes(results: list[Result], numbers: list[int], tolerance: float, *, calibrated: bool = True) -> list[str]:
+    """One line per group of several rows: which rows cannot be told apart, and within what."""
+    why = "the model's error on this machine" if calibrated else "assumed: no calibration"
+    lines = []
+    for g in sorted(set(numbers)):
+        rows = [i + 1 for i, n in enumerate(numbers) if n == g]
+        if len(rows) > 1:
+            lines.append(f"rows {rows[0]}-{rows[-1]} are indistinguishable within ±{tolerance:.0%} ({why}): "
+                         "their order is not a ranking; choose among them by memory, or --verify them")
+    return lines
+
+
 # ---- the command ---------------------------------------------------------------------------------
 
 
-def measure_steps(job, data, steps: int) -> tuple[float, int]:
-    """`steps` steps of `job` on `data`: (median step seconds after the first, the largest step_peak)."""
+def measure_steps(job, data, steps: int) -> tuple[float, int, float]:
+    """`steps` steps of `job` on `data`: (median step seconds after the first, the largest step_peak,
+    the median cores other processes kept busy during those steps)."""
     import statistics
 
-    times = []
+    from .tune_calibration import LoadMeter
+
+    times, loads = [], []
     for _ in range(steps):
+        meter = LoadMeter()
         start = time.perf_counter()
         job.step(*data)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:] or times), max(m["step_peak"] for m in job.memory().values())
+        loads.append(meter.cores(less=sum(r.get("step", 0.0) for r in job.timings(cpu=True).values())))
+    return (statistics.median(times[1:] or times), max(m["step_peak"] for m in job.memory().values()),
+            statistics.median(loads[1:] or loads))
+
+
+def at_load(search: Search, result: Result, external: float) -> float | None:
+    """`result`'s step predicted again for `external` cores of other load (what `--verify` measured
+    while it ran), its activations at its own microbatch size; None without a calibration."""
+    if search.calibration is None:
+        return None
+    c = result.candidate
+    b = search.batch // (c.dp * c.microbatches)
+    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+    again = search.with_calibration(search.calibration, external=external).evaluate(c, exact)
+    return again.step_s if again is not None else None
 
 
 def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) -> list[tuple[float, int]]:
@@ -437,6 +639,10 @@ def main(args) -> int:
     batch = args.batch_size or 16
     start = time.perf_counter()
     search = Search(args.model, args.devices, budget, batch, log=log)
+    if getattr(args, "calibrate", True):
+        calibration = calibrate(search, log=log, again=getattr(args, "recalibrate", False))
+        if calibration is not None:
+            search = search.with_calibration(calibration)
     fits, every = search.run()
     elapsed = time.perf_counter() - start
     if not fits:
@@ -458,31 +664,57 @@ def main(args) -> int:
             f.write(f"# chosen by `piper tune --devices {args.devices} --memory {args.memory} --batch-size {batch}`: "
                     f"predicted step {fits[0].step_s * 1e3:.1f} ms, peak {format_bytes(fits[0].peak_bytes)} per device\n"
                     + best.script())
+    tolerance, cal = search.tolerance, search.calibration
+    numbers = groups(shown, tolerance)
+    again: dict[int, float | None] = {}
     if args.format == "json":
         rows = []
         for i, r in enumerate(shown):
             d = r.as_dict()
+            d.update(group=numbers[i], tolerance=tolerance, calibrated=cal is not None)
             if i < len(measured):
-                d["measured_step_s"], d["measured_peak_bytes"] = measured[i]
+                d["measured_step_s"], d["measured_peak_bytes"], d["measured_other_load"] = measured[i][:3]
+                d["step_error"] = r.step_s / measured[i][0] - 1
+                again[i] = at_load(search, r, measured[i][2])
+                if again[i] is not None:
+                    d["step_s_at_measured_load"] = again[i]
+                    d["step_error_at_measured_load"] = again[i] / measured[i][0] - 1
             rows.append(d)
         sys.stdout.write(json.dumps(rows, indent=1) + "\n")
         return 0
     table = Table(title=f"piper tune: {len(fits)} of {len(every)} strategies fit {format_bytes(budget)} per device "
                         f"({args.devices} devices, batch {batch}; searched in {elapsed:.1f} s)")
-    columns = ["#", "strategy", "step (predicted)", "bubble", "peak / device (predicted)"]
+    columns = ["#", "group", "strategy", "step (predicted)", "bubble", "peak / device (predicted)"]
     if measured:
-        columns += ["step (measured)", "peak (measured)"]
+        columns += ["step (measured)", "error", "peak (measured)"]
     for col in columns:
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for i, r in enumerate(shown):
-        row = [str(i + 1), r.candidate.label(), f"{r.step_s * 1e3:.1f} ms", f"{r.bubble:.0%}",
+        row = [str(i + 1), f"≈{numbers[i]}", r.candidate.label(), f"{r.step_s * 1e3:.1f} ms", f"{r.bubble:.0%}",
                format_bytes(r.peak_bytes) + ("" if r.exact else " ~")]
         if measured:
-            row += ([f"{measured[i][0] * 1e3:.1f} ms", format_bytes(measured[i][1])] if i < len(measured)
-                    else ["", ""])
+            row += ([f"{measured[i][0] * 1e3:.1f} ms", f"{r.step_s / measured[i][0] - 1:+.0%}",
+                     format_bytes(measured[i][1])] if i < len(measured) else ["", "", ""])
+            if i < len(measured):
+                again[i] = at_load(search, r, measured[i][2])
         table.add_row(*row)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(table)
+    for line in group_notes(shown, numbers, tolerance, calibrated=cal is not None):
+        console.print(line)
+    for i, step in again.items():
+        if step is not None:
+            console.print(f"row {i + 1}: {measured[i][2]:.1f} cores busy with other work while it ran; predicted for "
+                          f"that load {step * 1e3:.1f} ms ({step / measured[i][0] - 1:+.0%} of the measured step)")
+    if cal is not None:
+        console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
+                      f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; "
+                      f"steps varied ±{cal.spread:.0%}),"
+                      f" for {cal.external:.1f} of {cal.cores} cores busy with other work as then; "
+                      "--recalibrate to measure again[/]")
+    else:
+        console.print("[dim]steps predicted from the computes alone (--no-calibrate): the runtime's own costs, "
+                      "message latency and other load are left out, so a step runs longer than predicted[/]")
     console.print("[dim]~: activations scaled from another microbatch size; costs measured on this machine "
                   "(cached); -o writes the best as a .pps[/]")
     if args.output:

@@ -1,0 +1,223 @@
+"""What `piper tune` measures of the runtime on this machine before it predicts: a short run of two
+candidates, turned into costs that apply to every candidate on the same number of devices.
+
+The per-region compute that `piper.compiler.tune` times in its own process is only part of a step
+on the CPU runtime. On a 2-core machine with 4 devices the step also holds the runtime's own work
+around each action (`job.overheads()`), a latency per message that waits on a rendezvous of two
+busy processes, Gloo's threads copying every byte sent, the driver's call, and whatever other
+processes take of the cores. A `Calibration` holds each as it was measured:
+
+- `runtime`: a `piper.compiler.runtime_costs.RuntimeModel` in CPU seconds (per op, per step, start
+  skews, message latency), which `RuntimeModel.apply` lays onto any candidate's plans;
+- `background`: CPU seconds per device and step on threads other than the step's, beyond what
+  the device's bytes cost at the loopback throughput (`background_seconds` adds those);
+- `compute`: the computes' CPU seconds in the workers over what tune's profile (one process,
+  one thread) says for the same actions;
+- `driver`: the driver's step less the devices' span (the Ray call, the batch in, losses out);
+- `scale`: the run's measured step over what all of the above predicts for it (what they leave
+  out on this machine, mostly the load's effect), carried to every candidate;
+- `check_error`: the error, `scale` included, on a second candidate run beside the first (another
+  mesh), and `spread`, how much the steps varied: `tolerance` makes of them which predictions
+  can be told apart on this machine.
+
+The run is cached (`$PIPER_CACHE`) by machine, torch, model, batch and device count, with the
+load other processes put on the cores while it ran (`LoadMeter`): predictions are for that load.
+
+    cal = calibrate(search)                       # two short jobs, or the cached result
+    search = Search(model, 4, budget, 16, calibration=cal)
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from .runtime_costs import RuntimeModel, other_threads
+
+UNCALIBRATED = 0.15   # without a calibration: the cost model's target on measured costs (suite 8)
+FLOOR = 0.08       # the cost model's error measured where the machine was quiet (README, suite 8): -7.8%..+0.8%
+SPLIT_SCHEDULES = ("zero_bubble", "interleaved_zero_bubble", "zbv", "dualpipev")   # BI and BW apart
+STEPS = 6          # timed steps of the calibration run (after WARMUP)
+WARMUP = 2
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The runtime's costs on this machine for one device count (see the module docstring)."""
+
+    runtime: RuntimeModel
+    background: float = 0.0         # CPU s per device and step on other threads, beyond its bytes
+    driver: float = 0.0             # s per step outside the devices' span
+    cores: int = 1                  # the machine's cores the devices ran on
+    candidate: str = ""             # the label of the run measured
+    measured: float = 0.0           # its median step (s)
+    predicted: float = 0.0          # what the calibrated model predicts for it (s)
+    spread: float = 0.0             # its steps' median absolute deviation over their median
+    external: float = 0.0           # cores other processes kept busy during it
+    steps: tuple[float, ...] = field(default_factory=tuple)
+    compute: float = 1.0            # the workers' compute CPU seconds over the profile's, same actions
+    check: str = ""                 # the label of another candidate run beside it
+    check_measured: float = 0.0     # its median step (s)
+    check_predicted: float = 0.0    # what this calibration predicts for it, `scale` included (s)
+
+    @property
+    def error(self) -> float:
+        """The model's error on the run it was measured on, before `scale`: predicted / measured - 1."""
+        return self.predicted / self.measured - 1 if self.measured and self.predicted else 0.0
+
+    @property
+    def scale(self) -> float:
+        """What the run measured over what the model predicts for it: the part of a step the measured
+        costs leave out on this machine (the load's effect, mostly), carried to every candidate."""
+        return self.measured / self.predicted if self.measured and self.predicted else 1.0
+
+    @property
+    def check_error(self) -> float | None:
+        """The error on the other candidate (`check`): predicted / measured - 1; None without one."""
+        return self.check_predicted / self.check_measured - 1 if self.check_measured and self.check_predicted \
+            else None
+
+    @property
+    def tolerance(self) -> float:
+        """How far apart two predictions must be to be told apart on this machine: the larger of
+        the error on the other candidate (else the model's own error), the run's step-to-step
+        spread and `FLOOR`."""
+        check = self.check_error
+        return max(FLOOR, abs(check if check is not None else self.error), self.spread)
+
+
+def machine_busy() -> float:
+    """CPU seconds every task on this machine has run: the root cpuacct cgroup's usage, else
+    /proc/stat's busy ticks; 0 where neither can be read."""
+    try:
+        with open("/sys/fs/cgroup/cpuacct/cpuacct.usage") as f:
+            return int(f.read()) / 1e9
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")      # less idle and iowait
+
+
+class LoadMeter:
+    """Cores other processes keep busy while this process works: the machine's busy CPU seconds
+    less this process's (and `less`, e.g. the workers'), over the wall time since it was made."""
+
+    def __init__(self):
+        self.busy, self.own, self.wall = machine_busy(), time.process_time(), time.perf_counter()
+
+    def cores(self, less: float = 0.0) -> float:
+        wall = time.perf_counter() - self.wall
+        if wall <= 0 or not self.busy:
+            return 0.0
+        other = machine_busy() - self.busy - (time.process_time() - self.own) - less
+        return max(0.0, other / wall)
+
+
+def cores_left(cores: int, external: float) -> float:
+    """The cores the devices can count on: what other processes leave, at least a quarter core."""
+    return max(0.25, cores - external)
+
+
+def comm_seconds(plans, comm) -> float:
+    """Per device (the mean over `plans`), the seconds `comm(node)` gives its sends, receives and
+    collectives: what Gloo's threads spend copying the device's bytes at that throughput."""
+    total = [sum(comm(a.node) for a in plan if getattr(a, "node", None) is not None and not a.node.is_compute)
+             for plan in plans.values()]
+    return statistics.fmean(total) if total else 0.0
+
+
+def pair(ordered) -> list:
+    """The candidate to calibrate on (`ordered`'s first) and one to check it with: the first after
+    it on another mesh (its costs come from other kinds of action), else the next."""
+    if not ordered:
+        return []
+    first = ordered[0]
+    other = next((c for c in ordered[1:] if (c.dp, c.pp) != (first.dp, first.pp)), None)
+    return [first, other] if other is not None else ordered[:2]
+
+
+def choose(candidates):
+    """The candidate to calibrate on: one with the most kinds of action (pipeline sends and receives,
+    and ZeRO-3's gathers and reduce-scatters), a whole backward (no split), and few microbatches."""
+    def score(c):
+        split = c.schedule in SPLIT_SCHEDULES
+        return (-(c.pp > 1) - (c.dp > 1), c.data != "zero3", split, c.schedule == "gpipe", c.microbatches < c.pp,
+                c.microbatches)
+    return sorted(candidates, key=score)
+
+
+def measure_together(jobs, data, *, steps: int = STEPS, warmup: int = WARMUP) -> list[dict]:
+    """Step `jobs` on `data` a step each in turn (a change of load falls on all alike): per job, each
+    timed step's driver seconds, what its workers recorded (`job.timings(cpu=True)`,
+    `job.overheads(cpu=True)`, the last traced step) and the cores other processes took meanwhile."""
+    runs = [{"times": [], "cpu_timings": [], "cpu_overheads": [], "traced": [], "external": []} for _ in jobs]
+    for i in range(warmup + steps):
+        for job, out in zip(jobs, runs):
+            meter = LoadMeter()
+            start = time.perf_counter()
+            job.step(*data)
+            wall = time.perf_counter() - start
+            if i < warmup:
+                continue
+            timings = job.timings(cpu=True)
+            out["external"].append(meter.cores(less=sum(r.get("step", 0.0) for r in timings.values())))
+            out["times"].append(wall)
+            out["cpu_timings"].append(timings)
+            out["cpu_overheads"].append(job.overheads(cpu=True))
+            out["traced"].append({"recorded": [{**r, "steps": r["steps"][-1:]} for r in job.traced()],
+                                  "plans": job.compiled.plans})
+    return runs
+
+
+def driver_seconds(times, traced) -> float:
+    """The driver's step less the devices' span (first device's start to last device's last action),
+    the median over steps."""
+    gaps = []
+    for wall, step in zip(times, traced):
+        recorded = step["recorded"]
+        if not all(r["steps"] for r in recorded):
+            continue
+        starts, ends = [], []
+        for r in recorded:
+            offset = r["clock"][1] - r["clock"][0]
+            t0, spans, _done, _main = r["steps"][-1]
+            starts.append(t0 + offset)
+            ends.append(max((s[2] for s in spans), default=t0) + offset)
+        gaps.append(wall - (max(ends) - min(starts)))
+    return max(0.0, statistics.median(gaps)) if gaps else 0.0
+
+
+def relative_spread(times) -> float:
+    """The median absolute deviation of `times` over their median."""
+    mid = statistics.median(times)
+    return statistics.median(abs(t - mid) for t in times) / mid if mid else 0.0
+
+
+def compute_ratio(cpu_timings, estimated: dict[str, float]) -> float:
+    """The workers' compute CPU seconds over `estimated`'s for the same keys (each key's median over
+    the timed steps, summed over the keys both have); 1 where none match."""
+    samples: dict[str, list[float]] = {}
+    for step in cpu_timings:
+        for per_rank in step.values():
+            for key, sec in per_rank.items():
+                if key in estimated:
+                    samples.setdefault(key, []).append(sec)
+    guess = sum(estimated[k] for k in samples)
+    return sum(statistics.median(v) for v in samples.values()) / guess if guess > 0 else 1.0
+
+
+def from_run(run: dict, *, cores: int, comm, plans, candidate: str = "", estimated=None) -> Calibration:
+    """A `Calibration` from `measure`'s record of one job (`comm`: the job's `comm_cost` by bytes,
+    `plans`: its representatives' plans; `estimated`: tune's compute costs per key for it), before
+    its own prediction is known."""
+    runtime = RuntimeModel.measured(run["cpu_overheads"], run["traced"])
+    background = max(0.0, other_threads(run["cpu_timings"], run["cpu_overheads"]) - comm_seconds(plans, comm))
+    return Calibration(runtime, background, driver_seconds(run["times"], run["traced"]), cores, candidate,
+                       statistics.median(run["times"]), 0.0, relative_spread(run["times"]),
+                       statistics.median(run["external"]) if run["external"] else 0.0, tuple(run["times"]),
+                       compute_ratio(run["cpu_timings"], estimated) if estimated else 1.0)

@@ -1,0 +1,187 @@
+"""`piper tune` priced with the runtime's measured costs (`piper.compiler.tune_calibration`), and
+candidates it cannot tell apart (no Ray: a `Calibration` is given, not measured)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from piper.cli import main
+from piper.compiler import tune
+from piper.compiler.runtime_costs import RuntimeModel
+from piper.compiler.tune import Candidate, Result, Search, group_notes, groups
+from piper.compiler.tune_calibration import FLOOR, Calibration, compute_ratio, driver_seconds, relative_spread
+
+MODEL = "examples/gpt.py:small_gpt"          # 4 PP regions
+PIPE = Candidate(1, 4, "one_f_one_b", 1)     # one microbatch: every action on one path
+NOTHING = RuntimeModel({"F": 0.0, "B": 0.0, "UPD": 0.0, "SEND": 0.0, "RECV": 0.0})
+
+
+@pytest.fixture(scope="module")
+def _cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def cache(_cache_dir, monkeypatch):
+    monkeypatch.setenv("PIPER_CACHE", str(_cache_dir))
+
+
+@pytest.fixture
+def search(cache):
+    return Search(MODEL, 4, 2**40, 16)
+
+
+def _result(ms: float) -> Result:
+    return Result(Candidate(4, 1, None, 1, None, "dp"), ms / 1e3, 1, 0.0)
+
+
+def _cal(runtime=NOTHING, **kw) -> Calibration:
+    return Calibration(runtime, **{"cores": 64, "external": 0.0, **kw})
+
+
+def test_groups_join_the_predictions_that_overlap():
+    rows = [_result(ms) for ms in (100, 105, 117, 118, 200, 210)]
+    # ±8%: 100 ms reaches 117.4 ms; 118 starts a group; 200 another, and 210 overlaps it
+    assert groups(rows, 0.08) == [1, 1, 1, 2, 3, 3]
+    assert groups(rows, 0.0) == [1, 2, 3, 4, 5, 6]
+    notes = group_notes(rows, groups(rows, 0.08), 0.08)
+    assert notes[0].startswith("rows 1-3 are indistinguishable within ±8%") and notes[1].startswith("rows 5-6")
+    assert len(notes) == 2          # a group of one says nothing
+    assert "(assumed: no calibration)" in group_notes(rows, [1] * 6, 0.15, calibrated=False)[0]
+
+
+def test_tolerance_is_the_model_error_or_the_noise_or_the_floor():
+    rm = RuntimeModel()
+    assert Calibration(rm, measured=0.1, predicted=0.1).tolerance == FLOOR
+    assert Calibration(rm, measured=0.1, predicted=0.08).tolerance == pytest.approx(0.2)
+    assert Calibration(rm, measured=0.1, predicted=0.1, spread=0.3).tolerance == 0.3
+
+
+def test_the_other_candidates_error_sets_the_tolerance_and_the_run_the_scale():
+    rm = RuntimeModel()
+    cal = Calibration(rm, measured=0.2, predicted=0.1, check="b", check_measured=0.1, check_predicted=0.112)
+    assert cal.scale == 2.0 and cal.error == pytest.approx(-0.5)
+    assert cal.check_error == pytest.approx(0.12) and cal.tolerance == pytest.approx(0.12)
+    assert Calibration(rm).scale == 1.0 and Calibration(rm).check_error is None
+
+
+def test_the_calibration_runs_one_candidate_and_checks_on_another_mesh():
+    from piper.compiler.tune import candidates
+    from piper.compiler.tune_calibration import choose, pair
+
+    first, other = pair(choose(candidates(4, 16, regions=4)))
+    # pipeline sends and ZeRO-3's collectives, whole backwards; then another mesh
+    assert (first.dp, first.pp, first.data) == (2, 2, "zero3") and first.schedule == "interleaved_1f1b"
+    assert (other.dp, other.pp) != (2, 2)
+    assert pair([first]) == [first] and pair([]) == []
+
+
+def test_a_scale_multiplies_every_prediction(search):
+    base = search.with_calibration(_cal(driver=0.001)).evaluate(PIPE).step_s
+    scaled = search.with_calibration(_cal(driver=0.001, measured=0.3, predicted=0.2)).evaluate(PIPE).step_s
+    assert scaled == pytest.approx(1.5 * base)
+
+
+def test_the_driver_and_the_message_latency_add_what_they_measure(search):
+    base = search.with_calibration(_cal()).evaluate(PIPE).step_s
+    driven = search.with_calibration(_cal(driver=0.005)).evaluate(PIPE).step_s
+    assert driven == pytest.approx(base + 0.005)
+    # 1F1B on 4 devices, one microbatch: 3 activations forward and 3 gradients back, one after another
+    late = RuntimeModel({**NOTHING.per_op}, latency=0.002)
+    assert search.with_calibration(_cal(late)).evaluate(PIPE).step_s == pytest.approx(base + 6 * 0.002)
+
+
+def test_the_runtime_work_per_action_lands_on_the_path(search):
+    base = search.with_calibration(_cal()).evaluate(PIPE).step_s
+    per = RuntimeModel({**NOTHING.per_op, "F": 0.001, "B": 0.001})
+    # 4 forwards and 4 backwards in a row; each device's update runs beside the others'
+    assert search.with_calibration(_cal(per)).evaluate(PIPE).step_s == pytest.approx(base + 8 * 0.001)
+    started = RuntimeModel({**NOTHING.per_op}, start=0.003)
+    assert search.with_calibration(_cal(started)).evaluate(PIPE).step_s == pytest.approx(base + 0.003)
+
+
+def test_the_computes_scale_and_other_load_takes_cores(search):
+    base = search.with_calibration(_cal()).evaluate(PIPE).step_s
+    assert search.with_calibration(_cal(compute=2.0)).evaluate(PIPE).step_s == pytest.approx(2 * base)
+    # four data-parallel devices compute at once: two cores left run them slower than 64
+    dp = Candidate(4, 1, None, 1, None, "dp")
+    free = search.with_calibration(_cal(cores=2), external=0.0).evaluate(dp).step_s
+    loaded = search.with_calibration(_cal(cores=2), external=1.0).evaluate(dp).step_s
+    roomy = search.with_calibration(_cal(cores=64)).evaluate(dp).step_s
+    assert roomy < free < loaded
+
+
+def test_compute_ratio_driver_and_spread_from_records():
+    step = {0: {"0F0": 0.004, "0B0": 0.006, "step": 0.02}, 1: {"1F0": 0.002, "1B0": 0.002}}
+    assert compute_ratio([step, step], {"0F0": 0.002, "0B0": 0.003, "1F0": 0.001, "1B0": 0.001}) == 2.0
+    assert compute_ratio([step], {}) == 1.0
+    # two devices whose clocks differ: device 1 starts 10 ms after device 0 and ends at 50 ms
+    recorded = [{"clock": (0.0, 100.0), "steps": [(0.0, [("0F0", 0.0, 0.03, 1)], {}, 1)]},
+                {"clock": (5.0, 100.0), "steps": [(5.01, [("1F0", 5.01, 5.05, 1)], {}, 1)]}]
+    assert driver_seconds([0.06], [{"recorded": recorded}]) == pytest.approx(0.01)
+    assert relative_spread([1.0, 1.0, 1.2]) == 0.0 and relative_spread([1.0, 1.1, 1.2]) == pytest.approx(0.1 / 1.1)
+
+
+@pytest.mark.usefixtures("cache")
+def test_tune_uses_the_cached_calibration_and_groups_what_it_cannot_tell_apart(monkeypatch, capsys):
+    measured = _cal(RuntimeModel({"F": 1e-4, "B": 1e-4, "SEND": 5e-5, "RECV": 5e-5, "UPD": 1e-4}, latency=0.003),
+                    cores=2, driver=0.004, measured=0.1, predicted=0.09, spread=0.02, candidate="measured")
+    runs = []
+    monkeypatch.setattr(tune, "_calibrate_on", lambda search, c, log: runs.append(c) or measured)
+    args = ["tune", "--model", MODEL, "--devices", "4", "--memory", "8MiB", "--format", "json"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert main(args) == 0 and len(runs) == 1           # measured once, then read from the cache
+    assert json.loads(capsys.readouterr().out) == rows
+    assert all(r["calibrated"] and r["tolerance"] == pytest.approx(0.1) for r in rows)
+    assert [r["group"] for r in rows] == sorted(r["group"] for r in rows) and rows[0]["group"] == 1
+    plain = json.loads(_out(main, args + ["--no-calibrate"], capsys))
+    # the runtime's costs make every step dearer than the computes alone
+    assert min(r["step_s"] for r in rows) > min(r["step_s"] for r in plain) + measured.driver
+    assert not any(r["calibrated"] for r in plain)
+    # the text names the groups and where the costs came from
+    assert main(args[:-2]) == 0
+    text = capsys.readouterr().out
+    assert "group" in text and "measured on measured" in text
+    assert ("indistinguishable within ±10%" in text) == any(n > 1 for n in
+                                                             _sizes([r["group"] for r in rows]))
+
+
+def _out(fn, args, capsys) -> str:
+    assert fn(args) == 0
+    return capsys.readouterr().out
+
+
+def _sizes(numbers):
+    return [numbers.count(g) for g in set(numbers)]
+
+
+class _FakeJob:
+    """Steps that take no time, with what `measure_steps` reads of a job."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, *batch):
+        self.steps += 1
+        return 0.0
+
+    def timings(self, cpu=False):
+        return {0: {"step": 0.0}}
+
+    def memory(self):
+        return {0: {"step_peak": 100 + self.steps}, 1: {"step_peak": 7}}
+
+
+def test_verify_measures_the_other_load_and_predicts_for_it(search):
+    from piper.compiler.tune import at_load, measure_steps
+
+    job = _FakeJob()
+    step, peak, load = measure_steps(job, (), 3)
+    assert job.steps == 3 and peak == 103 and step >= 0 and load >= 0
+    dp = Candidate(4, 1, None, 1, None, "dp")
+    calibrated = search.with_calibration(_cal(cores=2))
+    r = calibrated.evaluate(dp)
+    assert at_load(search, r, 1.0) is None              # no calibration: nothing to predict again
+    assert at_load(calibrated, r, 0.0) < at_load(calibrated, r, 1.0)
