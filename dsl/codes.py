@@ -142,6 +142,11 @@ JOBS = {
     "no-trace": "`job.trace` before the job has run a step",
     "not-a-checkpoint": "`job.load` of a path that is not a checkpoint directory job.save wrote",
     "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
+    "bad-param-groups": "parameter groups that are not torch-style groups of the model's parameters",
+    "param-in-two-groups": "a parameter in two of the optimizer's parameter groups",
+    "param-not-in-group": "parameter groups that leave out some of the model's parameters",
+    "no-decay-unmatched": "a `no_decay` pattern of `piper.param_groups` that names no parameter (warning)",
+    "bad-lr-schedule": "`lr_schedule=` that is not a function of the step returning a multiplier >= 0",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

@@ -7,13 +7,15 @@
     loss = job.step(x, y)
 """
 from .frontend.annotate import annotate
-from .diagnostics import Diagnostic, PiperError, Span
+from .diagnostics import Diagnostic, PiperError, PiperWarning, Span
 from .frontend.loss_scaling import FP16, loss_scale
 from .mesh import Mesh
+from .frontend.lr_schedules import warmup_cosine
+from .frontend.param_groups import param_groups
 from .frontend.strategy import strategy
 
-__all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span",
-           "FP16", "loss_scale"]
+__all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "PiperWarning", "Diagnostic",
+           "Span", "FP16", "loss_scale", "param_groups", "warmup_cosine"]
 
 
 def compile(*args, **kwargs):

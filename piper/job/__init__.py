@@ -29,6 +29,8 @@ from .steps import JobSteps
 from .worker_specs import WorkerSpecs
 from ..mesh import Mesh
 from ..frontend.loss_scaling import loss_scaling
+from ..frontend import param_groups
+from ..frontend.lr_schedules import check_schedule
 from ..frontend.options import TrainingOptions, check_clip, compute_dtype
 from ..compiler.planning import _no_cycle_collection, compile_directives
 from ..runtime.flat import UnitLayout, layout_unit
@@ -85,14 +87,21 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
             address: str | None = None, device: str = "auto", timeout: float = 300.0,
             overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None,
             startup_timeout: float = 600.0, progress=None, precision: str = "fp32",
-            clip_grad_norm: float | None = None) -> "Job":
+            clip_grad_norm: float | None = None, lr_schedule=None) -> "Job":
     """Capture `model`, apply `strategy` on `mesh`, verify, and start one worker per device.
 
     `strategy` is a `@piper.strategy` function, a path to a `.pps` script, or
     None (one device, no parallelism). `optimizer` is a callable taking a
     list of tensors (default: AdamW with lr 1e-3); it must be elementwise
     (AdamW, Adam, SGD with momentum...), since each device steps its own
-    shard. `timeout` bounds every collective and every step, in seconds.
+    shard. It may also be a function of the named parameters returning
+    torch-style parameter groups (or an optimizer built on them), e.g.
+    `piper.param_groups(torch.optim.AdamW, lr=3e-4, weight_decay=0.1,
+    no_decay=("**.bias", "**.ln_*.weight"))`: each group's options apply to
+    exactly its parameters under every strategy (`frontend.param_groups`).
+    `lr_schedule(step)` multiplies every group's base learning rate before
+    optimizer step `step` (torch's LambdaLR), e.g. `piper.warmup_cosine(100,
+    2000)`; checkpoints keep the step, so a resumed run continues it. `timeout` bounds every collective and every step, in seconds.
     `overlap=False` runs the items of an overlapped slot (`[F(...), B(...)]`)
     one after the other instead of at once (CPU; CUDA always runs them in turn).
     `worker_env` sets environment variables in the worker processes before
@@ -118,7 +127,9 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
                          "'auto' picks CUDA when the cluster has a GPU for every device")
     from ..frontend.optim_check import check_optimizer
 
-    check_optimizer(optimizer)    # before capture: a wrong optimizer is a one-line fix
+    grouped = param_groups.resolve(optimizer, model)      # parameter groups, or None for a flat optimizer
+    check_optimizer(grouped.cls if grouped else optimizer)    # before capture: a wrong optimizer is a one-line fix
+    check_schedule(lr_schedule)
     mesh, directives = build_strategy(strategy, mesh, overrides)
     # A dict of example inputs calls forward with keywords (`input_ids=..., labels=...`).
     names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else ()
@@ -127,10 +138,12 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)), names)
     training.master_specs(program, model, mb_inputs)
     compiled = compile_directives(program, mesh, directives)
+    if grouped is not None:
+        optimizer = param_groups.for_program(grouped, model, program.params)
     job = Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
               batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
               timeout=timeout, overlap=overlap, worker_env=worker_env, startup_timeout=startup_timeout,
-              progress=progress, training=training)
+              progress=progress, training=training, lr_schedule=lr_schedule)
     job.strategy = describe_strategy(strategy, overrides)     # checkpoint metadata
     return job
 
@@ -144,8 +157,10 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
 
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
                  shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None,
-                 startup_timeout: float = 600.0, progress=None, training: "TrainingOptions | None" = None):
+                 startup_timeout: float = 600.0, progress=None, training: "TrainingOptions | None" = None,
+                 lr_schedule=None):
         self.program = program
+        self.lr_schedule = lr_schedule                    # step -> multiplier of the base learning rates
         self.training = training or TrainingOptions()
         self.input_names = program.input_names or input_names(model, len(program.batch))
         self.worker_env = dict(worker_env or {})
@@ -174,7 +189,8 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         self.layouts: dict[int, UnitLayout] = {
             r.index: layout_unit(r.index, [p for p in r.owned if p not in self._expert_weights], program.params,
                                  ir.devices_of(r.index), ties,
-                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index})
+                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index},
+                                 param_groups=optimizer.of if isinstance(optimizer, param_groups.Grouped) else None)
             for r in ir.regions if r.owned}
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
         self._buffers.update(program.constants)     # tensors forward makes from data (not in state_dict)

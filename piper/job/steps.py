@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..frontend.batch_check import check_step_inputs
 from ..frontend.capture import BATCH
 from ..diagnostics import PiperError, error
+from ..frontend.lr_schedules import scale_at
 
 
 class JobSteps:
@@ -39,6 +40,8 @@ class JobSteps:
         ir = self.compiled.ir
         per = self.batch_size // (self.microbatches * self.shards)
         axes = ir.batch_axes()
+        # The schedule's multiplier for this step, the same on every device (None: the base rates).
+        scale = scale_at(self.lr_schedule, self.steps) if self.lr_schedule is not None else None
         refs = []
         for rank, actor in enumerate(self.actors):
             coords = self.mesh.coords(rank)
@@ -52,7 +55,7 @@ class JobSteps:
                 x = self.training.cast(batch[i].detach().cpu())
                 start = shard * per * self.microbatches
                 payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
-            refs.append(actor.step.remote(payload))
+            refs.append(actor.step.remote(payload, scale))
         losses = [loss for result in self._get(refs, "step") for loss in result]
         self.steps += 1
         return float(sum(losses) / len(losses))

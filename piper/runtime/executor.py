@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import comm, optimizers
 from .backward_actions import BackwardActions
 from .clip import GlobalNormClip
 from .comm_actions import CommActions
@@ -67,6 +67,13 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self._init_lanes(spec)
         self.clip = GlobalNormClip(spec.clip_grad_norm) if spec.clip_grad_norm is not None else None
         self.clip = with_loss_scaling(self.clip, spec.loss_scaling)     # fp16 (`precision.py`)
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Every optimizer's groups (units' and expert rows') at `scale` times their base rate."""
+        opts = [unit.optimizer for unit in self.units.values()]
+        if self.experts is not None:
+            opts += list(self.experts.optimizers.values())
+        optimizers.set_lr_scale(opts, scale)
 
     def shards(self) -> dict:
         out = {u: unit.shards() for u, unit in self.units.items()}

@@ -71,7 +71,11 @@ class Worker(WorkerQueries):
         self.executor = Executor(spec, init, device)
         self.executor.fault = faults.from_env(self.rank, lambda: self.steps_done)
 
-    def step(self, batch):
+    def step(self, batch, lr_scale: float | None = None):
+        """One step of the plan on this device's part of `batch`; `lr_scale`, the learning-rate
+        schedule's multiplier of every group's base rate for this step (None: the base rates)."""
+        if lr_scale is not None:
+            self.executor.set_lr_scale(lr_scale)
         losses = self.executor.run_step(batch)
         self.steps_done += 1
         return losses
