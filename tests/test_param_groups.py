@@ -165,3 +165,4 @@ def test_a_resumed_run_continues_the_schedule_under_another_strategy(tmp_path):
         state = job.state_dict()
     ref_losses, ref_state = one_device(copy.deepcopy(model), batches)
     assert_same((first + rest, ref_losses, state, ref_state), tol=1e-9)
+

@@ -1,4 +1,5 @@
-"""Running a job's steps: the global batch cut per device and microbatch, and every call to the workers.
+"""Running a job's steps (and evaluations): the global batch cut per device and microbatch, and every
+call to the workers.
 
 Mixed into `piper.job.Job`.
 """
@@ -11,7 +12,7 @@ from ..frontend.lr_schedules import scale_at
 
 
 class JobSteps:
-    """`step`, and `_get`, the one way the driver waits for its workers (deadline, health)."""
+    """`step`, `evaluate`, and `_get`, the one way the driver waits for its workers (deadline, health)."""
 
     def _get(self, refs, what: str, limit: float | None = None):
         """ray.get with a deadline; a dead, stalled or failing worker closes the job with an error
@@ -33,6 +34,29 @@ class JobSteps:
         """One optimizer step on the global batch; returns its mean loss.
 
         A job compiled with a dict of example inputs takes the batch by the same keywords."""
+        payloads = self._payloads(batch, named)
+        # The schedule's multiplier for this step, the same on every device (None: the base rates).
+        scale = scale_at(self.lr_schedule, self.steps) if self.lr_schedule is not None else None
+        refs = [actor.step.remote(payload, scale) for actor, payload in zip(self.actors, payloads)]
+        losses = [loss for result in self._get(refs, "step") for loss in result]
+        self.steps += 1
+        return float(sum(losses) / len(losses))
+
+    def evaluate(self, *batch, **named) -> float:
+        """The mean loss of the global batch without any update: the forward half of every
+        device's plan, on the same devices (`runtime.evaluation`). Parameters, optimizer state
+        and the step count stay as they are.
+
+            val_loss = job.evaluate(x, y)
+        """
+        payloads = self._payloads(batch, named)
+        refs = [actor.evaluate.remote(payload) for actor, payload in zip(self.actors, payloads)]
+        losses = [loss for result in self._get(refs, "evaluate") for loss in result]
+        return float(sum(losses) / len(losses))
+
+    def _payloads(self, batch: tuple, named: dict) -> list[dict]:
+        """Per rank, the microbatches of each batch input its regions read: its data-parallel
+        shard of the global batch, cut into microbatches."""
         self._check_open()
         if named:
             batch = _by_name(batch, named, self.program.input_names)
@@ -40,10 +64,8 @@ class JobSteps:
         ir = self.compiled.ir
         per = self.batch_size // (self.microbatches * self.shards)
         axes = ir.batch_axes()
-        # The schedule's multiplier for this step, the same on every device (None: the base rates).
-        scale = scale_at(self.lr_schedule, self.steps) if self.lr_schedule is not None else None
-        refs = []
-        for rank, actor in enumerate(self.actors):
+        payloads = []
+        for rank in range(len(self.actors)):
             coords = self.mesh.coords(rank)
             shard = 0
             for a in axes:
@@ -55,10 +77,8 @@ class JobSteps:
                 x = self.training.cast(batch[i].detach().cpu())
                 start = shard * per * self.microbatches
                 payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
-            refs.append(actor.step.remote(payload, scale))
-        losses = [loss for result in self._get(refs, "step") for loss in result]
-        self.steps += 1
-        return float(sum(losses) / len(losses))
+            payloads.append(payload)
+        return payloads
 
 
 def _by_name(batch: tuple, named: dict, names: tuple[str, ...]) -> tuple:

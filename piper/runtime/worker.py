@@ -80,6 +80,10 @@ class Worker(WorkerQueries):
         self.steps_done += 1
         return losses
 
+    def evaluate(self, batch):
+        """The losses of this device's forward-only plan on its part of `batch` (no update)."""
+        return self.executor.run_eval(batch)
+
     def where(self) -> dict:
         """Where this worker runs: pid, Ray node id and address, device (`cuda:N` is the physical GPU)."""
         ctx = ray.get_runtime_context()
