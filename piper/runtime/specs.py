@@ -44,3 +44,4 @@ class WorkerSpec:
     compute_dtype: torch.dtype | None = None      # 16-bit compute, float32 master (`precision.py`)
     loss_scaling: object = None                   # fp16's loss scaling (piper.FP16), else None
     experts: object = None                        # runtime.experts.ExpertSpec under `shard experts`
+    readers: dict = field(default_factory=dict)   # "train"/"val" -> piper.data.Reader: the rows it reads

@@ -80,6 +80,14 @@ class Worker(WorkerQueries):
         self.steps_done += 1
         return losses
 
+    def step_data(self, source: str, k: int, lr_scale: float | None = None):
+        """`step` on this device's part of global batch `k` of a dataset, read here (`piper.data`)."""
+        return self.step(self.executor.spec.readers[source].batch(k), lr_scale)
+
+    def evaluate_data(self, source: str, k: int):
+        """`evaluate` on this device's part of global batch `k` of a dataset, read here."""
+        return self.evaluate(self.executor.spec.readers[source].batch(k))
+
     def evaluate(self, batch):
         """The losses of this device's forward-only plan on its part of `batch` (no update)."""
         return self.executor.run_eval(batch)
