@@ -11,7 +11,6 @@ from .diagnostics import Diagnostic, PiperError, PiperWarning, Span
 from .frontend.loss_scaling import FP16, loss_scale
 from .mesh import Mesh
 from .frontend.lr_schedules import warmup_cosine
-from .frontend.param_groups import param_groups
 from .frontend.strategy import strategy
 
 __all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "PiperWarning", "Diagnostic",
@@ -30,3 +29,11 @@ def annotate_modules(model, tag, groups):
     from .frontend.modules import annotate_modules as _annotate_modules
 
     return _annotate_modules(model, tag, groups)
+
+
+def param_groups(cls, *, no_decay=(), weight_decay: float = 0.0, **defaults):
+    """Weight decay on every parameter but those `no_decay`'s name patterns match, as the
+    `optimizer=` of `piper.compile` (see `piper.frontend.param_groups`)."""
+    from .frontend.param_groups import param_groups as _param_groups
+
+    return _param_groups(cls, no_decay=no_decay, weight_decay=weight_decay, **defaults)

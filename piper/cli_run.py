@@ -1,12 +1,17 @@
 """`piper run SCRIPT --model path.py:Factory [--steps N] [--batch-size N] [--optimizer adamw --lr 1e-3]
 [--mesh ...] [--set ...] [--address ADDR] [--device cpu|cuda] [--save weights.pt|DIR]
-[--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R]`:
+[--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R] [--config run.toml]
+[--lr-schedule warmup-cosine --warmup N] [--weight-decay W] [--data FILE.bin --block-size N]
+[--eval-every N --eval-batches K --val-data FILE.bin] [--tensorboard DIR]`:
 train a model with a strategy script on a Ray cluster (a local one unless --address),
 saving checkpoints (`piper.job.checkpoint`) and restarting lost workers (`piper.job.recovery`).
 
 The model's file provides the data: `training_batches(batch_size)`, an iterator of
 input tuples, or else `example_batch(batch_size)`, which is then trained on again
-and again (said with a warning). The flags are defined in `piper/run_args.py`.
+and again (said with a warning), unless `--data FILE.bin` names a token file that the
+workers read themselves. The flags are defined in `piper/run_args.py`; the recipe's
+(config file, schedule, weight decay, token files, evaluation, TensorBoard) are read by
+`piper/job/recipe.py`.
 """
 from __future__ import annotations
 
@@ -57,6 +62,15 @@ def run(args) -> int:
     if not args.model:
         console.print("piper run: error: --model PATH.py:FACTORY is required (e.g. examples/gpt.py:small_gpt)")
         return 2
+    # -- the recipe's flags (`piper.job.recipe`): --config first, since it fills in the others --------
+    from .job import recipe
+
+    recipe.apply_config(args)
+    problem = recipe.check(args)
+    if problem:
+        console.print(f"piper run: error: {problem}")
+        return 2
+    # ----------------------------------------------------------------------------------------------------
     steps = 20 if args.steps is None else args.steps
     batch_size = 16 if getattr(args, "batch_size", None) is None else args.batch_size
     if steps < 1 or batch_size < 1:
@@ -71,33 +85,53 @@ def run(args) -> int:
     directory = getattr(args, "checkpoint_dir", None)
     torch.manual_seed(getattr(args, "seed", 0) or 0)
     model, module = load_model(args.model)
-    stream, _ = training_data(module, batch_size, console)
-    first = tuple(next(stream))
-    count, unit = throughput(first)
-    optimizer = make_optimizer(getattr(args, "optimizer", "adamw"), getattr(args, "lr", 1e-3))
+    # -- the recipe: token files read by the workers, weight decay, schedule ---------------------------
+    train_data, val_data = recipe.datasets(args)
+    if train_data is not None:
+        stream, first = itertools.repeat(()), ()      # `job.step()`: the workers read the batch themselves
+        count, unit = batch_size * args.block_size, "tok"
+    else:
+        stream, _ = training_data(module, batch_size, console)
+        first = tuple(next(stream))
+        count, unit = throughput(first)
+    base = make_optimizer(getattr(args, "optimizer", "adamw"), getattr(args, "lr", 1e-3))
+    optimizer = recipe.optimizer(args, base)
+    recipe_kw = dict(lr_schedule=recipe.schedule(args, steps), data=train_data,
+                     batch_size=batch_size if train_data is not None else None, shuffle=args.shuffle,
+                     seed=getattr(args, "seed", 0) or 0, val_data=val_data)
+    # ----------------------------------------------------------------------------------------------------
     params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]piper run[/] {args.script}: {type(model).__name__}, {params:,} parameters, "
                   f"batch {batch_size}, {steps} steps", highlight=False)
     if getattr(args, "max_restarts", 0):
+        if train_data is not None or args.eval_every or args.tensorboard or recipe_kw["lr_schedule"]:
+            console.print("piper run: error: --max-restarts does not combine with --data, --lr-schedule, "
+                          "--eval-every or --tensorboard yet; leave those out or --max-restarts")
+            return 2
         return _run_recoverable(args, model, module, batch_size, steps, optimizer, count, unit, console)
     with console.status("capturing the model, checking the plans, starting the workers on Ray "
                         "(a minute on a busy machine)..."):
-        job = compile(model, first, strategy=args.script, mesh=args.mesh, optimizer=optimizer,
+        job = compile(model, first or None, strategy=args.script, mesh=args.mesh, optimizer=optimizer,
                       overrides=args.overrides or None, address=getattr(args, "address", None),
-                      device=getattr(args, "device", "auto"), progress=lambda message: console.print(f"  {message}"))
+                      device=getattr(args, "device", "auto"), progress=lambda message: console.print(f"  {message}"),
+                      **recipe_kw)
+    observer = recipe.Observer(job, args, console, getattr(args, "lr", 1e-3))
     with job:
         console.print(f"mesh {job.mesh}: {job.mesh.world_size} workers ready ({job.device})", highlight=False)
         from .job.train import fit
 
-        data = itertools.chain([first], stream)
+        data = itertools.chain([first], stream) if first else stream
         start = checkpoint.resume(job, directory, data, console) if getattr(args, "resume", False) else 0
         if start >= steps:
             console.print(f"the checkpoint is at step {start}: nothing left of {steps} steps")
             return 0
         every = getattr(args, "checkpoint_every", None)
         stepper = checkpoint.Every(job, directory, every) if every else job
-        losses = fit(stepper, data, steps - start, tokens_per_batch=count, unit=unit, console=console,
-                     metrics=getattr(args, "metrics", None))
+        try:
+            losses = fit(stepper, data, steps - start, tokens_per_batch=count, unit=unit, console=console,
+                         metrics=getattr(args, "metrics", None), after_step=observer)
+        finally:
+            observer.close()
         if getattr(args, "trace", None):
             console.print(f"trace of the last steps: {job.trace(args.trace)} (open it in ui.perfetto.dev)")
         if getattr(args, "save", None):

@@ -10,13 +10,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 def fit(job, batches, steps: int, *, tokens_per_batch: int, console: Console | None = None,
-        unit: str = "tok", metrics: str | None = None) -> list[float]:
+        unit: str = "tok", metrics: str | None = None, after_step=None) -> list[float]:
     """Run `steps` optimizer steps on `job`; show step, loss, step time and throughput (`tokens_per_batch`
     of `unit` per step: "tok", or "samples" for a model that does not take tokens); return the losses.
 
     `metrics`: a file that gets one JSON line per step (`step`, `loss`, `step_s`, `tokens_per_s`,
     `tokens` so far (`samples_per_s`, `samples` for other models), `time`: seconds since the first
-    step began), written as each step ends."""
+    step began), written as each step ends. `after_step(steps done, loss, step seconds, tokens/s,
+    unit)` runs after each step (evaluation, TensorBoard: `piper.job.recipe.Observer`)."""
     console = console or Console()
     losses = []
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
@@ -42,6 +43,8 @@ def fit(job, batches, steps: int, *, tokens_per_batch: int, console: Console | N
                                           f"{what}_per_s": tokens_per_batch / elapsed,
                                           what: tokens_per_batch * (step + 1), "time": end - began}) + "\n")
                     out.flush()
+                if after_step is not None:
+                    after_step(getattr(job, "steps", step + 1), loss, elapsed, tokens_per_batch / elapsed, unit)
                 if step % 10 == 0 or step == steps - 1:
                     progress.console.log(f"step {step:3d}  loss {loss:.4f}  {elapsed:.3f} s  "
                                          f"{tokens_per_batch / elapsed:,.0f} {unit}/s")
