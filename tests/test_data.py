@@ -46,7 +46,8 @@ def one_device(model, batches):
 
 
 def global_batches(dataset, batch_size, steps, shuffle=False, seed=0, start=0):
-    return [collate(dataset, positions(k, batch_size, len(dataset), shuffle, seed)) for k in range(start, start + steps)]
+    return [collate(dataset, positions(k, batch_size, len(dataset), shuffle, seed))
+            for k in range(start, start + steps)]
 
 
 # -- without workers ---------------------------------------------------------------------------

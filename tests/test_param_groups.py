@@ -158,8 +158,9 @@ def test_a_resumed_run_continues_the_schedule_under_another_strategy(tmp_path):
                        optimizer=optimizer, lr_schedule=SCHEDULE) as job:
         first = [job.step(*b) for b in batches[:3]]
         job.save(tmp_path / "step-3")
-    with piper.compile(copy.deepcopy(model), batches[0], strategy=load_strategy("use one_f_one_b(microbatches=4) on pp\n"),
-                       mesh={"pp": 2}, optimizer=optimizer, lr_schedule=SCHEDULE) as job:
+    pipeline = load_strategy("use one_f_one_b(microbatches=4) on pp\n")
+    with piper.compile(copy.deepcopy(model), batches[0], strategy=pipeline, mesh={"pp": 2}, optimizer=optimizer,
+                       lr_schedule=SCHEDULE) as job:
         job.load(tmp_path / "step-3")
         rest = [job.step(*b) for b in batches[3:]]
         state = job.state_dict()

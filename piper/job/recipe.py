@@ -104,8 +104,9 @@ def _value(path, key, dest, value, action):
     kind = getattr(action, "type", None)
     if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))
                                  or kind is int and value != int(value)):
-        raise error("bad-config", f"--config {path}: `{key}` = {value!r} is not {'a whole number' if kind is int else 'a number'}",
-                    hint=f"write {key} = {'200' if kind is int else '3e-4'} (no quotes)")
+        what, example = ("a whole number", "200") if kind is int else ("a number", "3e-4")
+        raise error("bad-config", f"--config {path}: `{key}` = {value!r} is not {what}",
+                    hint=f"write {key} = {example} (no quotes)")
     if kind in (int, float):
         value = kind(value)
     elif not isinstance(value, str):
