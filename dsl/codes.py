@@ -145,6 +145,13 @@ JOBS = {
     "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
     "checkpoint-corrupt": "a checkpoint file missing, cut short or not matching its checksum, or unreadable",
     "checkpoint-save-failed": "`job.save` could not write (full disk, unwritable path, a path holding other files)",
+    "bad-param-groups": "parameter groups that are not torch-style groups of the model's parameters",
+    "param-in-two-groups": "a parameter in two of the optimizer's parameter groups",
+    "param-not-in-group": "parameter groups that leave out some of the model's parameters",
+    "no-decay-unmatched": "a `no_decay` pattern of `piper.param_groups` that names no parameter (warning)",
+    "bad-lr-schedule": "`lr_schedule=` that is not a function of the step returning a multiplier >= 0",
+    "bad-config": "`piper run --config` with a key that is no flag, a value of the wrong kind, or bad TOML",
+    "bad-dataset": "`data=` that is not a dataset of samples forward takes, or a batch_size that does not fit it",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

@@ -7,13 +7,14 @@
     loss = job.step(x, y)
 """
 from .frontend.annotate import annotate
-from .diagnostics import Diagnostic, PiperError, Span
+from .diagnostics import Diagnostic, PiperError, PiperWarning, Span
 from .frontend.loss_scaling import FP16, loss_scale
 from .mesh import Mesh
+from .frontend.lr_schedules import warmup_cosine
 from .frontend.strategy import strategy
 
-__all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "Diagnostic", "Span",
-           "FP16", "loss_scale"]
+__all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "PiperWarning", "Diagnostic",
+           "Span", "FP16", "loss_scale", "param_groups", "warmup_cosine"]
 
 
 def __getattr__(name):
@@ -38,3 +39,11 @@ def annotate_modules(model, tag, groups):
     from .frontend.modules import annotate_modules as _annotate_modules
 
     return _annotate_modules(model, tag, groups)
+
+
+def param_groups(cls, *, no_decay=(), weight_decay: float = 0.0, **defaults):
+    """Weight decay on every parameter but those `no_decay`'s name patterns match, as the
+    `optimizer=` of `piper.compile` (see `piper.frontend.param_groups`)."""
+    from .frontend.param_groups import param_groups as _param_groups
+
+    return _param_groups(cls, no_decay=no_decay, weight_decay=weight_decay, **defaults)

@@ -1,7 +1,9 @@
 """`piper run SCRIPT --model path.py:Factory [--steps N] [--batch-size N] [--optimizer adamw --lr 1e-3]
 [--mesh ...] [--set ...] [--address ADDR] [--device cpu|cuda] [--save weights.pt|DIR]
 [--checkpoint-dir DIR --checkpoint-every N] [--resume] [--max-restarts R] [--timeout S]
-[--precision bf16] [--clip-grad-norm 1.0] [--skip-nonfinite] [--metrics F.jsonl] [--trace F.json]`:
+[--precision bf16] [--clip-grad-norm 1.0] [--skip-nonfinite] [--metrics F.jsonl] [--trace F.json]
+[--config run.toml] [--lr-schedule warmup-cosine --warmup N] [--weight-decay W] [--data FILE.bin --block-size N]
+[--eval-every N --eval-batches K --val-data FILE.bin] [--tensorboard DIR]`:
 train a model with a strategy script on a Ray cluster (a local one of its own unless --address),
 saving checkpoints (`piper.job.checkpoint`) and restarting lost workers (`piper.job.recovery`,
 whose loop every run goes through: with R = 0 it only saves, resumes and numbers the steps).
@@ -61,26 +63,40 @@ def run(args) -> int:
     if not args.model:
         console.print("piper run: error: --model PATH.py:FACTORY is required (e.g. examples/gpt.py:small_gpt)")
         return 2
+    # The recipe's flags (`piper.job.recipe`): --config first, since it fills in the others.
+    from .job import recipe
+
+    recipe.apply_config(args)
     steps = 20 if args.steps is None else args.steps
     batch_size = 16 if getattr(args, "batch_size", None) is None else args.batch_size
     if steps < 1 or batch_size < 1:
         console.print("piper run: error: --steps and --batch-size take whole numbers of at least 1")
         return 2
-    problem = checkpoint.check_run_flags(args) or _problem_with_limits(args)
+    problem = recipe.check(args) or checkpoint.check_run_flags(args) or _problem_with_limits(args)
+    if not problem and getattr(args, "max_restarts", 0) and (
+            getattr(args, "data", None) or args.eval_every or args.tensorboard or args.lr_schedule != "constant"):
+        problem = ("--max-restarts does not combine with --data, --lr-schedule, --eval-every or --tensorboard "
+                   "yet; leave those out or --max-restarts")
     if problem:
         console.print(f"piper run: error: {problem}")
         return 2
     check_output_paths(args)          # before anything trains: a run is not lost to a bad --save at its end
     torch.manual_seed(getattr(args, "seed", 0) or 0)
     model, module = load_model(args.model)
-    stream, _ = training_data(module, batch_size, console)
-    first = tuple(next(stream))
-    count, unit = throughput(first)
-    optimizer = make_optimizer(getattr(args, "optimizer", "adamw"), getattr(args, "lr", 1e-3))
+    train_data, val_data = recipe.datasets(args)
+    if train_data is not None:        # `job.step()`: the workers read each batch themselves
+        count, unit = batch_size * args.block_size, "tok"
+    else:
+        stream, _ = training_data(module, batch_size, console)
+        count, unit = throughput(tuple(next(stream)))
+    optimizer = recipe.optimizer(args, make_optimizer(getattr(args, "optimizer", "adamw"), getattr(args, "lr", 1e-3)))
+    recipe_kw = dict(lr_schedule=recipe.schedule(args, steps), data=train_data,
+                     batch_size=batch_size if train_data is not None else None, shuffle=args.shuffle,
+                     seed=getattr(args, "seed", 0) or 0, val_data=val_data)
     params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]piper run[/] {args.script}: {type(model).__name__}, {params:,} parameters, "
                   f"batch {batch_size}, {steps} steps", highlight=False)
-    return _train(args, model, module, batch_size, steps, optimizer, count, unit, console)
+    return _train(args, model, module, batch_size, steps, optimizer, count, unit, console, recipe_kw)
 
 
 def _problem_with_limits(args) -> str | None:
@@ -97,16 +113,22 @@ def _problem_with_limits(args) -> str | None:
     return None
 
 
-def _train(args, model, module, batch_size: int, steps: int, optimizer, count: int, unit: str, console) -> int:
+def _train(args, model, module, batch_size: int, steps: int, optimizer, count: int, unit: str, console,
+           recipe_kw: dict) -> int:
     """The run: `piper.job.recovery.train`, with the data deterministic per step, so --resume and
-    --max-restarts replay the batches an uninterrupted run trains on. Steps are the job's own numbers."""
+    --max-restarts replay the batches an uninterrupted run trains on. Steps are the job's own numbers.
+    With `--data` each step's batch is empty: the workers read it (`job.step()`), and a checkpoint
+    keeps where they were."""
     import ray
 
+    from .job import recipe
     from .job.recovery import Checkpoints, StepData, train
     from .job.train import StepReport
 
     quiet = Console(quiet=True)           # the repeated-batch warning was printed once already
-    data = StepData(lambda: training_data(module, batch_size, quiet)[0])
+    worker_read = recipe_kw["data"] is not None
+    data = StepData(lambda: itertools.repeat(()) if worker_read else training_data(module, batch_size, quiet)[0])
+    observers = []                        # --eval-every and --tensorboard, told of each step
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     address = getattr(args, "address", None)
     # Ray stays up across restarts: a job that started Ray would shut it down on close. Without
@@ -124,14 +146,18 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
                        precision=getattr(args, "precision", None) or "fp32",
                        clip_grad_norm=getattr(args, "clip_grad_norm", None),
                        nonfinite="skip" if getattr(args, "skip_nonfinite", False) else "stop",
-                       progress=lambda m: console.print(f"  {m}"))
+                       progress=lambda m: console.print(f"  {m}"), **recipe_kw)
         if started:                       # a restart: a live progress bar is showing, so no spinner
-            job = compile(model, data(0), **options)
+            job = compile(model, data(0) or None, **options)
         else:
             with console.status("capturing the model, checking the plans, starting the workers on Ray "
                                 "(a minute on a busy machine)..."):
-                job = compile(model, data(0), **options)
+                job = compile(model, data(0) or None, **options)
         started.append(job)
+        if observers:
+            observers[0].job = job
+        else:
+            observers.append(recipe.Observer(job, args, console, getattr(args, "lr", 1e-3)))
         nodes = {}
         for rank, w in job.placement().items():
             nodes.setdefault(w["node"][:8], []).append(str(rank))
@@ -142,6 +168,10 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
 
     report = StepReport(steps, tokens_per_batch=count, unit=unit, console=console,
                         metrics=getattr(args, "metrics", None))
+
+    def on_step(step, loss, seconds):
+        report.step(step, loss, seconds)
+        observers[0](step + 1, loss, seconds, count / seconds, unit)
 
     def on_restart(r):
         report.restarts += 1
@@ -174,9 +204,11 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
             if resume and checkpoints is not None and not _has_checkpoints(directory):
                 console.print(f"no checkpoint in {directory} yet: starting at step 0")
             losses, restarts = train(start_job, data, steps, max_restarts=getattr(args, "max_restarts", 0) or 0,
-                                     checkpoints=checkpoints, resume=resume, on_step=report.step,
+                                     checkpoints=checkpoints, resume=resume, on_step=on_step,
                                      on_restart=on_restart, finish=finish)
     finally:
+        for observer in observers:
+            observer.close()
         if owns_ray:
             ray.shutdown()
     start = steps - len(losses)          # the step the run went on from (a resumed checkpoint's)

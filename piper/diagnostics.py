@@ -85,6 +85,18 @@ class PiperError(Exception):
         return self.diagnostics[0].code
 
 
+class PiperWarning(UserWarning):
+    """A diagnostic of severity "warning" raised through Python's `warnings` (`.diagnostic`)."""
+
+    def __init__(self, diagnostic: Diagnostic):
+        self.diagnostic = diagnostic
+        super().__init__(str(diagnostic))
+
+    @property
+    def code(self) -> str:
+        return self.diagnostic.code
+
+
 def error(code: str, message: str, *, span: Span | None = None, hint: str | None = None,
           notes: tuple[str, ...] | list[str] = (), labels: tuple[Label, ...] = ()) -> PiperError:
     """Build a one-diagnostic `PiperError`; the caller raises it."""

@@ -24,6 +24,8 @@ def add_run_arguments(run) -> None:
     add_checkpoint_arguments(run)
     add_recovery_arguments(run)
     add_numerics_arguments(run)
+    add_recipe_arguments(run)
+    remember_given(run)
 
 
 def add_training_arguments(run) -> None:
@@ -109,3 +111,53 @@ def add_tune_parser(commands) -> None:
     tune.add_argument("--recalibrate", action="store_true",
                       help="measure the runtime's costs anew (they are cached per model and device count)")
     tune.set_defaults(func=lambda args: importlib.import_module("piper.compiler.tune").main(args))
+
+
+# -- a training recipe: config file, schedule, weight decay, token files, evaluation, TensorBoard --------
+# (piper/job/recipe.py reads these; kept together so other flags merge beside them)
+
+LR_SCHEDULES = ("constant", "warmup-cosine")
+
+
+def add_recipe_arguments(run) -> None:
+    """A pretraining recipe's flags, each also a key of `--config run.toml`."""
+    run.add_argument("--config", metavar="RUN.toml", default=None,
+                     help="every flag as a key of a TOML file, in sections of your choice ([training] steps = 200, "
+                          "lr = 3e-4; [data] data = 'train.bin'); flags given on the command line override it")
+    run.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                     help="warmup-cosine: --warmup steps of linear warmup, then a cosine to --min-lr-ratio x lr at "
+                          "the last step (default constant)")
+    run.add_argument("--warmup", type=int, default=0, metavar="N", help="warmup steps of --lr-schedule (default 0)")
+    run.add_argument("--min-lr-ratio", type=float, default=0.1, metavar="R",
+                     help="the final learning rate of warmup-cosine as a fraction of --lr (default 0.1)")
+    run.add_argument("--weight-decay", type=float, default=None, metavar="W",
+                     help="weight decay on the matrices (parameters of 2+ dimensions) only; biases, norms and "
+                          "other vectors get none (or name them: --no-decay)")
+    run.add_argument("--no-decay", action="append", default=None, metavar="PATTERN",
+                     help="with --weight-decay: no decay for parameters matching PATTERN ('**.bias', "
+                          "'**.ln_*.weight'), instead of the by-dimension rule; repeatable")
+    run.add_argument("--data", metavar="FILE.bin", default=None,
+                     help="train on a token file (nanoGPT's .bin, uint16), read by the workers themselves")
+    run.add_argument("--val-data", metavar="FILE.bin", default=None, help="a token file for --eval-every")
+    run.add_argument("--block-size", type=int, default=None, metavar="N", help="tokens per sample of --data")
+    run.add_argument("--shuffle", action="store_true", help="shuffle --data's blocks, a new permutation per epoch")
+    run.add_argument("--eval-every", type=int, default=None, metavar="N",
+                     help="every N steps, the loss on --val-data without an update")
+    run.add_argument("--eval-batches", type=int, default=1, metavar="K",
+                     help="global batches of --val-data per evaluation (default 1)")
+    run.add_argument("--tensorboard", metavar="DIR", default=None,
+                     help="log loss, learning rate, step time, tokens/s, grad norm and eval loss to DIR "
+                          "(torch.utils.tensorboard; needs the tensorboard package)")
+
+
+def remember_given(parser) -> None:
+    """Note on the parsed namespace (`_given`) each flag the command line itself gave, so that
+    `--config` fills in only the others."""
+    for action in parser._actions:          # argparse calls an action only for what was given
+        base = type(action)
+
+        def call(self, parser, namespace, values, option_string=None, _base=base):
+            _base.__call__(self, parser, namespace, values, option_string)
+            namespace._given = getattr(namespace, "_given", frozenset()) | {self.dest}
+
+        action.__class__ = type(base.__name__, (base,), {"__call__": call})

@@ -73,13 +73,24 @@ def annotate_modules(model: torch.nn.Module, tag: str, groups) -> torch.nn.Modul
     return model
 
 
-def _match(pattern: str, names: list[str]) -> list[str]:
+def match_names(pattern: str, names) -> list[str]:
+    """The dotted `names` that `pattern` matches: `*` within one part, `**` across parts, and a
+    leading `**.` also none (`"**.bias"` is `bias` and every `x.y.bias`).
+
+        match_names("**.ln_*.weight", ["ln_f.weight", "blocks.0.ln_1.weight", "blocks.0.ln_1.bias"])
+            == ["ln_f.weight", "blocks.0.ln_1.weight"]
+    """
+    names = list(names)
     if not any(c in pattern for c in "*?["):
         return [pattern] if pattern in names else []
     regex = re.compile("".join(
-        ".*" if part == "**" else "[^.]*" if part == "*" else fnmatch.translate(part)[4:-3]
-        for part in re.split(r"(\*\*|\*)", pattern)) + r"\Z")
+        "(?:.*\\.)?" if part == "**." else ".*" if part == "**" else "[^.]*" if part == "*"
+        else fnmatch.translate(part)[4:-3]
+        for part in re.split(r"(\A\*\*\.|\*\*|\*)", pattern) if part) + r"\Z")
     return [n for n in names if regex.match(n)]
+
+
+_match = match_names
 
 
 def _overlap(tag: str, name: str, first: int, second: int, groups, via: str | None = None):

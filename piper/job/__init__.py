@@ -31,6 +31,8 @@ from .steps import JobSteps
 from .worker_specs import WorkerSpecs
 from ..mesh import Mesh
 from ..frontend.loss_scaling import loss_scaling
+from ..frontend import param_groups
+from ..frontend.lr_schedules import check_schedule
 from ..frontend.model_checks import check_loss_gradient, check_parameters
 from ..frontend.options import TrainingOptions, check_clip, check_nonfinite, compute_dtype
 from ..compiler.planning import _no_cycle_collection, compile_directives
@@ -84,18 +86,42 @@ def _microbatch_inputs(example_inputs, mesh: Mesh, directives):
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, optimizer=None, *,
+def _data_options(model, data, batch_size, shuffle, seed):
+    """`data=`'s options, checked (None without data=)."""
+    from ..data import DataOptions, check_dataset
+
+    if data is None:
+        return None
+    check_dataset(data, batch_size, model.forward)
+    return DataOptions(data, batch_size, bool(shuffle), int(seed))
+
+
+def compile(model: torch.nn.Module, example_inputs=None, strategy=None, mesh=None, optimizer=None, *,
             address: str | None = None, device: str = "auto", timeout: float = 300.0,
             overrides: dict | None = None, overlap: bool = True, worker_env: dict | None = None,
             startup_timeout: float = 600.0, progress=None, precision: str = "fp32",
-            clip_grad_norm: float | None = None, nonfinite: str = "stop") -> "Job":
+            clip_grad_norm: float | None = None, nonfinite: str = "stop", lr_schedule=None, data=None,
+            batch_size: int | None = None, shuffle: bool = False, seed: int = 0, val_data=None) -> "Job":
     """Capture `model`, apply `strategy` on `mesh`, verify, and start one worker per device.
 
     `strategy` is a `@piper.strategy` function, a path to a `.pps` script, or
     None (one device, no parallelism). `optimizer` is a callable taking a
     list of tensors (default: AdamW with lr 1e-3); it must be elementwise
     (AdamW, Adam, SGD with momentum...), since each device steps its own
-    shard. `timeout` bounds every collective and every step, in seconds.
+    shard. It may also be a function of the named parameters returning
+    torch-style parameter groups (or an optimizer built on them), e.g.
+    `piper.param_groups(torch.optim.AdamW, lr=3e-4, weight_decay=0.1,
+    no_decay=("**.bias", "**.ln_*.weight"))`: each group's options apply to
+    exactly its parameters under every strategy (`frontend.param_groups`).
+    `lr_schedule(step)` multiplies every group's base learning rate before
+    optimizer step `step` (torch's LambdaLR), e.g. `piper.warmup_cosine(100,
+    2000)`; checkpoints keep the step, so a resumed run continues it.
+    `data=DATASET, batch_size=B` (a Dataset of tuples of forward's arguments,
+    e.g. `piper.data.TokenFile`): `job.step()` with no arguments trains on the
+    next global batch, which each worker reads its own part of (`piper.data`;
+    `shuffle=True, seed=S`: a seeded permutation per epoch); example_inputs
+    may then be None. `val_data=` is read the same way by `job.evaluate()`.
+    Checkpoints keep the position in `data`. `timeout` bounds every collective and every step, in seconds.
     `overlap=False` runs the items of an overlapped slot (`[F(...), B(...)]`)
     one after the other instead of at once (CPU; CUDA always runs them in turn).
     `worker_env` sets environment variables in the worker processes before
@@ -131,13 +157,28 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
                          "'auto' picks CUDA when the cluster has a GPU for every device")
     from ..frontend.optim_check import check_optimizer
 
-    check_optimizer(optimizer)    # before capture: a wrong optimizer is a one-line fix
     progress = reporter(progress)
+    grouped = param_groups.resolve(optimizer, model)      # parameter groups, or None for a flat optimizer
+    check_optimizer(grouped.cls if grouped else optimizer)    # before capture: a wrong optimizer is a one-line fix
+    check_schedule(lr_schedule)
+    data_options = _data_options(model, data, batch_size, shuffle, seed)
+    if example_inputs is None:
+        if data_options is None:
+            raise error("bad-inputs", "piper.compile needs example_inputs (a global batch) or data= with batch_size=",
+                        hint="pass example_inputs=(x, y), or data=DATASET, batch_size=B")
+        example_inputs = data_options.example()
     mesh, directives = build_strategy(strategy, mesh, overrides)
     # A dict of example inputs calls forward with keywords (`input_ids=..., labels=...`).
     names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else ()
     example_inputs = tuple(example_inputs.values()) if names else tuple(example_inputs)
     mb_inputs, microbatches, shards, batch = _microbatch_inputs(example_inputs, mesh, directives)
+    if data_options is not None and batch != data_options.batch_size:
+        raise error("bad-inputs", f"example_inputs hold a batch of {batch} and batch_size={data_options.batch_size}",
+                    hint="leave example_inputs None with data=: global batch 0 of the data is the example")
+    if val_data is not None:
+        from ..data import check_dataset
+
+        check_dataset(val_data, batch, model.forward, "val_data")
     check_parameters(model)
     started = time.monotonic()
     progress(f"capturing {type(model).__name__} (torch.export)")
@@ -146,10 +187,13 @@ def compile(model: torch.nn.Module, example_inputs, strategy=None, mesh=None, op
     training.master_specs(program, model, mb_inputs)
     progress(f"planning {len(program.regions)} region(s) on mesh {mesh} ({time.monotonic() - started:.1f} s)")
     compiled = compile_directives(program, mesh, directives)
+    if grouped is not None:
+        optimizer = param_groups.for_program(grouped, model, program.params)
     job = Job(model, program, compiled, optimizer or functools.partial(torch.optim.AdamW, lr=1e-3),
               batch=batch, microbatches=microbatches, shards=shards, address=address, device=device,
               timeout=timeout, overlap=overlap, worker_env=worker_env, startup_timeout=startup_timeout,
-              progress=progress, training=training)
+              progress=progress, training=training, lr_schedule=lr_schedule, data=data_options,
+              val_data=val_data)
     job.strategy = describe_strategy(strategy, overrides)     # checkpoint metadata
     return job
 
@@ -163,8 +207,14 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
 
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,
                  shards: int, address, device, timeout, overlap: bool = True, worker_env: dict | None = None,
-                 startup_timeout: float = 600.0, progress=None, training: "TrainingOptions | None" = None):
+                 startup_timeout: float = 600.0, progress=None, training: "TrainingOptions | None" = None,
+                 lr_schedule=None, data=None, val_data=None):
         self.program = program
+        self.data = data                                  # piper.data.DataOptions, or None
+        self.val_data = val_data
+        self.data_position = 0                            # global batches read from `data` (checkpoints keep it)
+        self.sent_bytes = 0                               # bytes of batch data the last step sent to the workers
+        self.lr_schedule = lr_schedule                    # step -> multiplier of the base learning rates
         self.training = training or TrainingOptions()
         self.input_names = program.input_names or input_names(model, len(program.batch))
         self.worker_env = dict(worker_env or {})
@@ -193,7 +243,8 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         self.layouts: dict[int, UnitLayout] = {
             r.index: layout_unit(r.index, [p for p in r.owned if p not in self._expert_weights], program.params,
                                  ir.devices_of(r.index), ties,
-                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index})
+                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index},
+                                 param_groups=optimizer.of if isinstance(optimizer, param_groups.Grouped) else None)
             for r in ir.regions if r.owned}
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
         self._buffers.update(program.constants)     # tensors forward makes from data (not in state_dict)

@@ -10,6 +10,7 @@ worker R, and `piper.json`: each file's size and CRC-32) holding
     model.<name>                   every parameter and persistent buffer, model.state_dict() names and shapes
     optim.state.<name>.<key>       the optimizer's state per parameter (AdamW: exp_avg, exp_avg_sq, step)
     piper.<key>                    step, strategy, mesh, world_size, zero, microbatches, format, checksums
+                                   (and data_position, the global batches read, for a job with data=)
 
 so it does not depend on the strategy that wrote it: regions, pipeline stages,
 flat ZeRO units and expert rows under `shard experts` are the job's business,
@@ -123,6 +124,8 @@ def write(job, directory, *, checksums: bool = True) -> dict[str, dict]:
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
     if checksums:                           # a checkpoint with this key is verified against MANIFEST
         meta["checksums"] = CHECKSUM
+    if job.data is not None:                # data=: the global batches read, so a resumed run reads on
+        meta["data_position"] = job.data_position
     scaler = loss_scaling.checkpoint_state(job)
     if scaler is not None:                  # fp16: a resumed run goes on at the same loss scale
         meta["loss_scale"] = scaler
@@ -586,6 +589,8 @@ def load(job, path) -> dict:
         _read_here({"model": {k: job._buffers[k] for k in buffers}}, path)
     loss_scaling.restore(job, info.get("loss_scale"))
     job.steps = int(info["step"])
+    if "data_position" in info:
+        job.data_position = int(info["data_position"])
     return info
 
 

@@ -1,18 +1,21 @@
-"""Running a job's steps: the global batch cut per device and microbatch, and every call to the workers.
+"""Running a job's steps (and evaluations): the global batch cut per device and microbatch, and every
+call to the workers.
 
 Mixed into `piper.job.Job`.
 """
 from __future__ import annotations
 
 import math
+import pickle
 
 from ..frontend.batch_check import check_step_inputs
 from ..frontend.capture import BATCH
 from ..diagnostics import PiperError, error
+from ..frontend.lr_schedules import scale_at
 
 
 class JobSteps:
-    """`step`, and `_get`, the one way the driver waits for its workers (deadline, health)."""
+    """`step`, `evaluate`, and `_get`, the one way the driver waits for its workers (deadline, health)."""
 
     def _get(self, refs, what: str, limit: float | None = None):
         """ray.get with a deadline; a dead, stalled or failing worker closes the job with an error
@@ -31,30 +34,22 @@ class JobSteps:
             raise error("job-closed", "this job is closed", hint="compile a new job")
 
     def step(self, *batch, **named) -> float:
-        """One optimizer step on the global batch; returns its mean loss.
+        """One optimizer step on the global batch; returns its mean loss. With no batch, on
+        a job compiled with `data=`, the next global batch, which the workers read themselves.
 
         A job compiled with a dict of example inputs takes the batch by the same keywords."""
         self._check_open()
-        if named:
-            batch = _by_name(batch, named, self.program.input_names)
-        check_step_inputs(batch, self.program.batch, self.batch_size, self.input_names)
-        ir = self.compiled.ir
-        per = self.batch_size // (self.microbatches * self.shards)
-        axes = ir.batch_axes()
-        refs = []
-        for rank, actor in enumerate(self.actors):
-            coords = self.mesh.coords(rank)
-            shard = 0
-            for a in axes:
-                shard = shard * self.mesh.size(a) + coords[a]
-            wanted = {i.ref for r in ir.regions if rank in ir.devices_of(r.index)
-                      for i in self.program.regions[r.index].inputs if i.kind == BATCH}
-            payload = {}
-            for i in wanted:
-                x = self.training.cast(batch[i].detach().cpu())
-                start = shard * per * self.microbatches
-                payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
-            refs.append(actor.step.remote(payload))
+        # The schedule's multiplier for this step, the same on every device (None: the base rates).
+        scale = scale_at(self.lr_schedule, self.steps) if self.lr_schedule is not None else None
+        if not batch and not named and self.data is not None:
+            k = self.data_position
+            refs = [actor.step_data.remote("train", k, scale) for actor in self.actors]
+            self.sent_bytes = len(pickle.dumps(("train", k, scale))) * len(self.actors)
+            self.data_position += 1
+        else:
+            payloads = self._payloads(batch, named)
+            refs = [actor.step.remote(payload, scale) for actor, payload in zip(self.actors, payloads)]
+            self.sent_bytes = sum(x.numel() * x.element_size() for p in payloads for mbs in p.values() for x in mbs)
         losses = [loss for result in self._get(refs, "step") for loss in result]
         self.steps += 1
         loss = float(sum(losses) / len(losses))
@@ -95,6 +90,77 @@ def check_finite(job, loss: float) -> None:
     raise error("non-finite", f"the loss of step {step} is {loss}", notes=notes,
         hint="lower the learning rate, clip the gradients (clip_grad_norm=1.0, --clip-grad-norm 1.0) or check "
              "the data; to skip such steps and go on, pass nonfinite='skip' (piper run --skip-nonfinite)")
+
+    def evaluate(self, *batch, batches: int = 1, **named) -> float:
+        """The mean loss of the global batch without any update: the forward half of every
+        device's plan, on the same devices (`runtime.evaluation`). Parameters, optimizer state
+        and the step count stay as they are. With no batch, on a job compiled with `val_data=`,
+        the mean over its first `batches` global batches (the same ones every time), read by
+        the workers.
+
+            val_loss = job.evaluate(x, y)
+            val_loss = job.evaluate(batches=20)
+        """
+        self._check_open()
+        if not batch and not named:
+            if self.val_data is None:
+                raise error("bad-inputs", "evaluate() without a batch needs a job compiled with val_data=",
+                            hint="pass the batch, job.evaluate(x, y), or compile with val_data=DATASET")
+            losses = []
+            for k in range(batches):
+                refs = [actor.evaluate_data.remote("val", k) for actor in self.actors]
+                losses += [loss for result in self._get(refs, "evaluate") for loss in result]
+            return float(sum(losses) / len(losses))
+        payloads = self._payloads(batch, named)
+        refs = [actor.evaluate.remote(payload) for actor, payload in zip(self.actors, payloads)]
+        losses = [loss for result in self._get(refs, "evaluate") for loss in result]
+        return float(sum(losses) / len(losses))
+
+    def _place(self, rank: int) -> tuple[int, set[int]]:
+        """(the first row of the global batch that `rank` reads, the batch inputs its regions take)."""
+        ir = self.compiled.ir
+        per = self.batch_size // (self.microbatches * self.shards)
+        coords = self.mesh.coords(rank)
+        shard = 0
+        for a in ir.batch_axes():
+            shard = shard * self.mesh.size(a) + coords[a]
+        wanted = {i.ref for r in ir.regions if rank in ir.devices_of(r.index)
+                  for i in self.program.regions[r.index].inputs if i.kind == BATCH}
+        return shard * per * self.microbatches, wanted
+
+    def _payloads(self, batch: tuple, named: dict) -> list[dict]:
+        """Per rank, the microbatches of each batch input its regions read: its data-parallel
+        shard of the global batch, cut into microbatches."""
+        if named:
+            batch = _by_name(batch, named, self.program.input_names)
+        check_step_inputs(batch, self.program.batch, self.batch_size, self.input_names)
+        per = self.batch_size // (self.microbatches * self.shards)
+        payloads = []
+        for rank in range(len(self.actors)):
+            start, wanted = self._place(rank)
+            payload = {}
+            for i in wanted:
+                x = self.training.cast(batch[i].detach().cpu())
+                payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
+            payloads.append(payload)
+        return payloads
+
+    def _readers(self, rank: int) -> dict:
+        """The `piper.data.Reader`s of `rank` ("train" for data=, "val" for val_data=)."""
+        from ..data import Reader
+
+        start, wanted = self._place(rank)
+        per = self.batch_size // (self.microbatches * self.shards)
+        out = {}
+        sets = {"train": self.data, "val": self.val_data}
+        for name, source in sets.items():
+            if source is None:
+                continue
+            dataset, shuffle, seed = ((source.dataset, source.shuffle, source.seed) if name == "train"
+                                      else (source, False, 0))
+            out[name] = Reader(dataset, self.batch_size, shuffle, seed, start, per, self.microbatches,
+                               tuple(sorted(wanted)), self.training.dtype)
+        return out
 
 
 def _by_name(batch: tuple, named: dict, names: tuple[str, ...]) -> tuple:

@@ -74,12 +74,14 @@ class StepReport:
 
 
 def fit(job, batches, steps: int, *, tokens_per_batch: int, console: Console | None = None,
-        unit: str = "tok", metrics: str | None = None) -> list[float]:
+        unit: str = "tok", metrics: str | None = None, after_step=None) -> list[float]:
     """Run `steps` optimizer steps on `job`; show step, loss, step time and throughput (`tokens_per_batch`
     of `unit` per step: "tok", or "samples" for a model that does not take tokens); return the losses.
 
     Steps are numbered from the job's own count (`job.steps`: a loaded checkpoint's step), and
-    `metrics` gets one JSON line per step as it ends (`StepReport`)."""
+    `metrics` gets one JSON line per step as it ends (`StepReport`). `after_step(steps done, loss,
+    step seconds, tokens/s, unit)` runs after each step (evaluation, TensorBoard:
+    `piper.job.recipe.Observer`)."""
     losses = []
     first = int(getattr(job, "steps", 0) or 0)
     with StepReport(first + steps, tokens_per_batch=tokens_per_batch, console=console, unit=unit,
@@ -89,5 +91,8 @@ def fit(job, batches, steps: int, *, tokens_per_batch: int, console: Console | N
             start = time.perf_counter()
             loss = job.step(*batch)
             losses.append(loss)
-            report.step(step, loss, time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            report.step(step, loss, elapsed)
+            if after_step is not None:
+                after_step(step + 1, loss, elapsed, tokens_per_batch / elapsed, unit)
     return losses

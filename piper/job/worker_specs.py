@@ -48,5 +48,6 @@ class WorkerSpecs:
                           {k: self._buffers[k] for k in needed}, groups, slots, self.concurrent)
         if self._expert_weights:
             spec.experts, init["experts"] = expert_spec(program, ir, rank, params, slots_lanes(self))
+        spec.readers = self._readers(rank)      # data= / val_data=: what this rank reads of each batch
         self.training.configure(spec, ir, program)
         return spec, init

@@ -10,7 +10,8 @@ entry names. The items of an overlapped slot run at once, in lanes
 Each concern is one mixin, in the module named for what it holds: step_loop
 (run_step, the driver of each action, timings), lanes (overlapped slots in
 threads), forward_actions (F), backward_actions (B, BI, BW, UPD), comm_actions
-(SEND, RECV and the collectives), memory_accounting (what is held, at most).
+(SEND, RECV and the collectives), memory_accounting (what is held, at most),
+evaluation (`run_eval`, the forward-only plan).
 An action runs as the method named for its op: `F` -> `_f`, `ALL_GATHER` ->
 `_all_gather`.
 """
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import comm, optimizers
 from .backward_actions import BackwardActions
 from .clip import GlobalNormClip
 from .comm_actions import CommActions
+from .evaluation import Evaluation
 from .experts import Experts
 from .forward_actions import ForwardActions
 from .graphs import unpack
@@ -39,8 +41,9 @@ __all__ = ["Executor", "RegionSpec", "WorkerSpec", "Unit", "TRACE_STEPS", "PARAM
 # The pieces share one step's state (values, gradients, pending work, the lock the
 # lanes share), so they are mixins reading `self` rather than objects handing that
 # state to each other on every action.
-class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, MemoryAccounting):
-    """One device's plan on one worker: `run_step(batch)` per step; `shards`, `memory` between steps."""
+class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, MemoryAccounting, Evaluation):
+    """One device's plan on one worker: `run_step(batch)` per step, `run_eval(batch)` for a loss
+    without an update; `shards`, `memory` between steps."""
 
     def __init__(self, spec: WorkerSpec, init: dict[int, list[torch.Tensor]], device: str = "cpu"):
         self.spec = spec
@@ -68,6 +71,13 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self.clip = GlobalNormClip(spec.clip_grad_norm) if spec.clip_grad_norm is not None else None
         self.clip = with_loss_scaling(self.clip, spec.loss_scaling,     # fp16 (`precision.py`)
                                       skip_nonfinite=getattr(spec, "skip_nonfinite", False))
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Every optimizer's groups (units' and expert rows') at `scale` times their base rate."""
+        opts = [unit.optimizer for unit in self.units.values()]
+        if self.experts is not None:
+            opts += list(self.experts.optimizers.values())
+        optimizers.set_lr_scale(opts, scale)
 
     def shards(self) -> dict:
         out = {u: unit.shards() for u, unit in self.units.items()}

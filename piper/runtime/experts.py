@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import optimizers
+
 _thread = threading.local()
 _default: "ExpertGroup | None" = None      # lane 0 (and CUDA's autograd threads, where backward runs)
 
@@ -120,7 +122,8 @@ class Experts:
         for unit, names in spec.params.items():
             leaves = {name: init[name].to(device).clone().requires_grad_() for name in names}
             self.leaves[unit] = leaves
-            self.optimizers[unit] = optimizer(list(leaves.values()))
+            self.optimizers[unit] = optimizers.build(optimizer, list(leaves.values()),
+                                                     [getattr(optimizer, "of", {}).get(n) for n in leaves])
 
     @staticmethod
     def exchanged() -> float:

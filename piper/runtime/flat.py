@@ -36,6 +36,7 @@ class Bucket:
     group_size: int
     tied: int | None = None   # a tied parameter's bucket of its own: the tie's number (piper.ir.tied)
     counted: bool = True      # False on a tied weight's second copy: a global norm counts the weight once
+    param_group: int | None = None   # the optimizer's parameter group of every entry (`optimizers.Grouped`)
 
     @property
     def shard_size(self) -> int:
@@ -54,16 +55,20 @@ class UnitLayout:
 
 
 def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: dict | None = None,
-                second_copies=frozenset()) -> UnitLayout:
+                second_copies=frozenset(), param_groups: dict[str, int] | None = None) -> UnitLayout:
     """Pack `names` (with `specs[name].shape/.dtype`) per dtype, in the given order.
 
     A name in `tied` (name -> tie number) gets a bucket of its own, so every
     copy of a tied parameter is padded and sharded alike; a name in
-    `second_copies` is a tied weight whose first copy lives in another unit."""
+    `second_copies` is a tied weight whose first copy lives in another unit.
+    With `param_groups` (name -> the optimizer's parameter group) each group's
+    names are packed apart too, so no shard holds elements of two groups."""
     tied = tied or {}
     by_dtype: dict = {}
     for name in names:
         key = ("tied", tied[name]) if name in tied else specs[name].dtype
+        if param_groups is not None:
+            key = (key, param_groups[name])
         by_dtype.setdefault(key, []).append(name)
     buckets = []
     for key, members in by_dtype.items():
@@ -75,9 +80,11 @@ def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: di
             offset += e.numel
         size = len(group)
         padded = -(-offset // size) * size if offset else size
-        tie = key[1] if isinstance(key, tuple) else None
+        kind = key[0] if param_groups is not None else key
+        tie = kind[1] if isinstance(kind, tuple) else None
         buckets.append(Bucket(dtype, tuple(entries), padded, size, tie,
-                              counted=tie is None or members[0] not in second_copies))
+                              counted=tie is None or members[0] not in second_copies,
+                              param_group=param_groups[members[0]] if param_groups is not None else None))
     return UnitLayout(owner, tuple(group), tuple(buckets))
 
 

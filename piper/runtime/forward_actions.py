@@ -47,7 +47,7 @@ class ForwardActions:
         if region.recompute:
             outs, kept, size = recompute.forward(region.graph, args, self.device, self._param_storages)
         else:
-            with torch.enable_grad(), SavedBytes(self._param_storages) as saved:
+            with torch.set_grad_enabled(not self._evaluating), SavedBytes(self._param_storages) as saved:
                 outs = region.graph(*args)
             size, kept = saved.size, outs
         self.saved_bytes[(node.region, node.mb)] = size

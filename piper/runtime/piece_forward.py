@@ -40,7 +40,7 @@ class PieceForward:
             outs, run.kept[piece], size = recompute.forward(cut.pieces[piece], inputs, ex.device,
                                                             ex._param_storages)
         else:
-            with torch.enable_grad(), SavedBytes(ex._param_storages) as saved:
+            with torch.set_grad_enabled(not ex._evaluating), SavedBytes(ex._param_storages) as saved:
                 outs = _no_views(cut.pieces[piece](*inputs))
             size = saved.size
         run.outs[piece] = outs

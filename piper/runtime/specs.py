@@ -45,3 +45,4 @@ class WorkerSpec:
     loss_scaling: object = None                   # fp16's loss scaling (piper.FP16), else None
     skip_nonfinite: bool = False                  # skip updates whose gradients hold inf/NaN (`precision.py`)
     experts: object = None                        # runtime.experts.ExpertSpec under `shard experts`
+    readers: dict = field(default_factory=dict)   # "train"/"val" -> piper.data.Reader: the rows it reads

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import comm, optimizers
 from .flat import UnitLayout
 from .unit_gradients import UnitGradients
 
@@ -41,7 +41,7 @@ class Unit(UnitGradients):
             self.grad_shard.append(None)
             self.leaves.update((e.name, leaf) for leaf, e in leaves)
             self._by_bucket.append(leaves)
-        self.optimizer = optimizer(self.shard)
+        self.optimizer = optimizers.build(optimizer, self.shard, [b.param_group for b in layout.buckets])
         if zero == 3:
             self.release()          # views made; the parameters come back on each gather
         self.count()

@@ -71,10 +71,26 @@ class Worker(WorkerQueries):
         self.executor = Executor(spec, init, device)
         self.executor.fault = faults.from_env(self.rank, lambda: self.steps_done)
 
-    def step(self, batch):
+    def step(self, batch, lr_scale: float | None = None):
+        """One step of the plan on this device's part of `batch`; `lr_scale`, the learning-rate
+        schedule's multiplier of every group's base rate for this step (None: the base rates)."""
+        if lr_scale is not None:
+            self.executor.set_lr_scale(lr_scale)
         losses = self.executor.run_step(batch)
         self.steps_done += 1
         return losses
+
+    def step_data(self, source: str, k: int, lr_scale: float | None = None):
+        """`step` on this device's part of global batch `k` of a dataset, read here (`piper.data`)."""
+        return self.step(self.executor.spec.readers[source].batch(k), lr_scale)
+
+    def evaluate_data(self, source: str, k: int):
+        """`evaluate` on this device's part of global batch `k` of a dataset, read here."""
+        return self.evaluate(self.executor.spec.readers[source].batch(k))
+
+    def evaluate(self, batch):
+        """The losses of this device's forward-only plan on its part of `batch` (no update)."""
+        return self.executor.run_eval(batch)
 
     def where(self) -> dict:
         """Where this worker runs: pid, Ray node id and address, device (`cuda:N` is the physical GPU)."""
