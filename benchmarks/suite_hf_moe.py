@@ -6,7 +6,9 @@ The model: transformers' Qwen3MoeForCausalLM (a tiny config made here, no downlo
 
 (a) dp=2: the experts replicated (plain `dp`) vs divided (`dp` + `expert_parallel`), the two
     jobs alternating step by step on the same batches: step time, and each device's
-    parameter bytes and expert bytes (`job.memory()[rank]["params"]`).
+    parameter bytes and expert bytes (`job.memory()[rank]["params"]`); beside them
+    transformers' own expert parallelism on the same weights and batches
+    (`DistributedConfig(ep_size=2, fsdp_size=2)`, benchmarks/hf_own_ep.py), run after them.
 (b) pp=2 x dp=2 with `expert_parallel`, 1F1B and DualPipeV (one job at a time): step time
     and parameter bytes per device, beside plain dp=4 with the experts replicated.
 
@@ -107,6 +109,20 @@ def _divided_vs_replicated(result, quick, optimizer, warmup, steps) -> Table:
         result.metrics[f"{key}.step_ms"] = ms(med)
         result.metrics[f"{key}.params_bytes"] = float(memory[name])
     result.metrics["ep_vs_dp.params_ratio"] = memory["dp + expert_parallel"] / memory["dp"]
+    from .hf_own_ep import measure
+
+    own = measure(model.m, batches, world=2, warmup=warmup)
+    name = "transformers' own EP (ep_size=2, fsdp_size=2)"
+    if "error" in own:
+        table.add(name, None, None, None, None)
+        table.notes.append(f"{name} failed: {own['error']}")
+    else:
+        table.add(name, ms(own["step_s"]), None, mib(own["expert_bytes"]), own["step_s"] / base if base else None)
+        result.metrics["hf_ep.step_ms"] = ms(own["step_s"])
+        result.metrics["hf_ep.expert_bytes"] = float(own["expert_bytes"])
+        table.notes.append(f"transformers' own EP: FSDP2 shards the dense weights too (its params per device are "
+                           f"not comparable, so not shown); its first loss {own['losses'][0]:.6f} against "
+                           f"Piper's {timings.losses['dp + expert_parallel'][0]:.6f} on the same weights and batch.")
     gap = timings.max_loss_gap("dp", "dp + expert_parallel")
     table.notes.append(f"ratio: step time over plain dp's. Largest loss difference between the two jobs over "
                        f"{warmup + steps} steps: {gap:.2e} (float32; the same model either way).")

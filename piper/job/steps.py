@@ -57,40 +57,6 @@ class JobSteps:
         return loss
 
 
-# `nonfinite="skip"`: this many skipped steps in a row stop the run all the same. Their updates were
-# skipped, so the parameters are what they were before them: a loss that stays inf or NaN for so long
-# comes from the data or from parameters already non-finite (an update with finite gradients can
-# still make them so: an infinite learning rate), and skipping more would only hide it.
-SKIPPED_IN_A_ROW = 25
-
-
-def check_finite(job, loss: float) -> None:
-    """After step `job.steps - 1`: raise `non-finite` naming it when its loss is inf or NaN (under
-    `nonfinite="skip"`: only after `SKIPPED_IN_A_ROW` such steps in a row, the others skipped)."""
-    step = job.steps - 1
-    if math.isfinite(loss):
-        job.nonfinite_in_a_row = 0
-        return
-    job.nonfinite_in_a_row = getattr(job, "nonfinite_in_a_row", 0) + 1
-    job.skipped_steps = getattr(job, "skipped_steps", 0) + (job.training.nonfinite == "skip")
-    if job.training.nonfinite == "skip" and job.nonfinite_in_a_row < SKIPPED_IN_A_ROW:
-        return
-    if job.nonfinite_in_a_row > 1:
-        first = step - job.nonfinite_in_a_row + 1
-        notes = (f"steps {first}-{step} all had a non-finite loss; their updates were skipped, so the "
-                 "parameters are non-finite themselves or the data is",)
-    elif step > 0:
-        notes = (f"step {step - 1}'s loss was finite: its update made the parameters non-finite (a learning "
-                 "rate too large, e.g. --lr inf), or this step's batch holds inf/NaN, or the model overflows",)
-    else:
-        notes = ("the first step: the initial parameters or the batch hold inf/NaN, or the model overflows",)
-    if job.training.nonfinite != "skip":
-        notes += ("the job's parameters now hold that step's update; a checkpoint saved before it is "
-                  "unaffected",)
-    raise error("non-finite", f"the loss of step {step} is {loss}", notes=notes,
-        hint="lower the learning rate, clip the gradients (clip_grad_norm=1.0, --clip-grad-norm 1.0) or check "
-             "the data; to skip such steps and go on, pass nonfinite='skip' (piper run --skip-nonfinite)")
-
     def evaluate(self, *batch, batches: int = 1, **named) -> float:
         """The mean loss of the global batch without any update: the forward half of every
         device's plan, on the same devices (`runtime.evaluation`). Parameters, optimizer state
@@ -161,6 +127,41 @@ def check_finite(job, loss: float) -> None:
             out[name] = Reader(dataset, self.batch_size, shuffle, seed, start, per, self.microbatches,
                                tuple(sorted(wanted)), self.training.dtype)
         return out
+
+
+# `nonfinite="skip"`: this many skipped steps in a row stop the run all the same. Their updates were
+# skipped, so the parameters are what they were before them: a loss that stays inf or NaN for so long
+# comes from the data or from parameters already non-finite (an update with finite gradients can
+# still make them so: an infinite learning rate), and skipping more would only hide it.
+SKIPPED_IN_A_ROW = 25
+
+
+def check_finite(job, loss: float) -> None:
+    """After step `job.steps - 1`: raise `non-finite` naming it when its loss is inf or NaN (under
+    `nonfinite="skip"`: only after `SKIPPED_IN_A_ROW` such steps in a row, the others skipped)."""
+    step = job.steps - 1
+    if math.isfinite(loss):
+        job.nonfinite_in_a_row = 0
+        return
+    job.nonfinite_in_a_row = getattr(job, "nonfinite_in_a_row", 0) + 1
+    job.skipped_steps = getattr(job, "skipped_steps", 0) + (job.training.nonfinite == "skip")
+    if job.training.nonfinite == "skip" and job.nonfinite_in_a_row < SKIPPED_IN_A_ROW:
+        return
+    if job.nonfinite_in_a_row > 1:
+        first = step - job.nonfinite_in_a_row + 1
+        notes = (f"steps {first}-{step} all had a non-finite loss; their updates were skipped, so the "
+                 "parameters are non-finite themselves or the data is",)
+    elif step > 0:
+        notes = (f"step {step - 1}'s loss was finite: its update made the parameters non-finite (a learning "
+                 "rate too large, e.g. --lr inf), or this step's batch holds inf/NaN, or the model overflows",)
+    else:
+        notes = ("the first step: the initial parameters or the batch hold inf/NaN, or the model overflows",)
+    if job.training.nonfinite != "skip":
+        notes += ("the job's parameters now hold that step's update; a checkpoint saved before it is "
+                  "unaffected",)
+    raise error("non-finite", f"the loss of step {step} is {loss}", notes=notes,
+        hint="lower the learning rate, clip the gradients (clip_grad_norm=1.0, --clip-grad-norm 1.0) or check "
+             "the data; to skip such steps and go on, pass nonfinite='skip' (piper run --skip-nonfinite)")
 
 
 def _by_name(batch: tuple, named: dict, names: tuple[str, ...]) -> tuple:
