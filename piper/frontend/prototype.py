@@ -262,8 +262,12 @@ def program_to_pps(data, *, file: str = "program.json") -> tuple[str, list[Diagn
                      "lists" + (' (the {"mesh": ..., "directives": [...]} form of earlier versions of '
                                 "`piper import` is no longer read)" if earlier else ""))
         raise PiperError(*problems.all())
-    records = [read_directive(d, f"[{i}]", problems) for i, d in enumerate(data)]
-    if problems.errors:
+    records = []
+    for i, d in enumerate(data):
+        if problems.full:
+            break
+        records.append(read_directive(d, f"[{i}]", problems))
+    if problems.failed:
         raise PiperError(*problems.all())
     of = {kind: [r for r in records if isinstance(r, kind)] for kind in (Place, Replicate, Shard, Split, Order)}
     places = of[Place]
@@ -279,7 +283,7 @@ def program_to_pps(data, *, file: str = "program.json") -> tuple[str, list[Diagn
     orders = _order_lines(of[Order], dim, problems)
     if any(it.pass_ in ("BI", "BW") for o in of[Order] for slot in o.slots for it in slot):
         splits.append("split B into BI, BW")     # the prototype splits the backwards its orders name BI and BW
-    if problems.errors:
+    if problems.failed:
         raise PiperError(*problems.all())
     _dropped_warning(problems)
     head = [f"# imported from {show(file, 80)} (a Piper prototype schedule directive program) by `piper import`"]

@@ -72,7 +72,8 @@ def show(value, budget: int = 40) -> str:
 
 def key_path(path: str, key) -> str:
     """`[3].filter` + `PP` -> `[3].filter.PP`; a key that is not a plain name is quoted."""
-    return f"{path}.{key}" if isinstance(key, str) and key.isidentifier() else f"{path}[{show(key, 20)}]"
+    plain = isinstance(key, str) and key.isidentifier() and key.isascii() and len(key) <= 40
+    return f"{path}.{key}" if plain else f"{path}[{show(key, 20)}]"
 
 
 class Problems:
@@ -82,12 +83,18 @@ class Problems:
         self.file = file
         self.found: list[Diagnostic] = []
         self.dropped: list[str] = []
-        self.more = 0                  # errors past MAX_ERRORS, counted only
+        self.error_count = 0
+
+    @property
+    def full(self) -> bool:
+        """MAX_ERRORS errors found: reading stops (a hostile program could hold a million)."""
+        return self.error_count >= MAX_ERRORS
 
     def _add(self, diagnostic: Diagnostic) -> None:
-        if diagnostic.severity == "error" and len(self.errors) >= MAX_ERRORS:
-            self.more += 1
-            return
+        if diagnostic.severity == "error":
+            if self.full:
+                return
+            self.error_count += 1
         self.found.append(diagnostic)
 
     def _where(self, path: str, message: str) -> str:
@@ -106,15 +113,15 @@ class Problems:
         self._add(Diagnostic("prototype-widened", self._where(path, message), "warning", hint=hint))
 
     @property
-    def errors(self) -> list[Diagnostic]:
-        return [d for d in self.found if d.severity == "error"]
+    def failed(self) -> bool:
+        return self.error_count > 0
 
     def all(self) -> list[Diagnostic]:
-        """Everything found, with a last note counting the errors left out."""
-        if not self.more:
+        """Everything found, with a last word when reading stopped at MAX_ERRORS errors."""
+        if not self.full:
             return list(self.found)
-        return self.found + [Diagnostic("bad-program-json", f"{self.file}: {self.more} more errors not shown "
-                                        f"(the first {MAX_ERRORS} are)", "error")]
+        return self.found + [Diagnostic("bad-program-json", f"{self.file}: reading stopped after {MAX_ERRORS} "
+                                        "errors", "note", hint="fix these and import again")]
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,9 @@ def read_filter(value, path: str, problems: Problems, *, passes: bool = False) -
         return None
     out = []
     for tag, index in value.items():
+        if type(index) is int and 0 <= index <= MAX_INDEX and tag != "PASS" and tag.isidentifier():
+            out.append((tag, index))    # the common case, first
+            continue
         at = key_path(path, tag)
         if not tag.isidentifier():
             problems.bad(at, f"{show(tag)} is not a tag name", hint="tags are names such as PP, EP and MB")
@@ -323,7 +333,7 @@ def read_directive(d, at: str, problems: Problems):
         problems.bad(at, f'a directive is an object with an "op", not {show(d)}')
         return None
     op = d.get("op")
-    if op not in READERS:
+    if not isinstance(op, str) or op not in READERS:
         problems.bad(f"{at}.op", f"unknown directive {show(op)}",
                      hint=did_you_mean(op if isinstance(op, str) else "", OPS) or f"directives are {', '.join(OPS)}")
         return None

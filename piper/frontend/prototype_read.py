@@ -23,9 +23,10 @@ MAX_BYTES = 1 << 20     # 1 MiB: the largest builder output we know (DualPipeV, 
 MAX_DEPTH = 32          # arrays and objects inside each other; a real program nests 5 deep
 MAX_DIGITS = 19         # digits of one integer literal: 2^62, the .pps language's integer bound, has 19
 
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")     # deleted by bytes.translate, in C
 # A JSON string (escapes included) or one bracket; strings are matched whole so brackets inside them are skipped.
 _STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
-_OPEN = frozenset("[{")
 
 
 class _NumberTooLong(ValueError):
@@ -37,18 +38,34 @@ def _position(text: str, offset: int) -> str:
     return f"{line}:{offset - (text.rfind(chr(10), 0, offset) + 1) + 1}"
 
 
-def _too_deep(text: str) -> int | None:
-    """The offset of the first bracket nested deeper than MAX_DEPTH, if any (one pass, no recursion)."""
+def _first_too_deep(text: str) -> int | None:
+    """The offset of the first bracket nested deeper than MAX_DEPTH, by counting (no recursion)."""
     depth = 0
     for m in _STRING_OR_BRACKET.finditer(text):
         c = m.group()
-        if c in _OPEN:
+        if c == "[" or c == "{":
             depth += 1
             if depth > MAX_DEPTH:
                 return m.start()
-        elif c in "]}":
+        elif c == "]" or c == "}":
             depth -= 1
     return None
+
+
+def _too_deep(text: str) -> int | None:
+    """Where `text` nests deeper than MAX_DEPTH, if it does.
+
+    The brackets outside strings lose their innermost pairs once per pass (in C, by
+    `str.replace`), which takes at least one level off each time: what is left after
+    MAX_DEPTH passes nests deeper, or does not balance. Only then are they counted
+    one by one, to find where (or that they only do not balance, for json.loads to say)."""
+    brackets = _STRING.sub("", text).encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKET)
+    for _ in range(MAX_DEPTH):
+        shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if shorter == brackets:         # empty, or brackets that do not balance (counted, to be sure)
+            break
+        brackets = shorter
+    return _first_too_deep(text) if brackets else None
 
 
 def _int(literal: str) -> int:
