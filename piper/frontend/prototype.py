@@ -252,6 +252,28 @@ def _dropped_warning(problems: Problems) -> None:
                      "same; the items of one slot run at once, in lanes")
 
 
+def _keyword_tags(records, problems: Problems) -> None:
+    """A tag named like a word of the .pps language (`in`, `order`) would not parse: an error at its first use."""
+    used: dict[str, str] = {}
+    dims = {r.dim for r in records if isinstance(r, Split)}      # written as MB
+    for r in records:
+        filters = [(f"{r.at}.filter", r.filter)] if not isinstance(r, Order) else [
+            (it.at, it.tags) for slot in r.slots for it in slot]
+        for at, filter_ in filters:
+            for tag, _ in filter_:
+                if tag not in dims:
+                    used.setdefault(tag, at)
+    lower = [t for t in used if t.islower()]
+    if not lower:
+        return                      # the language's words are all lower case; tags usually are not
+    from ..dsl.syntax_errors import KEYWORDS
+
+    for tag in lower:
+        if tag in KEYWORDS:
+            problems.bad(used[tag], f"the tag `{tag}` is a word of the .pps language", hint="rename the tag, in "
+                         "the model's piper.annotate and here")
+
+
 def program_to_pps(data, *, file: str = "program.json") -> tuple[str, list[Diagnostic]]:
     """A prototype program (parsed JSON) -> (.pps text, warnings); raise `PiperError` with every error."""
     problems = Problems(file)
@@ -267,6 +289,7 @@ def program_to_pps(data, *, file: str = "program.json") -> tuple[str, list[Diagn
         if problems.full:
             break
         records.append(read_directive(d, f"[{i}]", problems))
+    _keyword_tags([r for r in records if r is not None], problems)
     if problems.failed:
         raise PiperError(*problems.all())
     of = {kind: [r for r in records if isinstance(r, kind)] for kind in (Place, Replicate, Shard, Split, Order)}
