@@ -160,7 +160,8 @@ def test_zero1_has_no_prototype_spelling():
         program_of(compiled, microbatches=2)
 
 
-PLACES = [{"op": "place", "filter": {"PP": 0}, "devices": [0, 2]}, {"op": "place", "filter": {"PP": 1}, "devices": [1, 3]}]
+PLACES = [{"op": "place", "filter": {"PP": 0}, "devices": [0, 2]},
+          {"op": "place", "filter": {"PP": 1}, "devices": [1, 3]}]
 REPLICATES = [{"op": "replicate", "filter": {"PP": 0}, "devices": [0, 2]},
               {"op": "replicate", "filter": {"PP": 1}, "devices": [1, 3]}]
 SPLIT = {"op": "split", "filter": {}, "dim_name": "MB", "num_microbatches": 2}
@@ -194,7 +195,8 @@ BAD = [   # program, code, JSON path, words of the message or hint
      "unknown pass"),
     ([{"op": "order", "filters": [{"PP": 0, "MB": 0, "PASS": "F"}]}], "bad-program-json", "[0].filters[0]",
      "list of one"),
-    ([{"op": "place", "filter": {"PP": 0}, "devices": [[0]]}], "bad-program-json", "[0].devices[0]", "device is a number"),
+    ([{"op": "place", "filter": {"PP": 0}, "devices": [[0]]}], "bad-program-json", "[0].devices[0]",
+     "device is a number"),
     ([{"op": "place", "filter": {"PP": 0}, "devices": [0, 0]}], "bad-program-json", "[0].devices", "twice"),
     ([{"op": "place", "filter": {"PP": 0}, "devices": [0], "stream": 3}], "bad-program-json", "[0].stream", "name"),
     ([{"op": "replicate", "filter": {}, "devices": [0, 1], "shard_grads": "yes"}], "bad-program-json",

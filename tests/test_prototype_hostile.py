@@ -137,7 +137,8 @@ def test_errors_stop_at_the_bound():
 
 def test_messages_show_hostile_values_short_and_escaped():
     huge = "x" * 500_000
-    for program in ([{"op": huge}], [{"op": "place", huge: 1}], [{"op": "place", "filter": {huge + "-": 0}, "devices": [0]}],
+    for program in ([{"op": huge}], [{"op": "place", huge: 1}],
+                    [{"op": "place", "filter": {huge + "-": 0}, "devices": [0]}],
                     [{"op": "place", "filter": {"PP": 0}, "devices": [list(range(10_000))]}],
                     [{"op": "\x1b[31m\u202e"}]):
         with pytest.raises(PiperError) as err:

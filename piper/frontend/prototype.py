@@ -38,8 +38,7 @@ are dropped with one `prototype-dropped` warning.
 from __future__ import annotations
 
 from ..diagnostics import Diagnostic, PiperError
-from .prototype_directives import (PASSES, Order, Place, Problems, Replicate, Shard, Split,  # noqa: F401
-                                   read_directive, show)
+from .prototype_directives import Order, Place, Problems, Replicate, Shard, Split, read_directive, show
 from .prototype_mesh import Layout, layout_of
 from .prototype_read import parse_program, read_program
 
@@ -389,7 +388,8 @@ def program_of(compiled, *, microbatches: int) -> list[dict]:
         filters = []
         for slot in slots[devices[0]]:
             nodes = [index[k] for k in slot]
-            halves = {(n.region, n.mb) for n in nodes if n.op == "BI"} & {(n.region, n.mb) for n in nodes if n.op == "BW"}
+            halves = ({(n.region, n.mb) for n in nodes if n.op == "BI"}
+                      & {(n.region, n.mb) for n in nodes if n.op == "BW"})
             group = []
             for n in nodes:
                 if (n.region, n.mb) in halves and n.op == "BW":
