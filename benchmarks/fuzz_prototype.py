@@ -20,6 +20,7 @@ import collections
 import json
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -213,7 +214,9 @@ def main(argv=None) -> int:
     counts: collections.Counter = collections.Counter()
     internal: list[tuple[str, str]] = []
     slowest, started = 0.0, time.perf_counter()
-    for _ in range(args.cases):
+    for n in range(args.cases):
+        if n and n % 1000 == 0:
+            print(f"{n:,} cases, {counts['internal']} internal", file=sys.stderr, flush=True)
         text = case(draw)
         t0 = time.perf_counter()
         signal.setitimer(signal.ITIMER_REAL, args.limit)
