@@ -161,7 +161,9 @@ COMMANDS = {
     "bad-ir": "IR text that `parse_ir` cannot read",
     "bad-program-json": "a prototype JSON program that `piper import` cannot read (not JSON, a bad directive)",
     "prototype-unsupported": "a prototype directive the .pps language has no equivalent for",
-    "prototype-dropped": "a prototype directive's stream, dropped on import (warning)",
+    "prototype-dropped": "a prototype directive's streams or bucket size, dropped on import (warning)",
+    "prototype-widened": "a prototype program's expert shards, widened on import to every MoE layer (warning)",
+    "program-too-large": "a prototype JSON program past a size, nesting or number-length limit of `piper import`",
     "no-fit": "`piper tune` found no strategy that fits the memory budget",
 }
 

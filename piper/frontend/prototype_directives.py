@@ -1,232 +1,349 @@
-"""Each prototype directive as the `.pps` statements that mean the same (`piper import`).
+"""The prototype's directives read into typed records (`piper import FILE.json`).
 
-One function per directive op, in `TRANSLATE`; each reads one directive, reports
-what has no equivalent to the program's `_Problems`, and appends its statements
-to a `Script`. `program_to_pps` (prototype.py) reads the program and runs them.
+One reader per op, in `READERS`. Each checks one directive object's fields and
+types, reports what it cannot read to the program's `Problems` (with the JSON
+path, `[3].filters[2][0].PASS`), notes what it drops (streams, bucket sizes),
+and returns an immutable record, or None. The format is the prototype's own
+(its README's "Schedule Directives Program"; docs/prototype-json.md):
+
+    >>> p = Problems("p.json")
+    >>> read_directive({"op": "place", "filter": {"PP": 1}, "devices": [1, 3], "stream": "pp"}, "[1]", p)
+    Place(at='[1]', filter=(('PP', 1),), devices=(1, 3))
+    >>> p.dropped
+    ['[1].stream']
+
+Work per directive is proportional to its own size: nothing here knows the mesh.
 """
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+import re
+from dataclasses import dataclass
 
-from ..diagnostics import did_you_mean
+from ..diagnostics import Diagnostic, did_you_mean
 
-if TYPE_CHECKING:
-    from ..mesh import Mesh
-    from .prototype import _Problems
+PASSES = ("F", "B", "BI", "BW")      # the prototype's order passes (its _VALID_ORDER_PASSES)
+OPS = ("place", "replicate", "shard", "split", "order")
+MAX_INDEX = 2 ** 62                  # a tag index or count: the .pps language's integer bound
+MAX_DEVICE = 1 << 20                 # device numbers are below the language's mesh-size limit, 1,048,576
+MAX_ERRORS = 100                     # errors kept per program, as for scripts
+_DIGITS = re.compile(r"[0-9]{1,18}")
 
-PASSES = ("F", "B", "BI", "BW", "UPD")
-_SHARDABLE = ("batch", "optimizer", "grads", "params")
+# The fields each op takes (the prototype's src/directives.py and src/schedule.py); "device" is its alias of "devices".
+FIELDS = {
+    "place": ("op", "filter", "devices", "device", "stream"),
+    "replicate": ("op", "filter", "devices", "device", "reduce_stream", "gather_stream", "bucket_size",
+                  "shard_grads", "shard_params"),
+    "shard": ("op", "filter", "devices", "device", "stream"),
+    "split": ("op", "filter", "dim_name", "num_microbatches"),
+    "order": ("op", "filters"),
+}
+# Fields of the format earlier versions of `piper import` made up, with where the prototype says the same.
+_EARLIER = {
+    "schedule": 'an order lists its slots under "filters": [[{"PP": 0, "MB": 0, "PASS": "F"}], ...]',
+    "dim": 'a split names its dimension with "dim_name"', "parts": 'a split counts with "num_microbatches"',
+    "into": 'the backward splits where an order names "PASS": "BI" and "BW"',
+    "over": 'a directive names its "devices"', "what": '"shard" divides expert regions: {"PP": 0, "EP": "*"}',
+    "shard_optimizer": '"shard_grads" (ZeRO-2) and "shard_params" (ZeRO-3) are the replicate flags',
+}
 
-
-class Script:
-    """The statements a program becomes, in the script's order: splits, then places and
-    orders in the program's order, then the shards."""
-
-    def __init__(self):
-        self.splits: list[str] = []
-        self.lines: list[str] = []
-        self.tail: list[str] = []
-
-
-def _selector(filter_, path: str, problems: _Problems) -> str | None:
-    """{"PP": 1, "EP": "*"} -> `PP=1 EP=*`."""
-    if not isinstance(filter_, dict) or not filter_:
-        problems.bad(path, "a filter is an object of region tags, such as {\"PP\": 1} or {\"EP\": \"*\"}")
-        return None
-    parts = []
-    for tag, value in filter_.items():
-        if not str(tag).isidentifier():
-            problems.bad(f"{path}.{tag}", f"`{tag}` is not a region tag")
-            return None
-        if value == "*" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            parts.append(f"{tag}={value}")
-        else:
-            problems.bad(f"{path}.{tag}", f"a tag's value is an index >= 0 or \"*\", not {json.dumps(value)}")
-            return None
-    return " ".join(parts)
+Filter = tuple[tuple[str, "int | str"], ...]    # a filter's (tag, index or "*") pairs, in the program's order
 
 
-def _is_all(filter_) -> bool:
-    return filter_ is None or filter_ == {} or (isinstance(filter_, dict) and all(v == "*" for v in filter_.values()))
+def show(value, budget: int = 40) -> str:
+    """`value` as short JSON for a message: strings cut, lists and objects elided past `budget` characters."""
+    if isinstance(value, str):
+        text = json.dumps(value[:budget])
+        return text if len(value) <= budget else text[:-1] + '..."'
+    if isinstance(value, (list, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        parts, used = [], 0
+        for k, v in items:
+            if used > budget:
+                parts.append("...")
+                break
+            part = show(v, max(8, budget // 3))
+            parts.append(f"{show(str(k), 12)}: {part}" if isinstance(value, dict) else part)
+            used += len(parts[-1]) + 2
+        inner = ", ".join(parts)
+        return f"{{{inner}}}" if isinstance(value, dict) else f"[{inner}]"
+    return json.dumps(value) if isinstance(value, (bool, int, float)) or value is None else type(value).__name__
 
 
-def _devices(value, path: str, problems: _Problems) -> tuple[int, ...] | None:
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
-    if (not isinstance(value, list) or not value
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)):
-        problems.bad(path, f"devices are a non-empty list of device numbers, not {json.dumps(value)}")
-        return None
-    return tuple(sorted(set(value)))
+def key_path(path: str, key) -> str:
+    """`[3].filter` + `PP` -> `[3].filter.PP`; a key that is not a plain name is quoted."""
+    plain = isinstance(key, str) and key.isidentifier() and key.isascii() and len(key) <= 40
+    return f"{path}.{key}" if plain else f"{path}[{show(key, 20)}]"
 
 
-def _axis_index(mesh: Mesh, devices: tuple[int, ...]) -> tuple[str, int] | None:
-    """The (axis, index) whose devices are exactly `devices`, if any."""
-    for axis, size in mesh.axes:
-        for i in range(size):
-            if tuple(r for r in range(mesh.world_size) if mesh.coords(r)[axis] == i) == devices:
-                return axis, i
+class Problems:
+    """What a program's reading and translation found: errors, warnings, and the paths of dropped fields."""
+
+    def __init__(self, file: str):
+        self.file = file
+        self.found: list[Diagnostic] = []
+        self.dropped: list[str] = []
+        self.error_count = 0
+
+    @property
+    def full(self) -> bool:
+        """MAX_ERRORS errors found: reading stops (a hostile program could hold a million)."""
+        return self.error_count >= MAX_ERRORS
+
+    def _add(self, diagnostic: Diagnostic) -> None:
+        if diagnostic.severity == "error":
+            if self.full:
+                return
+            self.error_count += 1
+        self.found.append(diagnostic)
+
+    def _where(self, path: str, message: str) -> str:
+        return f"{self.file} {path}: {message}"
+
+    def unsupported(self, path: str, message: str, hint: str | None = None) -> None:
+        self._add(Diagnostic("prototype-unsupported", self._where(path, message), "error", hint=hint))
+
+    def bad(self, path: str, message: str, hint: str | None = None) -> None:
+        self._add(Diagnostic("bad-program-json", self._where(path, message), "error", hint=hint))
+
+    def dropped_fields(self, path: str, message: str, hint: str | None = None) -> None:
+        self._add(Diagnostic("prototype-dropped", self._where(path, message), "warning", hint=hint))
+
+    def widened(self, path: str, message: str, hint: str | None = None) -> None:
+        self._add(Diagnostic("prototype-widened", self._where(path, message), "warning", hint=hint))
+
+    @property
+    def failed(self) -> bool:
+        return self.error_count > 0
+
+    def all(self) -> list[Diagnostic]:
+        """Everything found, with a last word when reading stopped at MAX_ERRORS errors."""
+        if not self.full:
+            return list(self.found)
+        return self.found + [Diagnostic("bad-program-json", f"{self.file}: reading stopped after {MAX_ERRORS} "
+                                        "errors", "note", hint="fix these and import again")]
+
+
+@dataclass(frozen=True)
+class Place:
+    at: str
+    filter: Filter
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    at: str
+    filter: Filter
+    devices: tuple[int, ...]
+    zero: int                   # 0: gradients all-reduced; 2: shard_grads (ZeRO-2); 3: shard_params (ZeRO-3)
+
+
+@dataclass(frozen=True)
+class Shard:
+    at: str
+    filter: Filter
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Split:
+    at: str
+    filter: Filter
+    dim: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Item:
+    """One filter of an order slot: a pass (None: the filter names none) and its other tags."""
+    at: str
+    pass_: str | None
+    tags: Filter
+
+
+@dataclass(frozen=True)
+class Order:
+    at: str
+    slots: tuple[tuple[Item, ...], ...]
+
+
+def is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INDEX
+
+
+def _tag_value(value, path: str, problems: Problems):
+    """A filter value: an index, or "*"; a string of digits is its number, as the prototype reads it."""
+    if value == "*" or is_index(value):
+        return value
+    if isinstance(value, str) and _DIGITS.fullmatch(value):
+        return int(value)
+    problems.bad(path, f"a filter's value is a tag index (0, 1, ...) or \"*\", not {show(value)}")
     return None
 
 
-def _group_axis(mesh: Mesh, devices: tuple[int, ...]) -> str | None:
-    """The data-parallel axis a replicate over `devices` (every device of the mesh) means: `dp`, or the only axis."""
-    if devices != tuple(range(mesh.world_size)):
+def read_filter(value, path: str, problems: Problems, *, passes: bool = False) -> Filter | None:
+    """{"PP": 1, "EP": "*"} -> (("PP", 1), ("EP", "*")); with `passes`, "PASS" may name one of PASSES."""
+    if not isinstance(value, dict):
+        problems.bad(path, f'a filter is an object of tags, such as {{"PP": 1}} or {{"PP": 1, "EP": "*"}}, not '
+                     f"{show(value)}")
         return None
-    if "dp" in mesh.names:
-        return "dp"
-    return mesh.names[0] if len(mesh.names) == 1 else None
-
-
-def _item(item, path: str, problems: _Problems) -> str | None:
-    if isinstance(item, list):
-        if not item:
-            problems.bad(path, "an empty slot")
-            return None
-        parts = [_item(x, f"{path}[{i}]", problems) for i, x in enumerate(item)]
-        if any(p is None or p.startswith("[") for p in parts):
-            if not any(p is None for p in parts):
-                problems.bad(path, "slots do not nest")
-            return None
-        return parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
-    if not isinstance(item, dict) or "PASS" not in item:
-        problems.bad(path, 'a schedule item is {"PASS": "F", "MB": 0, ...} or a list of them (one slot)')
-        return None
-    op = item["PASS"]
-    if op not in PASSES:
-        problems.bad(f"{path}.PASS", f"unknown pass {json.dumps(op)}",
-                       hint=did_you_mean(str(op), PASSES) or "passes are F, B, BI, BW and UPD")
-        return None
-    tags = []
-    for key, value in item.items():
-        if key == "PASS":
+    out = []
+    for tag, index in value.items():
+        if type(index) is int and 0 <= index <= MAX_INDEX and tag != "PASS" and tag.isidentifier():
+            out.append((tag, index))    # the common case, first
             continue
-        if key == "stream":
-            problems.warning(f"{path}.stream", f"stream {json.dumps(value)} dropped: the runtime runs the items of "
-                             "a slot in lanes of its own", hint="write items meant to overlap as one slot: a list")
-            continue
-        if not str(key).isidentifier() or not (value == "*" or (isinstance(value, int) and not isinstance(value, bool))):
-            problems.bad(f"{path}.{key}", f"a tag is NAME: index, not {json.dumps(key)}: {json.dumps(value)}")
+        at = key_path(path, tag)
+        if not tag.isidentifier():
+            problems.bad(at, f"{show(tag)} is not a tag name", hint="tags are names such as PP, EP and MB")
             return None
-        tags.append(f"{key}={value}")
-    return f"{op}({', '.join(tags)})" if tags else op
+        if tag == "PASS":
+            if not passes:
+                problems.unsupported(at, "this directive applies to every pass of its regions; only an order's "
+                                     "filters name a PASS", hint='drop "PASS" here')
+                return None
+            if index not in PASSES:
+                problems.bad(at, f"unknown pass {show(index)}",
+                             hint=did_you_mean(index if isinstance(index, str) else "", PASSES)
+                             or "passes are F, B, BI and BW")
+                return None
+            out.append((tag, index))
+            continue
+        index = _tag_value(index, at, problems)
+        if index is None:
+            return None
+        out.append((tag, index))
+    return tuple(out)
 
 
-def _wrap(slots: list[str], indent: str, width: int = 100) -> list[str]:
-    lines, line = [], ""
-    for s in slots:
-        piece = s if not line else "; " + s
-        if line and len(indent) + len(line) + len(piece) > width:
-            lines.append(indent + line)
-            line = s
-        else:
-            line += piece
-    if line:
-        lines.append(indent + line)
-    return lines
+def _devices(d: dict, at: str, problems: Problems) -> tuple[int, ...] | None:
+    key = "devices" if "devices" in d or "device" not in d else "device"
+    value = d.get(key)
+    path = f"{at}.{key}"
+    if not isinstance(value, list) or not value:
+        problems.bad(path, f"devices are a non-empty list of device numbers, not {show(value)}")
+        return None
+    for i, device in enumerate(value):
+        if not (isinstance(device, int) and not isinstance(device, bool) and 0 <= device < MAX_DEVICE):
+            problems.bad(f"{path}[{i}]", f"a device is a number from 0 to {MAX_DEVICE - 1:,}, not {show(device)}")
+            return None
+    devices = tuple(sorted(set(value)))
+    if len(devices) != len(value):
+        problems.bad(path, f"{show(value)} names a device twice")
+        return None
+    return devices
 
 
-def _split(d: dict, at: str, mesh: Mesh | None, problems: _Problems, script: Script) -> None:
-    if "PASS" in d:
-        into = d.get("into")
-        if d["PASS"] != "B" or into != ["BI", "BW"]:
-            problems.unsupported(f"{at}.into", "only the backward splits, into BI and BW",
-                           hint='write {"op": "split", "PASS": "B", "into": ["BI", "BW"]}')
-            return
-        script.splits.append("split B into BI, BW")
-        return
-    dim, parts = d.get("dim", "MB"), d.get("parts", d.get("into"))
-    if dim != "MB":
-        problems.unsupported(f"{at}.dim", f"splitting {json.dumps(dim)} has no equivalent; only the batch "
-                       "splits into microbatches (MB)")
-        return
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        problems.bad(f"{at}.parts", f"the number of microbatches is an integer >= 1, not "
-                       f"{json.dumps(parts)}")
-        return
-    script.splits.insert(0, f"split MB into {parts}")
+def _streams(d: dict, at: str, problems: Problems, *names: str) -> bool:
+    """Note the streams `d` names as dropped; False (with an error) for a stream that is not a name."""
+    for name in names:
+        if name in d:
+            if d[name] is not None and not isinstance(d[name], str):
+                problems.bad(f"{at}.{name}", f"a stream is a name, not {show(d[name])}")
+                return False
+            problems.dropped.append(f"{at}.{name}")
+    return True
 
 
-def _place(d: dict, at: str, mesh: Mesh | None, problems: _Problems, script: Script) -> None:
-    sel = _selector(d.get("filter"), f"{at}.filter", problems)
-    devices = _devices(d.get("devices"), f"{at}.devices", problems)
-    if sel is None or devices is None or mesh is None:
-        return
-    if devices == tuple(range(mesh.world_size)):
-        return                # on every device: what an unplaced region does
-    where = _axis_index(mesh, devices)
-    if where is None:
-        problems.unsupported(f"{at}.devices", f"devices {list(devices)} are not the devices of one index of an "
-                       f"axis of the mesh {mesh}", hint="place each region on one pipeline stage's devices "
-                       "(a mesh axis index), or give the program a \"mesh\" object that makes them one")
-        return
-    script.lines.append(f"place {sel} on {where[0]}[{where[1]}]")
+def _flag(d: dict, name: str, at: str, problems: Problems) -> bool | None:
+    value = d.get(name, False)
+    if not isinstance(value, bool):
+        problems.bad(f"{at}.{name}", f"{name} is true or false, not {show(value)}")
+        return None
+    return value
 
 
-def _replicate(d: dict, at: str, mesh: Mesh | None, problems: _Problems, script: Script) -> None:
-    if not _is_all(d.get("filter")):
-        problems.unsupported(f"{at}.filter", "replicating some regions only has no equivalent: data parallelism "
-                       "covers the whole model", hint="drop the filter (or use {\"PP\": \"*\"})")
-        return
-    devices = _devices(d.get("devices", list(range(mesh.world_size)) if mesh else None), f"{at}.devices",
-                       problems)
-    if devices is None or mesh is None:
-        return
-    axis = d.get("over") or _group_axis(mesh, devices)
-    if not axis or axis not in mesh.names:
-        problems.unsupported(f"{at}.devices", f"devices {list(devices)} are not a data-parallel axis of the mesh "
-                       f"{mesh}", hint='give the program a "mesh" object with a dp axis, or "over": "dp"')
-        return
-    shard_grads, shard_params = bool(d.get("shard_grads")), bool(d.get("shard_params"))
-    shard_optimizer = bool(d.get("shard_optimizer", shard_grads or shard_params))
-    if shard_params and not shard_grads:
-        problems.unsupported(f"{at}.shard_params", "sharded parameters with full gradients have no equivalent "
-                       "(ZeRO-3 shards the optimizer state, gradients and parameters)",
-                       hint='set "shard_grads": true as well')
-        return
-    if (shard_grads or shard_params) and not shard_optimizer:
-        problems.unsupported(f"{at}.shard_optimizer", "sharded gradients with full optimizer state have no "
-                       "equivalent (ZeRO-2 shards both)", hint='drop "shard_optimizer": false')
-        return
-    script.tail.append(f"shard batch over {axis}")
-    what = [w for w, on in (("optimizer", shard_optimizer), ("grads", shard_grads),
-                            ("params", shard_params)) if on]
-    if what:
-        script.tail.append(f"shard {', '.join(what)} over {axis}")
+def _place(d: dict, at: str, problems: Problems):
+    filter_ = read_filter(d.get("filter"), f"{at}.filter", problems)
+    devices = _devices(d, at, problems)
+    if filter_ is None or devices is None or not _streams(d, at, problems, "stream"):
+        return None
+    return Place(at, filter_, devices)
 
 
-def _shard(d: dict, at: str, mesh: Mesh | None, problems: _Problems, script: Script) -> None:
-    if d.get("filter"):
-        problems.unsupported(f"{at}.filter", "sharding regions (tensor or expert parallelism) has no "
-                       "equivalent in this version", hint="shard the batch, optimizer state, gradients or "
-                       "parameters over a mesh axis instead")
-        return
-    what = d.get("what", ["batch"])
-    what = [what] if isinstance(what, str) else what
-    axis = d.get("over")
-    if not isinstance(what, list) or not what or any(w not in _SHARDABLE for w in what):
-        problems.bad(f"{at}.what", f"shard takes a list of {', '.join(_SHARDABLE)}")
-        return
-    if mesh is None or axis not in mesh.names:
-        problems.unsupported(f"{at}.over", f"{json.dumps(axis)} is not an axis of the mesh {mesh}",
-                       hint=did_you_mean(str(axis), mesh.names) if mesh else None)
-        return
-    script.tail.append(f"shard {', '.join(what)} over {axis}")
+def _replicate(d: dict, at: str, problems: Problems):
+    filter_ = read_filter(d.get("filter"), f"{at}.filter", problems)
+    devices = _devices(d, at, problems)
+    grads, params = _flag(d, "shard_grads", at, problems), _flag(d, "shard_params", at, problems)
+    ok = _streams(d, at, problems, "reduce_stream", "gather_stream")
+    if "bucket_size" in d:
+        size = d["bucket_size"]
+        if not (isinstance(size, (int, float)) and not isinstance(size, bool) and 0 < size < MAX_INDEX):
+            problems.bad(f"{at}.bucket_size", f"a bucket size is a number of MB > 0, not {show(size)}")
+            return None
+        problems.dropped.append(f"{at}.bucket_size")
+    if filter_ is None or devices is None or grads is None or params is None or not ok:
+        return None
+    # The prototype's replicate: shard_params gathers parameters and reduce-scatters gradients (ZeRO-3,
+    # whatever shard_grads says); shard_grads alone reduce-scatters (ZeRO-2); neither all-reduces.
+    return Replicate(at, filter_, devices, 3 if params else 2 if grads else 0)
 
 
-def _order(d: dict, at: str, mesh: Mesh | None, problems: _Problems, script: Script) -> None:
-    sel = _selector(d.get("filter"), f"{at}.filter", problems)
-    schedule = d.get("schedule")
-    if not isinstance(schedule, list) or not schedule:
-        problems.bad(f"{at}.schedule", "an order's schedule is a non-empty list of items")
-        return
-    slots = [_item(x, f"{at}.schedule[{j}]", problems) for j, x in enumerate(schedule)]
-    if sel is None or any(s is None for s in slots):
-        return
-    script.lines.append(f"order {sel}:")
-    script.lines.extend(_wrap(slots, "    "))
+def _shard(d: dict, at: str, problems: Problems):
+    filter_ = read_filter(d.get("filter"), f"{at}.filter", problems)
+    devices = _devices(d, at, problems)
+    if filter_ is None or devices is None or not _streams(d, at, problems, "stream"):
+        return None
+    return Shard(at, filter_, devices)
 
 
-# op -> its translator, in the order `piper import` documents the ops
-TRANSLATE = {"place": _place, "replicate": _replicate, "shard": _shard, "split": _split, "order": _order}
+def _split(d: dict, at: str, problems: Problems):
+    filter_ = read_filter(d.get("filter"), f"{at}.filter", problems)
+    dim, count = d.get("dim_name"), d.get("num_microbatches")
+    if not isinstance(dim, str) or not dim.isidentifier():
+        problems.bad(f"{at}.dim_name", f"a split's dim_name is the name of the new tag, such as \"MB\", not "
+                     f"{show(dim)}")
+        return None
+    if not is_index(count) or count < 1:
+        problems.bad(f"{at}.num_microbatches", f"the number of microbatches is an integer >= 1, not {show(count)}")
+        return None
+    return None if filter_ is None else Split(at, filter_, dim, count)
+
+
+def _order(d: dict, at: str, problems: Problems):
+    filters = d.get("filters")
+    if not isinstance(filters, list) or not filters:
+        problems.bad(f"{at}.filters", 'an order\'s filters are a non-empty list of slots, each a list of filters: '
+                     '[[{"PP": 0, "MB": 0, "PASS": "F"}], [{"PP": 0, "MB": 0, "PASS": "B"}]]')
+        return None
+    slots = []
+    for j, group in enumerate(filters):
+        path = f"{at}.filters[{j}]"
+        if not isinstance(group, list) or not group:
+            problems.bad(path, f"a slot is a non-empty list of filters, not {show(group)}",
+                         hint="write one filter as a list of one: [{\"PP\": 0, \"MB\": 0, \"PASS\": \"F\"}]")
+            return None
+        items = []
+        for k, flt in enumerate(group):
+            tags = read_filter(flt, f"{path}[{k}]", problems, passes=True)
+            if tags is None:
+                return None
+            pass_ = next((v for t, v in tags if t == "PASS"), None)
+            items.append(Item(f"{path}[{k}]", pass_, tuple((t, v) for t, v in tags if t != "PASS")))
+        slots.append(tuple(items))
+    return Order(at, tuple(slots))
+
+
+READERS = {"place": _place, "replicate": _replicate, "shard": _shard, "split": _split, "order": _order}
+
+
+def read_directive(d, at: str, problems: Problems):
+    """One directive object -> its record, or None with the reasons in `problems`."""
+    if not isinstance(d, dict):
+        problems.bad(at, f'a directive is an object with an "op", not {show(d)}')
+        return None
+    op = d.get("op")
+    if not isinstance(op, str) or op not in READERS:
+        problems.bad(f"{at}.op", f"unknown directive {show(op)}",
+                     hint=did_you_mean(op if isinstance(op, str) else "", OPS) or f"directives are {', '.join(OPS)}")
+        return None
+    unknown = [k for k in d if k not in FIELDS[op]]
+    if unknown:
+        k = unknown[0]
+        hint = _EARLIER.get(k) or did_you_mean(k[:40], FIELDS[op]) or f"{op} takes {', '.join(FIELDS[op][1:])}"
+        problems.bad(key_path(at, k), f"{op} has no field {show(k)}", hint=hint)
+        return None
+    if op != "order" and "filter" not in d:
+        problems.bad(f"{at}.filter", f"{op} needs a filter", hint="the empty filter {} selects the whole model")
+        return None
+    return READERS[op](d, at, problems)
