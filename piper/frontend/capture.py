@@ -15,7 +15,6 @@ from .annotate import reset_counters
 from ..diagnostics import error
 from ..lazy import LazyModule
 from .frames import last_user_frame
-from .hf_experts import use_piper_experts
 from .model_checks import check_layers
 
 # Imported on first use: planning with `--regions` (Program.chain) never needs torch.
@@ -184,6 +183,8 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = ())
             what = f"`{names[i]}`" if names else str(i)
             raise error("bad-inputs", f"example input {what} is a {type(x).__name__}, not a tensor",
                         hint="forward takes the batch as tensors, e.g. (idx, targets), and returns the loss")
+    from .hf_experts import use_piper_experts
+
     meta_model = _meta_copy(model)
     _no_kv_cache(meta_model)
     undivided = use_piper_experts(meta_model)
