@@ -57,7 +57,9 @@ def _rank(rank: int, world: int, port: int, path: str, batches, warmup: int, out
             dist.barrier()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-            losses.append(loss.item())
+            mean = loss.detach().clone()          # over the global batch, as Piper's job.step reports it
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
         if rank == 0:
             out.put({"step_s": statistics.median(times), "expert_bytes": experts, "losses": losses})
     except Exception as exc:           # the suite reports it as the row's failure
