@@ -109,6 +109,7 @@ SCHEDULE = {
     "collective-mismatch": "the devices of a group would issue their collectives in different orders",
     "partial-order": "an `order` lists a pass for some microbatches but not all (warning)",
     "bi-without-bw": "an `order` lists BW of a region but not for every microbatch whose BI it lists (warning)",
+    "plan-too-large": "microbatches, regions and devices that would make a plan past the size limits",
 }
 # Loading and capturing a model (models.py, capture.py, job/).
 MODEL = {

@@ -108,9 +108,11 @@ def _read_import(module: n.Module, item: n.Import, *, chain: tuple[str, ...], st
     try:
         return path, read_source(resolve_import(base, path_text))
     except SourceError as err:
-        code = "bad-import" if err.code == "bad-import" else "import-not-found"
+        if err.code == "bad-import":        # a link out of the folder tree, or to another kind of file
+            return Diagnostic("bad-import", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
+                              labels=_imported_here(trace), hint=err.hint)
         return Diagnostic(
-            code, f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
+            "import-not-found", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
             labels=_imported_here(trace),
             hint="the path is relative to the importing script's folder" if err.reason == "no such file"
             else err.hint)

@@ -12,8 +12,8 @@ loop looked up once.
 Whatever this does not cover goes the general way, which also reports what is
 wrong: a body of anything but `let`s and slot lines, an expression
 of anything but names, ints, `+ - * // %`, a name from outside that is not an
-int, a division by zero, a value below 0 or beyond the script's limit, a tag
-twice in an item, the step limit. Nothing is recorded before the whole loop has
+int, a division by zero, a value below 0 or beyond the script's limits, a tag
+twice in an item, the step or work limit. Nothing is recorded before the whole loop has
 gone through.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from piper.frontend.selectors import ANY, PASSES, Selector
 
 from . import nodes as n
-from .values import MAX_INT, Env
+from .values import MAX_INT, MAX_TAG_INDEX, Env
 
 _OPERATORS = ("+", "-", "*", "//", "%")
 
@@ -38,7 +38,9 @@ def run_slot_loop(interp, stmt: n.For, env: Env, start: int, stop: int) -> bool:
     if n.Slots not in kinds or not kinds <= {n.Let, n.Slots} or not interp._orders:
         return False
     count = stop - start
-    if count <= 0 or interp.steps + (1 + len(body)) * count > interp.limits.steps:
+    work = (1 + sum(map(interp.weights, body))) * count      # the loop's turn and each line's terms
+    if count <= 0 or interp.steps + (1 + len(body)) * count > interp.limits.steps \
+            or interp.work + work > interp.limits.work:
         return False
     try:
         values, items = _compiled(stmt, env)
@@ -49,6 +51,7 @@ def run_slot_loop(interp, stmt: n.For, env: Env, start: int, stop: int) -> bool:
     slots += made
     slot_spans += [interp.slot_spans(slot) for line in body if type(line) is n.Slots for slot in line.slots] * count
     interp.steps += (1 + len(body)) * count       # the loop's step and each statement's, each time round
+    interp.work += work
     interp._span = body[-1].span
     return True
 
@@ -65,7 +68,7 @@ def _slots(selectors: dict, values, items: list[list[tuple]], loop: range) -> li
             for op, names, flat in slot:
                 if flat:                    # one tag with a value: keyed flat, as `pass_selector` keys it
                     v = next(tags)
-                    if v < 0:
+                    if not 0 <= v <= MAX_TAG_INDEX:
                         raise _General
                     key = (op, names[0], v)
                     selector = selectors.get(key)
@@ -73,7 +76,7 @@ def _slots(selectors: dict, values, items: list[list[tuple]], loop: range) -> li
                         selector = selectors[key] = Selector(op, ((names[0], v),))
                 else:
                     pairs = tuple((name, next(tags)) for name in names)
-                    if any(v != ANY and v < 0 for _, v in pairs):
+                    if any(v != ANY and not 0 <= v <= MAX_TAG_INDEX for _, v in pairs):
                         raise _General
                     selector = selectors.get((op, pairs))
                     if selector is None:
