@@ -33,7 +33,7 @@ _TORCH_RANK = {"F": 0, "B": 1, "BI": 2, "BW": 3}   # torch writes an overlapped 
 # CSV is far smaller: 64 ranks x 512 microbatches x 3 passes is about 1 MB.
 MAX_CSV_BYTES = 16 * 1024 * 1024
 MAX_STAGE = 8191                 # dsl.values.MAX_TAG_INDEX
-MAX_MICROBATCH = 8191            # dsl.values.MAX_MICROBATCHES - 1
+MAX_MICROBATCH = 4095            # dsl.values.MAX_MICROBATCHES - 1
 
 
 # ---- slots: what one `order` slot became in a device's plan

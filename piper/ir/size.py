@@ -35,13 +35,17 @@ def check_split(ir, d) -> None:
                     span=d.span, hint=_HINT)
 
 
-def check_placement(ir, d, group_size: int, regions: int) -> None:
-    """plan-too-large before `place` lists `group_size` devices for each of `regions` regions."""
-    placed = sum(len(ranks) for _, ranks in ir.placement)
+def check_placement(ir, d, group_size: int, regions: int) -> int:
+    """plan-too-large before `place` lists `group_size` devices for each of `regions` regions; else
+    the region-device pairs listed so far (`place` keeps the running sum in the IR's indexes)."""
+    found = ir._indexes.get("placed_pairs")
+    placed = found[1] if found is not None and found[0] is ir.placement else \
+        sum(len(ranks) for _, ranks in ir.placement)
     if placed + group_size * regions > MAX_PLACEMENTS:
         raise error("plan-too-large", f"this places {regions:,} region(s) on {group_size:,} devices each, "
                     f"{placed + group_size * regions:,} region-device pairs with the places before it; a plan "
                     f"holds at most {MAX_PLACEMENTS:,}", span=d.span, hint=_HINT)
+    return placed
 
 
 def check_lowering(ir) -> None:
