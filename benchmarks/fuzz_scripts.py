@@ -128,7 +128,7 @@ def _alarm(signum, frame):
     raise _TimeUp
 
 
-def run_case(folder: str, name: str, text: str) -> dict:
+def run_case(folder: str, name: str, text: str, seconds: float = CASE_SECONDS) -> dict:
     """`piper check --format json` on `text`, saved as `folder/name`: the outcome, its seconds, and
     what went wrong where it did."""
     from piper.cli import main
@@ -139,7 +139,7 @@ def run_case(folder: str, name: str, text: str) -> dict:
         f.write(text)
     out, err = io.StringIO(), io.StringIO()
     start = time.process_time()
-    signal.setitimer(signal.ITIMER_PROF, CASE_SECONDS)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         with redirect_stdout(out), redirect_stderr(err):
             main(["check", "--format", "json", path])
@@ -157,11 +157,16 @@ def run_case(folder: str, name: str, text: str) -> dict:
     seconds = time.process_time() - start
     if outcome == "ok" and "internal-error" in out.getvalue() + err.getvalue():
         outcome, detail = "internal", (out.getvalue() + err.getvalue())[:300]
-    return {"outcome": outcome, "seconds": round(seconds, 3), "detail": detail}
+    try:
+        codes = sorted({d["code"] for d in json.loads(out.getvalue() or "[]")})
+    except (ValueError, TypeError, KeyError):
+        codes = []
+    return {"outcome": outcome, "seconds": round(seconds, 3), "detail": detail, "codes": codes}
 
 
-def worker() -> None:
-    """Read cases (JSON lines: name, text) from stdin; write outcomes (JSON lines) to stdout."""
+def worker(seconds: float = CASE_SECONDS) -> None:
+    """Read cases (JSON lines: name, text) from stdin; write outcomes (JSON lines) to stdout; a case
+    past `seconds` of CPU time is a time-out."""
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
@@ -172,7 +177,7 @@ def worker() -> None:
     with tempfile.TemporaryDirectory(prefix="piper-fuzz-") as folder:
         for line in sys.stdin:
             item = json.loads(line)
-            result = run_case(folder, item["name"], item["text"])
+            result = run_case(folder, item["name"], item["text"], seconds)
             reply.write(json.dumps(result) + "\n")
             reply.flush()
 
@@ -182,13 +187,14 @@ class Worker:
     it or outlasts `hang_seconds` (the alarm did not fire: a hang in C) comes back as `crashed`
     or `timeout`, and the next case starts a new worker."""
 
-    def __init__(self, hang_seconds: float = 60.0):
-        self.hang_seconds = hang_seconds
+    def __init__(self, hang_seconds: float = 60.0, case_seconds: float = CASE_SECONDS):
+        self.hang_seconds, self.case_seconds = hang_seconds, case_seconds
         self.proc: subprocess.Popen | None = None
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        return subprocess.Popen([sys.executable, "-m", "benchmarks.fuzz_scripts", "--worker"], cwd=str(REPO),
+        return subprocess.Popen([sys.executable, "-m", "benchmarks.fuzz_scripts", "--worker",
+                                 "--case-seconds", str(self.case_seconds)], cwd=str(REPO),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, encoding="utf-8", errors="surrogateescape", env=env)
 
@@ -259,10 +265,11 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, help="stop after this long, whatever --cases says")
     parser.add_argument("--show-failures", action="store_true")
     parser.add_argument("--out", help="write the summary and every failing case here (JSON)")
+    parser.add_argument("--case-seconds", type=float, default=CASE_SECONDS, help="CPU seconds a case may take")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker()
+        worker(args.case_seconds)
         return 0
     summary = fuzz(args.cases, args.seed, minutes=args.minutes, show=args.show_failures,
                    report=lambda line: print(line, flush=True))
