@@ -231,8 +231,10 @@ class Worker:
             self.proc = None
 
 
-def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = False, report=print) -> dict:
-    """Run `cases` cases (or until `minutes` pass); counts per outcome, the slowest case, the failures."""
+def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = False, report=print,
+         failures_to: str | None = None) -> dict:
+    """Run `cases` cases (or until `minutes` pass); counts per outcome, the slowest case, the failures
+    (each also appended to `failures_to`, one JSON line, as it happens)."""
     rng = random.Random(seed)
     counts = dict.fromkeys(("ok",) + BAD, 0)
     failures, slowest, start = [], (0.0, None), time.monotonic()
@@ -248,6 +250,9 @@ def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = Fa
                 slowest = (result["seconds"], text)
             if result["outcome"] in BAD:
                 failures.append({"name": name, "text": text, **result})
+                if failures_to:
+                    with open(failures_to, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(failures[-1]) + "\n")
                 if show:
                     report(f"--- case {i} ({name}): {result['outcome']} {result['detail']}\n{text}")
             if (i + 1) % 1000 == 0:
@@ -272,7 +277,8 @@ def main(argv=None) -> int:
         worker(args.case_seconds)
         return 0
     summary = fuzz(args.cases, args.seed, minutes=args.minutes, show=args.show_failures,
-                   report=lambda line: print(line, flush=True))
+                   report=lambda line: print(line, flush=True),
+                   failures_to=args.out + ".failures" if args.out else None)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

@@ -32,6 +32,12 @@ class Outcomes:
 
     def report(self, diagnostic: Diagnostic, *, force: bool = False) -> None:
         key = (diagnostic.code, diagnostic.span, diagnostic.trace)
+        if not force:
+            # A failing line in a loop fails each time round with the same diagnostic, kept once;
+            # past `Limits.failures` of them the run ends (what it found is reported).
+            self.failures = getattr(self, "failures", 0) + 1
+            if self.failures > self.limits.failures:
+                raise Stop(None)
         if key in self._seen:
             return
         self._seen.add(key)

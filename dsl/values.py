@@ -33,6 +33,7 @@ class Limits:
     work: int = 8_000_000
     depth: int = 64
     errors: int = 100
+    failures: int = 1000      # statements that fail, repeats of one diagnostic included
 
 
 # ---- values: int, bool, Axis, and two the checker needs
