@@ -212,7 +212,10 @@ class Worker:
         line = self.proc.stdout.readline()
         if not line:
             return self._lost("crashed", f"the worker exited ({self.proc.wait()})")
-        return json.loads(line)
+        result = json.loads(line)
+        if result["outcome"] == "memory":    # its heap is near the limit now: the next case gets a fresh one
+            self.close()
+        return result
 
     def _lost(self, outcome: str, detail: str) -> dict:
         self.close()
