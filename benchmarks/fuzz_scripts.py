@@ -190,6 +190,7 @@ class Worker:
     def __init__(self, hang_seconds: float = 60.0, case_seconds: float = CASE_SECONDS):
         self.hang_seconds, self.case_seconds = hang_seconds, case_seconds
         self.proc: subprocess.Popen | None = None
+        self.cases = 0
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -198,9 +199,14 @@ class Worker:
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, encoding="utf-8", errors="surrogateescape", env=env)
 
+    CASES_PER_WORKER = 500      # a long-lived worker's heap grows (caches, fragments): start afresh
+
     def run(self, name: str, text: str) -> dict:
+        if self.proc is not None and self.cases >= self.CASES_PER_WORKER:
+            self.close()
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = self._start()
+            self.proc, self.cases = self._start(), 0
+        self.cases += 1
         try:
             self.proc.stdin.write(json.dumps({"name": name, "text": text}) + "\n")
             self.proc.stdin.flush()
