@@ -8,7 +8,7 @@ known, the concrete run of the top level (ranges, limits, the used strategies).
 from __future__ import annotations
 
 from piper.diagnostics import Diagnostic, Label, PiperError, did_you_mean
-from piper.mesh import Mesh
+from piper.mesh import MAX_WORLD_SIZE, Mesh
 
 from . import nodes as n
 from .interpreter import Interpreter
@@ -18,8 +18,6 @@ from .source import bidi_warnings, cap_repeated, too_large
 from .syntax import parse_recovering
 from .values import Limits
 
-# The mesh stays small enough that anything may list its ranks.
-MAX_WORLD_SIZE = 1 << 20
 
 
 def declared_mesh(module: n.Module) -> tuple[Mesh | None, list[Diagnostic]]:

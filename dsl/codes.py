@@ -48,7 +48,7 @@ VALUES = {
     "division-by-zero": "`//` or `%` by zero",
     "bad-split": "`split` of something other than MB (into a count) or B (into BI, BW)",
     "bad-shard": "`shard` of something other than batch, optimizer, grads, params, experts",
-    "loop-limit": "the script takes more than 1,000,000 steps",
+    "loop-limit": "the script takes more than 1,000,000 steps, or evaluates more than 8,000,000 terms",
     "recursion-limit": "`use` or `import` nested more than 64 levels deep",
 }
 FILES = {
@@ -109,6 +109,7 @@ SCHEDULE = {
     "collective-mismatch": "the devices of a group would issue their collectives in different orders",
     "partial-order": "an `order` lists a pass for some microbatches but not all (warning)",
     "bi-without-bw": "an `order` lists BW of a region but not for every microbatch whose BI it lists (warning)",
+    "plan-too-large": "microbatches, regions and devices that would make a plan past the size limits",
 }
 # Loading and capturing a model (models.py, capture.py, job/).
 MODEL = {

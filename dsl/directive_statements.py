@@ -6,11 +6,12 @@ of `piper.frontend.directives` that the Python API would make.
 """
 from __future__ import annotations
 
-from piper.diagnostics import Label, Span, did_you_mean
+from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
 from piper.frontend.directives import SHARDABLE, Order, Place, Recompute, Shard, Split
 
 from . import nodes as n
-from .values import Env
+from .outcomes import Stop
+from .values import MAX_MICROBATCHES, Env, show
 
 
 class DirectiveStatements:
@@ -36,6 +37,12 @@ class DirectiveStatements:
         if isinstance(count, int) and count < 1:
             raise self.fail("value-out-of-range", f"the number of microbatches must be at least 1, not {count}",
                             stmt.parts[0].span, hint="split the batch into 1 or more microbatches")
+        if isinstance(count, int) and count > MAX_MICROBATCHES:   # ends the run: its loops go per microbatch
+            raise Stop(Diagnostic(
+                "value-out-of-range", f"`split MB into {show(count)[:24]}`: a step holds at most "
+                f"{MAX_MICROBATCHES:,} microbatches", span=stmt.parts[0].span, trace=self.trace,
+                hint="split the batch into fewer, larger microbatches; a pipeline needs a few times its "
+                     "stages"))
         if isinstance(count, int):
             self.emit(Split("MB", count, stmt.span, self.trace))
 

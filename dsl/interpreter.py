@@ -28,6 +28,7 @@ from .program import Found, Program
 from .region_selectors import RegionSelectors
 from .strategy_calls import StrategyCalls
 from .type_checks import TypeChecks
+from .work import Weights
 from .values import ANY_TYPE, AXIS, TYPES, Env, FreeName, Limits, Unknown, override_value, param_type
 
 
@@ -49,6 +50,8 @@ class Interpreter(ControlFlow, DirectiveStatements, StrategyCalls, Arguments, Re
         self.module: n.Module = program.main
         self.trace: tuple[Span, ...] = ()
         self.steps = 0
+        self.work = 0                     # terms evaluated: `Limits.work`
+        self.weights = Weights()
         self.top_env: Env | None = None
         self._seen: set = set()
         self._orders: list[tuple[list, list]] = []
@@ -125,7 +128,7 @@ class Interpreter(ControlFlow, DirectiveStatements, StrategyCalls, Arguments, Re
 
     def exec_block(self, stmts, env: Env) -> None:
         for stmt in stmts:
-            self.tick(stmt.span)
+            self.tick(stmt.span, self.weights(stmt))
             try:
                 _EXEC[type(stmt)](self, stmt, env)
             except Fail as fail:

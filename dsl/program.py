@@ -15,7 +15,7 @@ from pathlib import Path
 from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
 
 from . import nodes as n
-from .source import SourceError, read_source
+from .source import SourceError, read_source, resolve_import
 from .syntax import parse_recovering
 
 MAX_IMPORT_DEPTH = 64
@@ -106,8 +106,11 @@ def _read_import(module: n.Module, item: n.Import, *, chain: tuple[str, ...], st
             "recursion-limit", f"imports are nested more than {MAX_IMPORT_DEPTH} files deep", span=item.span,
             hint="import fewer files in a chain")
     try:
-        return path, read_source(path)
+        return path, read_source(resolve_import(base, path_text))
     except SourceError as err:
+        if err.code == "bad-import":        # a link out of the folder tree, or to another kind of file
+            return Diagnostic("bad-import", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
+                              labels=_imported_here(trace), hint=err.hint)
         return Diagnostic(
             "import-not-found", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
             labels=_imported_here(trace),

@@ -8,7 +8,7 @@ from piper.diagnostics import Label, did_you_mean
 from piper.frontend.selectors import ANY, PASSES, Selector
 
 from . import nodes as n
-from .values import INT, Env
+from .values import INT, MAX_TAG_INDEX, Env, show
 
 
 class RegionSelectors:
@@ -39,9 +39,14 @@ class RegionSelectors:
         value = self.value(tag.value, env)
         if type(value) is not int:      # `want` passes an int as it is: skip building its message
             value = self.want(value, INT, tag.value.span, env, f"the tag `{tag.name.name}`")
-        if isinstance(value, int) and value < 0:
-            raise self.fail("value-out-of-range", f"`{tag.name.name}={value}`: a tag index cannot be negative",
-                            tag.value.span, hint="indices count from 0; check the arithmetic")
+        if isinstance(value, int) and not 0 <= value <= MAX_TAG_INDEX:
+            if value < 0:
+                raise self.fail("value-out-of-range", f"`{tag.name.name}={value}`: a tag index cannot be negative",
+                                tag.value.span, hint="indices count from 0; check the arithmetic")
+            raise self.fail("value-out-of-range", f"`{tag.name.name}={show(value)[:24]}`: a tag index is at most "
+                            f"{MAX_TAG_INDEX:,}", tag.value.span,
+                            hint=f"a model has fewer than {MAX_TAG_INDEX + 1:,} regions and a step fewer "
+                                 f"microbatches; check the arithmetic")
         return value
 
     def region(self, region: n.Region, env: Env) -> Selector | None:

@@ -12,8 +12,8 @@ loop looked up once.
 Whatever this does not cover goes the general way, which also reports what is
 wrong: a body of anything but `let`s and slot lines, an expression
 of anything but names, ints, `+ - * // %`, a name from outside that is not an
-int, a division by zero, a value below 0 or beyond the script's limit, a tag
-twice in an item, the step limit. Nothing is recorded before the whole loop has
+int, a division by zero, a value below 0 or beyond the script's limits, a tag
+twice in an item, the step or work limit. Nothing is recorded before the whole loop has
 gone through.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from piper.frontend.selectors import ANY, PASSES, Selector
 
 from . import nodes as n
-from .values import MAX_INT, Env
+from .values import MAX_INT, MAX_TAG_INDEX, Env
 
 _OPERATORS = ("+", "-", "*", "//", "%")
 
@@ -38,10 +38,12 @@ def run_slot_loop(interp, stmt: n.For, env: Env, start: int, stop: int) -> bool:
     if n.Slots not in kinds or not kinds <= {n.Let, n.Slots} or not interp._orders:
         return False
     count = stop - start
-    if count <= 0 or interp.steps + (1 + len(body)) * count > interp.limits.steps:
+    work = (1 + sum(map(interp.weights, body))) * count      # the loop's turn and each line's terms
+    if count <= 0 or interp.steps + (1 + len(body)) * count > interp.limits.steps \
+            or interp.work + work > interp.limits.work:
         return False
     try:
-        values, items = _compiled(stmt, env)
+        values, items = _compiled(stmt, env, interp.__dict__.setdefault("_slot_code", {}))
         made = _slots(interp.selectors, values, items, range(start, stop))
     except (_General, ZeroDivisionError):
         return False
@@ -49,6 +51,7 @@ def run_slot_loop(interp, stmt: n.For, env: Env, start: int, stop: int) -> bool:
     slots += made
     slot_spans += [interp.slot_spans(slot) for line in body if type(line) is n.Slots for slot in line.slots] * count
     interp.steps += (1 + len(body)) * count       # the loop's step and each statement's, each time round
+    interp.work += work
     interp._span = body[-1].span
     return True
 
@@ -65,7 +68,7 @@ def _slots(selectors: dict, values, items: list[list[tuple]], loop: range) -> li
             for op, names, flat in slot:
                 if flat:                    # one tag with a value: keyed flat, as `pass_selector` keys it
                     v = next(tags)
-                    if v < 0:
+                    if not 0 <= v <= MAX_TAG_INDEX:
                         raise _General
                     key = (op, names[0], v)
                     selector = selectors.get(key)
@@ -73,7 +76,7 @@ def _slots(selectors: dict, values, items: list[list[tuple]], loop: range) -> li
                         selector = selectors[key] = Selector(op, ((names[0], v),))
                 else:
                     pairs = tuple((name, next(tags)) for name in names)
-                    if any(v != ANY and v < 0 for _, v in pairs):
+                    if any(v != ANY and not 0 <= v <= MAX_TAG_INDEX for _, v in pairs):
                         raise _General
                     selector = selectors.get((op, pairs))
                     if selector is None:
@@ -83,9 +86,40 @@ def _slots(selectors: dict, values, items: list[list[tuple]], loop: range) -> li
     return made
 
 
-def _compiled(stmt: n.For, env: Env):
+def _compiled(stmt: n.For, env: Env, cache: dict):
     """One function of the loop variable giving every tag's value of the slot line (its `let`s
-    computed first), and per slot each item's (pass, tag names, whether it is one tag with a value)."""
+    computed first), and per slot each item's (pass, tag names, whether it is one tag with a value).
+
+    The Python code depends on the loop's text alone, so it is compiled once per loop and run (`cache`:
+    id of the loop -> the code, the items and the outside names it reads, or None for the general
+    way); only the outside names' values are looked up again each time the loop runs."""
+    if id(stmt) in cache:
+        made = cache[id(stmt)]
+        if made is None:
+            raise _General
+        compiled, items, outside = made
+        scope = {"_c": _checked}
+        for constant, name in outside:
+            binding = env.lookup(name)
+            if binding is None or type(binding.value) is not int:
+                raise _General
+            scope[constant] = binding.value
+        exec(compiled, scope)
+        return scope["values"], items
+    try:
+        made = _compile(stmt, env)
+    except _General:
+        cache[id(stmt)] = None
+        raise
+    cache[id(stmt)] = made
+    compiled, items, outside = made
+    scope = {"_c": _checked, **{constant: env.lookup(name).value for constant, name in outside}}
+    exec(compiled, scope)
+    return scope["values"], items
+
+
+def _compile(stmt: n.For, env: Env):
+    """`_compiled`'s code, made: (the code object, the items, the (constant, name) of each outside name)."""
     code = _Code(env)
     code.bind(stmt.var.name, "i")
     lines, items, tags = [], [], []
@@ -107,9 +141,7 @@ def _compiled(stmt: n.For, env: Env):
                     lines.append(f"    t{len(tags)} = {value}")
                     tags.append(f"t{len(tags)}")
     source = "def values(i):\n" + "".join(line + "\n" for line in lines) + f"    return ({', '.join(tags)},)\n"
-    scope = {"_c": _checked, **code.constants}
-    exec(compile(source, "<slot loop>", "exec"), scope)
-    return scope["values"], items
+    return compile(source, "<slot loop>", "exec"), items, tuple(code.names.items())
 
 
 class _Code:
@@ -120,6 +152,7 @@ class _Code:
         self.env = env
         self.local: dict[str, str] = {}          # a name bound in the loop -> its Python local
         self.constants: dict[str, int] = {}
+        self.names: dict[str, str] = {}           # a constant -> the outside name it holds
 
     def bind(self, name: str, local: str | None = None) -> str:
         self.local[name] = local or f"v{len(self.local)}"
@@ -135,6 +168,7 @@ class _Code:
                 raise _General
             constant = f"k{len(self.constants)}"
             self.constants[constant] = binding.value
+            self.names[constant] = expr.name
             return constant
         if kind is n.Int:
             if type(expr.value) is not int or expr.value > MAX_INT:

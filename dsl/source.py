@@ -1,9 +1,13 @@
 """Reading script text safely: regular files only, a size limit, and the trojan-source check.
 
 A script may come from anywhere, so reading one never blocks (a FIFO), never
-reads without end (a link to /dev/zero), and never hands the terminal a control
-character: `bidi_warnings` flags the invisible direction overrides that make
-code read differently from how it runs (CVE-2021-42574), as rustc does.
+reads without end (a link to /dev/zero), never reads the kernel's files
+(/proc/self/environ is a "regular" file holding the environment), and never
+hands the terminal a control character: `bidi_warnings` flags the invisible
+direction overrides that make code read differently from how it runs
+(CVE-2021-42574), as rustc does. `resolve_import` keeps an `import` inside the
+importing script's folder tree: a link there may not lead out of it, nor to a
+file that is not a `.pps` script, so no diagnostic ever quotes such a file.
 """
 from __future__ import annotations
 
@@ -32,6 +36,42 @@ class SourceError(Exception):
         self.code, self.reason, self.hint = code, reason, hint
 
 
+# Filesystems of the kernel: their "regular" files (/proc/self/environ, /sys/...) are not scripts.
+KERNEL_FOLDERS = ("/proc", "/sys", "/dev")
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def resolve_import(base, path_text: str) -> str:
+    """The real path of `import "path_text"` written in a script in folder `base`; SourceError when
+    it leads out of the folder tree the path names (a link out of it), to a file not named `.pps`,
+    or into the kernel's folders.
+
+    The tree is the importing script's folder, or the folder a leading `../` climbs to: a
+    link inside it may point anywhere inside it, never outside.
+
+    >>> resolve_import("/tmp", "a/../b.pps")
+    '/tmp/b.pps'
+    """
+    real_base = os.path.realpath(base)
+    written = os.path.normpath(os.path.join(real_base, path_text))
+    tree = os.path.commonpath([real_base, written])
+    real = os.path.realpath(os.path.join(real_base, path_text))
+    if not _under(real, tree):
+        raise SourceError("bad-import", f"it is a link that leads out of {tree}",
+                          "copy the imported file into the importing script's folder tree; an import "
+                          "follows no link out of it")
+    if any(_under(real, folder) for folder in KERNEL_FOLDERS):
+        raise SourceError("bad-import", "it leads into the kernel's files (/proc, /sys, /dev)",
+                          "import a .pps script")
+    if not real.endswith(".pps"):
+        raise SourceError("bad-import", "it is a link to a file that is not a .pps script",
+                          "import the .pps script itself; Piper reads no other files")
+    return real
+
+
 def read_source(path, *, limit: int = MAX_SCRIPT_BYTES) -> str:
     """The UTF-8 text of the regular file `path`, at most `limit` bytes; SourceError otherwise.
 
@@ -48,6 +88,9 @@ def read_source(path, *, limit: int = MAX_SCRIPT_BYTES) -> str:
         kind = _kind(info.st_mode)
         raise SourceError("file-not-found", f"it is {kind}, not a regular file",
                           "a script is a plain .pps file; Piper does not read devices, pipes or folders")
+    if any(_under(os.path.realpath(path), folder) for folder in KERNEL_FOLDERS):
+        raise SourceError("file-not-found", "it is one of the kernel's files (/proc, /sys, /dev), not a script",
+                          "a script is a plain .pps file")
     if info.st_size > limit:
         raise SourceError("script-too-large", _too_large(info.st_size, limit), _TOO_LARGE_HINT)
     try:

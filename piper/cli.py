@@ -41,7 +41,11 @@ def _parse_regions(text: str | None) -> dict[str, int] | None:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, count = part.partition("=")
         if not eq or not name.strip().isidentifier() or not count.strip().isdigit():
-            raise _Usage(f"--regions takes TAG=COUNT such as PP=8 (one chain of regions), not {text!r}")
+            shown = text if len(text) <= 40 else text[:40] + "..."
+            raise _Usage(f"--regions takes TAG=COUNT such as PP=8 (one chain of regions), not {shown!r}")
+        if len(count.strip()) > 30:      # past every limit, and too long for int() to read
+            raise _Usage(f"--regions {name.strip()}=N takes a count of regions, not a {len(count.strip()):,}-digit "
+                         "number")
         out[name.strip()] = int(count)
     return out
 
@@ -285,6 +289,16 @@ def _interop(name: str, args) -> int:
     return int(getattr(interop, name)(args) or 0)
 
 
+def _import(args) -> int:
+    """`piper import`: a .csv file is torch's schedule (read as a CSV only); anything else may be a
+    prototype JSON program, which `prototype.import_main` tells apart from a CSV."""
+    if str(args.file).lower().endswith(".csv"):
+        return _interop("import_main", args)
+    from .frontend import prototype
+
+    return int(prototype.import_main(args) or 0)
+
+
 def _planning_flags(p) -> None:
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("--model", metavar="PATH.py:FACTORY", help="the model (captured on meta, no weights)")
@@ -349,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("file", metavar="FILE.csv|FILE.json")
     imp.add_argument("-o", "--output", metavar="OUT.pps", help="where to write (default: stdout)")
     imp.add_argument("--name", help="the strategy's name (default: the CSV file's stem)")
-    imp.set_defaults(func=lambda args: __import__("piper.frontend.prototype", fromlist=["import_main"]).import_main(args))
+    imp.set_defaults(func=_import)
 
     from .run_args import add_tune_parser
 

@@ -10,10 +10,31 @@ from dataclasses import dataclass
 
 from .diagnostics import did_you_mean, error
 
+# The mesh stays small enough that anything may list its ranks: scripts, `piper.Mesh`, `mesh=` in
+# `piper.compile` and prototype programs all meet this one limit.
+MAX_WORLD_SIZE = 1 << 20
+
 
 @dataclass(frozen=True)
 class Mesh:
+    """Named axes with sizes; at most `MAX_WORLD_SIZE` devices in all (else `bad-mesh`).
+
+    >>> Mesh((("dp", 2), ("pp", 4))).world_size
+    8
+    """
+
     axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self):
+        world = 1
+        for name, size in self.axes:
+            if isinstance(size, int) and size > MAX_WORLD_SIZE:
+                raise error("bad-mesh", f"mesh axis `{name}` has {_shown(size)} devices; a mesh holds at most "
+                            f"{MAX_WORLD_SIZE:,}", hint=f"give every axis from 1 to {MAX_WORLD_SIZE:,} devices")
+            world *= size if isinstance(size, int) and size > 0 else 1
+        if world > MAX_WORLD_SIZE:
+            raise error("bad-mesh", f"the mesh `{self}` has {world:,} devices; a mesh holds at most "
+                        f"{MAX_WORLD_SIZE:,}", hint="make the axes smaller")
 
     @staticmethod
     def of(spec) -> "Mesh":
@@ -26,8 +47,9 @@ class Mesh:
             pairs = []
             for part in filter(None, (p.strip() for p in spec.split(","))):
                 name, _, size = part.partition("=")
-                if not size.strip().isdigit():
-                    raise error("bad-mesh", f"cannot read mesh axis {part!r}",
+                if not size.strip().isdigit() or len(size.strip()) > 30:
+                    shown = part if len(part) <= 40 else part[:40] + "..."
+                    raise error("bad-mesh", f"cannot read mesh axis {shown!r}",
                                 hint="write the mesh as NAME=SIZE pairs, e.g. dp=2,pp=4")
                 pairs.append((name.strip(), int(size)))
             spec = dict(pairs)
@@ -91,12 +113,21 @@ class Mesh:
         return ", ".join(f"{n}={s}" for n, s in self.axes) or "(one device)"
 
 
+def _shown(size: int) -> str:
+    """A size as text, shortened: a 5,000-digit number is neither printed whole nor converted
+    (Python refuses to turn ints of over 4,300 digits into text)."""
+    return f"{size:,}" if size < 10**30 else f"a {int(size.bit_length() * 0.30103) + 1:,}-digit number of"
+
+
 def _axis_size(name, value) -> int:
     """A mesh axis size: a whole number (an int, or a string of decimal digits), never a bool."""
     if isinstance(value, bool) or value is None:
         raise error("bad-mesh", f"mesh axis `{name}` has the size {value!r}, not a number of devices",
                     hint=f'write a whole number, e.g. {{"{name}": 2}}')
     if isinstance(value, str) and value.strip().isdecimal() and value.strip().isascii():
+        if len(value.strip()) > 30:
+            raise error("bad-mesh", f"mesh axis `{name}` has a size of {len(value.strip()):,} digits",
+                        hint=f"give every axis from 1 to {MAX_WORLD_SIZE:,} devices")
         return int(value)
     if isinstance(value, numbers.Integral):
         return int(value)
@@ -141,6 +172,16 @@ class DeviceGroup:
     def free_axes(self) -> tuple[str, ...]:
         fixed = dict(self.fixed)
         return tuple(n for n in self.mesh.names if n not in fixed)
+
+    @property
+    def size(self) -> int:
+        """How many devices the group holds (without listing them)."""
+        fixed = dict(self.fixed)
+        count = 1
+        for name, size in self.mesh.axes:
+            if name not in fixed:
+                count *= size
+        return count
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -104,6 +104,12 @@ def place_collectives(table: Table, order: list[int], zero: int, computes_at: li
     runs = _gradient_runs(by_group, ops, regions, units) if zero >= 2 else {}
     updates = {regions[j]: j for j in compress(range(len(ops)), map("UPD".__eq__, ops))}
     made: list[Node] = []
+    grads_into: dict = {u: [] for u in owners}      # unit -> the computes that make a gradient of it, in order
+    for j in range(len(ops)):
+        if ops[j] in _GRAD_OPS:
+            for u in units[regions[j]]:
+                if u in grads_into:
+                    grads_into[u].append(j)
     for u in owners:
         if len(runs.get(u, ())) > 1:
             # ZeRO-2/3 hold 1/d of the gradients during the step as well: the
@@ -115,7 +121,7 @@ def place_collectives(table: Table, order: list[int], zero: int, computes_at: li
                        for n in map(computes.nodes.__getitem__, lasts)]
             _reduce(computes, reduced, lasts, runs[u], updates[u], after, edges, table, made)
         else:       # one reduction after the step's last gradient, of every compute that makes one
-            producers = [j for j in range(len(ops)) if ops[j] in _GRAD_OPS and u in units[regions[j]]]
+            producers = grads_into[u]
             red = Node("ALL_REDUCE" if zero <= 1 else "REDUCE_SCATTER", u, devices=groups[u])
             _reduce(computes, [red], [producers[-1]], [producers], updates[u], after, edges, table, made)
         if zero in (1, 2):

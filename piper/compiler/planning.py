@@ -8,6 +8,7 @@ from __future__ import annotations
 from .plans import Compiled, compile_ir
 from ..gc_guard import no_cycle_collection as _no_cycle_collection
 from .simulate import check
+from ..ir.size import check_lowering
 from ..ir.statements import apply_all, initial_ir
 
 
@@ -18,6 +19,7 @@ def compile_directives(program, mesh, directives) -> Compiled:
 
     with _no_cycle_collection(), explain_unplaced(program, directives):
         ir = apply_all(initial_ir(program, mesh), directives)
+        check_lowering(ir)
         compiled = compile_ir(ir)
         if ir.sharded("experts") is not None:      # expert parallelism: check it, add ALL_TO_ALLs
             from ..ir import experts

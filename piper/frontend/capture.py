@@ -21,6 +21,16 @@ from .model_checks import check_layers
 torch = LazyModule("torch")
 fx = LazyModule("torch.fx")
 
+# An abstract chain (`--regions PP=N`) holds at most this many regions: as many as a script's
+# tag indices can name (`dsl.values.MAX_TAG_INDEX`), 32 times the largest real schedule's 256.
+MAX_REGIONS = 8192
+
+
+def _count(count: int) -> str:
+    """A count as text, without turning a 5,000-digit number into text."""
+    return f"{count:,}" if abs(count) < 10**30 else f"(a {int(count.bit_length() * 0.30103) + 1:,}-digit number)"
+
+
 # The kinds of region input, in the order a region's graph takes them.
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
 
@@ -109,6 +119,9 @@ class Program:
             name, _, count = tags.partition("=")
             tags = {name.strip(): int(count)}
         (name, count), = tags.items()
+        if not 1 <= count <= MAX_REGIONS:
+            raise error("value-out-of-range", f"an abstract chain of {name}={_count(count)} regions; it holds from 1 "
+                        f"to {MAX_REGIONS:,}", hint=f"pass --regions {name}=N with N the model's region count")
         spec = TensorSpec((1,), "float32")   # a torch dtype's name: an abstract chain never loads torch
         values = tuple(Value(i, i, 0, (i + 1,), spec, True) for i in range(count - 1))
         regions = []

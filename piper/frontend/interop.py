@@ -28,6 +28,12 @@ OVERLAP = "OVERLAP_F_B"
 _ACTION = re.compile(r"(\d+)(F|B|I|W)(\d+)$")
 _IGNORED = ("REDUCE_GRAD", "UNSHARD", "RESHARD")   # torch bookkeeping with no Piper compute
 _TORCH_RANK = {"F": 0, "B": 1, "BI": 2, "BW": 3}   # torch writes an overlapped slot forward first: (F;B)
+# `piper import` reads files from anywhere: a bounded size, and stage and microbatch numbers within
+# what a script may name (`dsl.values`), checked before anything is made of them. A real schedule's
+# CSV is far smaller: 64 ranks x 512 microbatches x 3 passes is about 1 MB.
+MAX_CSV_BYTES = 16 * 1024 * 1024
+MAX_STAGE = 8191                 # dsl.values.MAX_TAG_INDEX
+MAX_MICROBATCH = 4095            # dsl.values.MAX_MICROBATCHES - 1
 
 
 # ---- slots: what one `order` slot became in a device's plan
@@ -163,38 +169,59 @@ def _parse_action(text: str, where: str) -> tuple[str, int, int] | None:
         return None
     m = _ACTION.match(text)
     if not m:
-        raise error("bad-schedule-csv", f"{where}: cannot read action {text!r}",
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise error("bad-schedule-csv", f"{where}: cannot read action {shown!r}",
                     hint="compute actions look like 0F3, 2B1, 1I0, 1W0, or (0F7;7B3)OVERLAP_F_B; "
                          "export torch's schedule with format=\"compute_only\"")
+    for digits, limit, what in ((m.group(1), MAX_STAGE, "stages"), (m.group(3), MAX_MICROBATCH, "microbatches")):
+        if len(digits) > 6 or int(digits) > limit:
+            shown = digits if len(digits) <= 12 else f"of {len(digits):,} digits"
+            raise error("bad-schedule-csv", f"{where}: the action {text[:24]!r}... names a number {shown}, past the "
+                        f"last of the {what} a plan may hold ({limit:,})" if len(text) > 24 else
+                        f"{where}: the action {text!r} names a number {shown}, past the last of the {what} a plan "
+                        f"may hold ({limit:,})", hint=f"a schedule numbers its {what} from 0 to {limit:,}")
     return FROM_TORCH[m.group(2)], int(m.group(1)), int(m.group(3))
 
 
 def read_torch_csv(text: str) -> list[list[tuple[tuple[str, int, int], ...]]]:
     """Per rank, its slots: each a tuple of (pass, stage, microbatch); an overlapped action is one slot."""
+    if len(text) > MAX_CSV_BYTES:
+        raise error("bad-schedule-csv", f"the schedule CSV holds {len(text):,} characters; piper import reads at "
+                    f"most {MAX_CSV_BYTES:,}", hint="a real schedule's CSV is a few megabytes at most")
     rows = []
-    for r, row in enumerate(csv.reader(io.StringIO(text))):
-        slots = []
-        for c, cell in enumerate(row):
-            cell = cell.strip()
-            where = f"row {r + 1}, column {c + 1}"
-            if cell.startswith("("):
-                inner, _, kind = cell[1:].partition(")")
-                if kind != OVERLAP:
-                    raise error("bad-schedule-csv", f"{where}: unknown compound action {cell!r}",
-                                hint=f"the only compound action is (F;B){OVERLAP}")
-                items = tuple(a for a in (_parse_action(s, where) for s in inner.split(";")) if a)
-            else:
-                one = _parse_action(cell, where)
-                items = (one,) if one else ()
-            if items:
-                slots.append(items)
-        rows.append(slots)
+    try:
+        for r, row in enumerate(csv.reader(io.StringIO(text))):
+            rows.append(_row_slots(r, row))
+    except csv.Error as err:        # a NUL byte, a field past csv's own size limit
+        raise error("bad-schedule-csv", f"cannot read the schedule CSV: {err}",
+                    hint="export torch's schedule with _dump_csv(path, format=\"compute_only\")") from None
     while rows and not rows[-1]:
         rows.pop()
     if not rows:
         raise error("bad-schedule-csv", "the schedule CSV holds no compute actions",
                     hint="export one with torch's _dump_csv(path, format=\"compute_only\")")
     return rows
+
+
+def _row_slots(r: int, row: list[str]) -> list[tuple[tuple[str, int, int], ...]]:
+    """One CSV row's slots (row `r`, counted from 0)."""
+    slots = []
+    for c, cell in enumerate(row):
+        cell = cell.strip()
+        where = f"row {r + 1}, column {c + 1}"
+        if cell.startswith("("):
+            inner, _, kind = cell[1:].partition(")")
+            if kind != OVERLAP:
+                shown = cell if len(cell) <= 40 else cell[:40] + "..."
+                raise error("bad-schedule-csv", f"{where}: unknown compound action {shown!r}",
+                            hint=f"the only compound action is (F;B){OVERLAP}")
+            items = tuple(a for a in (_parse_action(s, where) for s in inner.split(";")) if a)
+        else:
+            one = _parse_action(cell, where)
+            items = (one,) if one else ()
+        if items:
+            slots.append(items)
+    return slots
 
 
 def _item(op: str, stage: int, mb: int) -> str:
@@ -223,7 +250,8 @@ def import_torch_csv(text: str, *, name: str = "imported", source: str = "a torc
     stages = sorted(owner)
     if stages != list(range(len(stages))):
         missing = sorted(set(range(max(stages) + 1)) - set(stages))
-        raise error("bad-schedule-csv", f"stage(s) {missing} never run",
+        shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10:,} more" if len(missing) > 10 else "")
+        raise error("bad-schedule-csv", f"stage(s) {shown} never run",
                     hint="every stage from 0 to the last needs its actions in the CSV")
     def count(n: int, word: str, plural: str | None = None) -> str:
         return f"{n} {word if n == 1 else plural or word + 's'}"
@@ -278,6 +306,10 @@ def _regions(text):
     out = {}
     for part in filter(None, (p.strip() for p in str(text).split(","))):
         key, _, count = part.partition("=")
+        if not count.strip().isdigit() or len(count.strip()) > 30:
+            shown = part if len(part) <= 40 else part[:40] + "..."
+            raise error("bad-flag", f"--regions takes TAG=COUNT such as PP=8, not {shown!r}",
+                        hint="give the number of regions, e.g. --regions PP=8")
         out[key.strip()] = int(count)
     return out
 
@@ -326,12 +358,19 @@ def import_main(args) -> int:
     """
     import os
 
+    from ..dsl.source import SourceError, read_source
+
     path = args.file
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
-    except OSError as err:
-        raise error("file-not-found", f"cannot read {path!r}: {err.strerror or err}",
+    try:       # a regular file only (a FIFO would block), read to the limit, as UTF-8
+        text = read_source(path, limit=MAX_CSV_BYTES)
+    except SourceError as err:
+        if err.code == "script-too-large":
+            raise error("bad-schedule-csv", f"cannot import {path!r}: it holds over {MAX_CSV_BYTES:,} bytes, the "
+                        "most piper import reads", hint="a real schedule's CSV is a few megabytes at most") from None
+        if "UTF-8" in err.reason:
+            raise error("bad-schedule-csv", f"cannot import {path!r}: {err.reason}",
+                        hint="torch writes its schedule CSV as ASCII; export it again with _dump_csv") from None
+        raise error("file-not-found", f"cannot read {path!r}: {err.reason}",
                     hint="check the path; it is relative to the current folder") from None
     stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0]) or "imported"
     name = getattr(args, "name", None) or (stem if stem[0].isalpha() or stem[0] == "_" else f"s_{stem}")

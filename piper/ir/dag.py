@@ -360,11 +360,21 @@ class IR(_Indexed):
                 return n
         raise KeyError(key)
 
+    def placed(self) -> dict[int, tuple[tuple[int, ...], Span | None]]:
+        """Region -> (its ranks, the span that placed it), the first record of each: made once per
+        placement tuple (the indexes are shared by rewrites that keep the nodes, so keyed by it)."""
+        found = self._indexes.get("placed")
+        if found is None or found[0] is not self.placement:
+            spans = self.placement_spans or (None,) * len(self.placement)
+            table: dict = {}
+            for (r, ranks), span in zip(self.placement, spans):
+                table.setdefault(r, (ranks, span))
+            found = self._indexes["placed"] = (self.placement, table)
+        return found[1]
+
     def devices_of(self, region: int) -> tuple[int, ...] | None:
-        for r, ranks in self.placement:
-            if r == region:
-                return ranks
-        return None
+        found = self.placed().get(region)
+        return found[0] if found is not None else None
 
     def sharded(self, what: str) -> str | None:
         """The axis `what` ("batch", "optimizer", ...) is sharded over, or None."""
@@ -377,10 +387,13 @@ class IR(_Indexed):
         return tuple(axis for w, axis in self.sharding if w == "batch")
 
     def placement_span(self, region: int) -> Span | None:
-        for (r, _), span in zip(self.placement, self.placement_spans):
-            if r == region:
-                return span
-        return None
+        if len(self.placement_spans) != len(self.placement):     # spans are not part of the value
+            for (r, _), span in zip(self.placement, self.placement_spans):
+                if r == region:
+                    return span
+            return None
+        found = self.placed().get(region)
+        return found[1] if found is not None else None
 
     def sharding_span(self, what: str) -> Span | None:
         for (w, _), span in zip(self.sharding, self.sharding_spans):

@@ -16,6 +16,7 @@ from ..diagnostics import Label, did_you_mean, error
 from ..frontend.directives import Directive, Order, Place, Recompute, Shard, Split
 from .dag import _COMPUTE, _IDENTITY, _PASSES, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from ..mesh import Mesh
+from .size import check_placement, check_split
 from ..frontend.selectors import ANY, Selector
 
 _tuple_new = tuple.__new__
@@ -123,6 +124,7 @@ def split_microbatches(ir: IR, d: Split) -> IR:
     if any(e.kind == "temporal" for e in ir.edges):
         raise error("order-before-split", "`split MB` comes after an `order` statement", span=d.span,
                     hint="split the batch first, then order the microbatches")
+    check_split(ir, d)
     n = d.count
     mbs = list(range(n))       # one int object per microbatch, shared by every copy
     nodes = []
@@ -269,14 +271,14 @@ def place(ir: IR, d: Place) -> IR:
     if d.group.mesh != ir.mesh:
         raise error("mesh-mismatch", "this device group belongs to another mesh", span=d.span,
                     hint="take groups from the job's mesh (s.mesh)")
-    ranks = d.group.ranks
-    placed = dict.fromkeys(r for r, _ in ir.placement)         # region -> the span that placed it
-    for (r, _), span in reversed(list(zip(ir.placement, ir.placement_spans))):
-        placed[r] = span
     chosen = regions_matching(ir, d.selector, d.span)
+    pairs = check_placement(ir, d, d.group.size, len(chosen))
+    ranks = d.group.ranks
+    placed = ir.placed()                    # region -> (its ranks, the span that placed it)
     for region in chosen:
         if region.index in placed:
-            labels = (Label(placed[region.index], "first placed here"),) if placed[region.index] else ()
+            first = ir.placement_span(region.index)
+            labels = (Label(first, "first placed here"),) if first else ()
             raise error("placed-twice", f"region {region.label} is placed twice", span=d.span, labels=labels,
                         hint="place each region once; to run one region on several devices, place it on a "
                              "group such as pp[0] and shard the batch over the other axis")
@@ -284,7 +286,15 @@ def place(ir: IR, d: Place) -> IR:
     placement = ir.placement + tuple((r, ranks) for r in sorted(targets))
     spans = ir.placement_spans + tuple(d.span for _ in targets)
     # Nodes get their devices in lowering (`resolve_placement`), in one pass.
-    return ir.with_(placement=placement, placement_spans=spans)
+    out = ir.with_(placement=placement, placement_spans=spans)
+    # What `placed()` and the size check read, carried over rather than made again per statement.
+    if len(spans) == len(placement):
+        table = dict(placed)
+        for r in sorted(targets):
+            table.setdefault(r, (ranks, d.span))
+        out._indexes["placed"] = (placement, table)
+    out._indexes["placed_pairs"] = (placement, pairs + len(ranks) * len(targets))
+    return out
 
 
 def shard(ir: IR, d: Shard) -> IR:
