@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 import piper
+from piper.compiler.tune_calibration import machine_busy
 from piper.compiler.runtime_costs import RuntimeModel, other_threads
 from piper.compiler.report import inflight_peak
 from piper.compiler.simulate import SLOT, STEP, actions_seconds, simulate, timed_slots
@@ -195,22 +196,6 @@ def run_steps(recorders: dict[str, Recorder], batches, *, warmup: int, steps: in
             except Exception as exc:
                 errors[name] = exc
     return errors
-
-
-def machine_busy() -> float:
-    """CPU seconds all of this machine's tasks have run: the root cpuacct cgroup's usage (ns), else
-    /proc/stat's busy ticks (10 ms each); 0 where neither exists."""
-    try:
-        with open("/sys/fs/cgroup/cpuacct/cpuacct.usage") as f:
-            return int(f.read()) / 1e9
-    except (OSError, ValueError):
-        pass
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:8]]
-    except OSError:
-        return 0.0
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")      # less idle and iowait
 
 
 def missing_costs(plans, costs: dict[str, float]) -> list[str]:

@@ -56,25 +56,33 @@ def run(ctx) -> SuiteResult:
     return result
 
 
+EP_AGAINST_DP = {"dp": "use dp() on dp\n", "dp + expert_parallel": "use dp() on dp\nuse expert_parallel() on dp\n"}
+
+
+def divided_and_replicated(model, batches, optimizer, warmup: int, steps: int, **compile_kw):
+    """`model` on dp=2 with its experts replicated and divided (EP_AGAINST_DP), the two jobs
+    alternating step by step: (their `Timings`, rank 0's parameter bytes in each)."""
+    jobs = {}
+    try:
+        for name, text in EP_AGAINST_DP.items():
+            jobs[name] = piper.compile(model, batches[0], strategy=load_strategy(text), mesh={"dp": 2},
+                                       optimizer=optimizer, **compile_kw)
+        timings = alternate({n: j.step for n, j in jobs.items()}, batches, warmup=warmup, steps=steps)
+        return timings, {n: j.memory()[0]["params"] for n, j in jobs.items()}
+    finally:
+        for j in jobs.values():
+            j.close()
+
+
 def _ep_vs_replicated(result, quick, batches, optimizer, warmup, steps) -> Table:
     table = Table("(a) experts divided vs replicated, dp=2 (jobs alternate step by step)",
                   ["strategy", "step ms (median)", "params MiB / device", "expert MiB / device", "ratio"])
     model = _model(quick, 1)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if n.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and p.dim() == 3)
-    scripts = {"dp": "use dp() on dp\n", "dp + expert_parallel": "use dp() on dp\nuse expert_parallel() on dp\n"}
-    jobs = {}
-    try:
-        for name, text in scripts.items():
-            jobs[name] = piper.compile(model, batches[0], strategy=load_strategy(text), mesh={"dp": 2},
-                                       optimizer=optimizer)
-        timings = alternate({n: j.step for n, j in jobs.items()}, batches, warmup=warmup, steps=steps)
-        memory = {n: j.memory()[0]["params"] for n, j in jobs.items()}
-    finally:
-        for j in jobs.values():
-            j.close()
+    timings, memory = divided_and_replicated(model, batches, optimizer, warmup, steps)
     base = timings.median("dp")
-    for name in scripts:
+    for name in EP_AGAINST_DP:
         med = timings.median(name)
         held = expert_bytes / 2 if "expert" in name else expert_bytes
         table.add(name, ms(med), mib(memory[name]), mib(held), (med / base) if med and base else None)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import piper
 from piper.dsl import load_strategy
 
-from .harness import SuiteResult, Table, alternate, mib, ms, ray_cluster, short_error
+from .harness import SuiteResult, Table, mib, ms, ray_cluster, short_error
+from .suite_experts import EP_AGAINST_DP, divided_and_replicated
 
 
 class _CausalLM(torch.nn.Module):
@@ -89,19 +90,9 @@ def _divided_vs_replicated(result, quick, optimizer, warmup, steps) -> Table:
     model, seq = _model(quick)
     batches = _batches(quick, warmup + steps, seq)
     experts = _expert_bytes(model)
-    scripts = {"dp": "use dp() on dp\n", "dp + expert_parallel": "use dp() on dp\nuse expert_parallel() on dp\n"}
-    jobs = {}
-    try:
-        for name, text in scripts.items():
-            jobs[name] = piper.compile(model, batches[0], strategy=load_strategy(text), mesh={"dp": 2},
-                                       optimizer=optimizer, progress=False)
-        timings = alternate({n: j.step for n, j in jobs.items()}, batches, warmup=warmup, steps=steps)
-        memory = {n: j.memory()[0]["params"] for n, j in jobs.items()}
-    finally:
-        for j in jobs.values():
-            j.close()
+    timings, memory = divided_and_replicated(model, batches, optimizer, warmup, steps, progress=False)
     base = timings.median("dp")
-    for name in scripts:
+    for name in EP_AGAINST_DP:
         med = timings.median(name)
         held = experts / 2 if "expert" in name else experts
         table.add(name, ms(med), mib(memory[name]), mib(held), med / base if med and base else None)
