@@ -50,10 +50,12 @@ class JobSteps:
             payloads = self._payloads(batch, named)
             refs = [actor.step.remote(payload, scale) for actor, payload in zip(self.actors, payloads)]
             self.sent_bytes = sum(x.numel() * x.element_size() for p in payloads for mbs in p.values() for x in mbs)
-        losses = [loss for result in self._get(refs, "step") for loss in result]
+        results = self._get(refs, "step")
+        skipped = {rank: r["nonfinite"] for rank, r in enumerate(results) if isinstance(r, dict)}
+        losses = [loss for r in results for loss in (r["losses"] if isinstance(r, dict) else r)]
         self.steps += 1
         loss = float(sum(losses) / len(losses))
-        check_finite(self, loss)
+        check_finite(self, loss, skipped)
         return loss
 
 
@@ -136,10 +138,21 @@ class JobSteps:
 SKIPPED_IN_A_ROW = 25
 
 
-def check_finite(job, loss: float) -> None:
-    """After step `job.steps - 1`: raise `non-finite` naming it when its loss is inf or NaN (under
-    `nonfinite="skip"`: only after `SKIPPED_IN_A_ROW` such steps in a row, the others skipped)."""
+def check_finite(job, loss: float, skipped: dict | None = None) -> None:
+    """After step `job.steps - 1`: raise `non-finite` naming it when its loss is inf or NaN, or when
+    a device found an inf or NaN in the gradients it was about to step with (`skipped`: rank ->
+    what held it; that device skipped the update), under `nonfinite="skip"` only after
+    `SKIPPED_IN_A_ROW` such steps in a row, the others skipped."""
     step = job.steps - 1
+    if skipped and math.isfinite(loss):       # a non-finite loss says more: reported below
+        where = "; ".join(f"rank {rank}: {', '.join(what)}" for rank, what in sorted(skipped.items()))
+        raise error("non-finite", f"the gradients of step {step} hold inf or NaN ({where}), its loss {loss}",
+                    notes=("the devices that found them skipped that step's update; the others (whose own "
+                           "gradients were finite) applied it, so the job's parameters are not one step's "
+                           "any more: a checkpoint saved before it is unaffected",),
+                    hint="lower the learning rate, clip the gradients (clip_grad_norm=1.0, --clip-grad-norm "
+                         "1.0) or check the data; to skip such steps on every device and go on, pass "
+                         "nonfinite='skip' (piper run --skip-nonfinite)")
     if math.isfinite(loss):
         job.nonfinite_in_a_row = 0
         return
@@ -156,7 +169,10 @@ def check_finite(job, loss: float) -> None:
                  "rate too large, e.g. --lr inf), or this step's batch holds inf/NaN, or the model overflows",)
     else:
         notes = ("the first step: the initial parameters or the batch hold inf/NaN, or the model overflows",)
-    if job.training.nonfinite != "skip":
+    if job.training.nonfinite != "skip" and skipped:
+        notes += (f"ranks {', '.join(map(str, sorted(skipped)))} found inf/NaN in their gradients and skipped "
+                  "that step's update, the others applied it; a checkpoint saved before it is unaffected",)
+    elif job.training.nonfinite != "skip":
         notes += ("the job's parameters now hold that step's update; a checkpoint saved before it is "
                   "unaffected",)
     raise error("non-finite", f"the loss of step {step} is {loss}", notes=notes,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .clip import gradients_finite, scaled_gradients
 from .gradient_routing import GradientRouting
 from .slots import whole_backwards
 from .specs import RegionSpec
@@ -83,7 +84,20 @@ class BackwardActions(GradientRouting):
     def _upd(self, action) -> None:
         if self.clip is not None and self.clip.defer(action):
             return
-        self.units[action.node.region].step()
-        if self.experts is not None:
-            self.experts.step(action.node.region)
+        region = action.node.region
+        unit = self.units[region]
+        expert_grads = [w.grad for w in self.experts.weights(region)] if self.experts is not None else []
+        # Nothing else looks at the gradients before this update (no clip, no loss scaler): an inf
+        # or NaN would go into the weights, so the update is skipped and the step reported.
+        if self.clip is None and not gradients_finite(list(scaled_gradients(unit)) + expert_grads):
+            from .precision import drop_gradients
+
+            drop_gradients(unit)
+            for w in self.experts.weights(region) if self.experts is not None else ():
+                w.grad = None
+            self.nonfinite.append(f"unit {region}")
+        else:
+            unit.step()
+            if self.experts is not None:
+                self.experts.step(region)
         self._sample()

@@ -17,6 +17,8 @@ holding the updates back changes no other action.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -43,14 +45,29 @@ class GlobalNormClip(Deferring):
         super().__init__()
         self.max_norm = float(max_norm)
         self.norm: float | None = None   # the last step's global gradient norm, before clipping
+        self.nonfinite = False           # the last step's norm was inf or NaN: its updates were skipped
 
     def finish(self, units, run, experts=()) -> None:
         """Clip every unit's gradients by the global norm, then run the held-back actions with `run`.
 
         `experts`: this device's expert-row gradients under `shard experts` (each row lives on one
         device only, so every device counts and scales all of its own).
-        Called on every device at the end of the step, once every reduction is done."""
+        Called on every device at the end of the step, once every reduction is done. A non-finite
+        norm (the same on every device) skips every update of the step instead, on every device:
+        `nonfinite` says so and the driver stops (`nonfinite="skip"` runs the loss scaler's check
+        instead, before this)."""
         self.clip(units, experts)
+        self.nonfinite = not math.isfinite(self.norm)
+        if self.nonfinite:
+            from .precision import drop_gradients
+
+            self.deferred = []
+            for unit in units:
+                drop_gradients(unit)
+            for g in experts:
+                if g is not None:
+                    g.zero_()
+            return
         run_deferred(self, run)
 
     def clip(self, units, experts=()) -> None:
@@ -83,6 +100,12 @@ def run_deferred(holder, run) -> None:
             run(action)
     finally:
         holder.flushing = False
+
+
+def gradients_finite(grads) -> bool:
+    """Whether every element of `grads` (tensors, None skipped) is finite: one pass, one sync."""
+    flags = [torch.isfinite(g).all() for g in grads if g is not None]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def owned_gradients(unit):

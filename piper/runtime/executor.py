@@ -72,6 +72,13 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self.clip = with_loss_scaling(self.clip, spec.loss_scaling,     # fp16 (`precision.py`)
                                       skip_nonfinite=getattr(spec, "skip_nonfinite", False))
 
+    def skipped_updates(self) -> list[str]:
+        """What made the last step skip updates for a non-finite gradient (`_upd`, the clip's norm)."""
+        found = list(getattr(self, "nonfinite", ()))
+        if getattr(self.clip, "nonfinite", False):
+            found.append(f"the global gradient norm ({self.clip.norm})")
+        return found
+
     def set_lr_scale(self, scale: float) -> None:
         """Every optimizer's groups (units' and expert rows') at `scale` times their base rate."""
         opts = [unit.optimizer for unit in self.units.values()]

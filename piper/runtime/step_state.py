@@ -18,6 +18,7 @@ class StepState:
         self.grad_out: dict[tuple[int, int, int], torch.Tensor] = {}
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
+        self.nonfinite: list[str] = []                # units whose update a non-finite gradient skipped
         self.saved_bytes: dict[tuple[int, int], int] = {}
         self._reducing: dict[str, tuple] = {}         # reduce-scatter in flight -> (computes since, unit)
         for unit in self.units.values():

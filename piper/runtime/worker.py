@@ -78,7 +78,9 @@ class Worker(WorkerQueries):
             self.executor.set_lr_scale(lr_scale)
         losses = self.executor.run_step(batch)
         self.steps_done += 1
-        return losses
+        skipped = self.executor.skipped_updates()
+        # Rare: said beside the losses only when a non-finite gradient skipped an update here.
+        return {"losses": losses, "nonfinite": skipped} if skipped else losses
 
     def step_data(self, source: str, k: int, lr_scale: float | None = None):
         """`step` on this device's part of global batch `k` of a dataset, read here (`piper.data`)."""
