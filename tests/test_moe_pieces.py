@@ -46,6 +46,7 @@ class FakeExecutor:
         self.params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
         self.units, self.experts, self.device = {0: SimpleNamespace(views=lambda: self.params)}, None, torch.device("cpu")
         self.clip = None
+        self._evaluating = False          # a training step: pieces record autograd graphs
         self._param_storages, self._lock = set(), threading.Lock()
         self.saved_bytes, self.activations, self.activation_peak = {}, 0, 0
         self.values, self.losses, self.grads, self.timings, self.pending = {}, [], {}, {}, {}
