@@ -99,7 +99,7 @@ def _model_checks(text: str, file: str, *, mesh, overrides, model, regions, buil
 
 
 def cmd_check(args) -> int:
-    from .dsl.check import check_and_build
+    from .dsl.script import check_and_build
     from .dsl.source import SourceError, read_source
     from .gc_guard import no_cycle_collection
     from .render import render, summary, visible

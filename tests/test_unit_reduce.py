@@ -10,7 +10,7 @@ import torch
 
 from piper.frontend.capture import TensorSpec
 from piper.runtime import comm
-from piper.runtime.executor import Unit
+from piper.runtime.unit import Unit
 from piper.runtime.flat import layout_unit
 
 

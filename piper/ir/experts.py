@@ -41,7 +41,7 @@ def _op_name(node) -> str:
 
 def moe_layers(program: Program) -> list[MoELayer]:
     """Every dispatch in the program's region graphs, in region order."""
-    from ..frontend.capture import _stack_line
+    from ..frontend.captured import _stack_line
 
     layers = []
     for region in program.regions:
