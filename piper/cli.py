@@ -283,6 +283,12 @@ def cmd_simulate(args) -> int:
     return EXIT_OK
 
 
+def _export(args) -> int:
+    from .cli_export import export_main
+
+    return int(export_main(args) or 0)
+
+
 def _interop(name: str, args) -> int:
     from .frontend import interop
 
@@ -357,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", metavar="FILE", help="where to write (default: stdout)")
     export.add_argument("--axis", help="the pipeline axis (default: the one regions are placed along)")
     export.add_argument("--batch-size", type=int, help="the example batch for --model")
-    export.set_defaults(func=lambda args: _interop("export_main", args))
+    export.set_defaults(func=lambda args: _export(args))
 
     imp = commands.add_parser("import", help="turn a torch schedule CSV or a prototype JSON program into a .pps script")
     imp.add_argument("file", metavar="FILE.csv|FILE.json")

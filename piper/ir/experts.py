@@ -165,17 +165,6 @@ def slots_lanes(job) -> int:
     return lanes
 
 
-def expert_spec(program: Program, ir: IR, rank: int, params: dict, lanes: int):
-    """(the worker's `ExpertSpec`, its initial expert rows by weight name)."""
-    from ..runtime.experts import ExpertSpec
-
-    held = holdings(program, ir, rank)
-    init = {name: params[name].detach()[lo:hi].cpu().clone()
-            for names in held.values() for name, (lo, hi) in names.items()}
-    shapes = {name: tuple(params[name].shape) for names in held.values() for name in names}
-    return ExpertSpec(groups(ir), lanes, held, shapes), init
-
-
 def expert_state(ir: IR, program: Program, weights: dict[str, int], shards: dict) -> dict:
     """Full expert weights from every rank's rows (`Job.state_dict`)."""
     import torch
