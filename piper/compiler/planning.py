@@ -25,7 +25,9 @@ def compile_directives(program, mesh, directives) -> Compiled:
             from ..ir import experts
 
             experts.check(program, compiled.ir)
-            compiled = experts.add_all_to_alls(compiled, program)
+            from .moe_exchanges import add_all_to_alls
+
+            compiled = add_all_to_alls(compiled, program)
         check(compiled)       # raises on deadlock before anything runs
     compiled.warnings = at_use_sites(compiled.warnings, directives)   # at the user's `use` lines
     return compiled
