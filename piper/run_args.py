@@ -114,7 +114,7 @@ def add_tune_parser(commands) -> None:
 
 
 # -- a training recipe: config file, schedule, weight decay, token files, evaluation, TensorBoard --------
-# (piper/job/recipe.py reads these; kept together so other flags merge beside them)
+# (piper/run_recipe.py reads these; kept together so other flags merge beside them)
 
 LR_SCHEDULES = ("constant", "warmup-cosine")
 

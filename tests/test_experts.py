@@ -155,10 +155,11 @@ _captured = {}
 def compile_only(model, strategy, mesh, key=None):
     """Compile without workers; `key` names a capture to reuse (export takes seconds)."""
     from piper.ir import experts
-    from piper.job import _microbatch_inputs, build_strategy, compile_directives
+    from piper.frontend.microbatches import microbatch_inputs
+    from piper.job import build_strategy, compile_directives
 
     mesh, directives = build_strategy(strategy, mesh)
-    inputs, *_ = _microbatch_inputs(tiny_batches(1)[0], mesh, directives)
+    inputs, *_ = microbatch_inputs(tiny_batches(1)[0], mesh, directives)
     cache = (key, tuple(inputs[0].shape))
     if key is None or cache not in _captured:
         _captured[cache] = capture(copy.deepcopy(model), inputs)

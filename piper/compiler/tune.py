@@ -340,7 +340,7 @@ class Search:
         from ..dsl import load_strategy
         from ..diagnostics import PiperError
         from ..frontend.interop import overlapped_slots
-        from ..job import plan
+        from .planning import plan
         from .memory_model import predict_memory
         from .step_costs import comm_cost
 
@@ -723,6 +723,6 @@ def main(args) -> int:
 
 
 def _usage(message: str):
-    from ..cli import _Usage
+    from ..diagnostics import UsageError
 
-    return _Usage(message)
+    return UsageError(message)
