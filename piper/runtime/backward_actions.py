@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .gradient_routing import GradientRouting
-from .slots import whole_backwards
+from ..compiler.slots import whole_backwards
 from .specs import RegionSpec
 from .split_backward import backward_inputs, backward_weights, can_split
 
