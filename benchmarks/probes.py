@@ -72,7 +72,7 @@ class SavedActivations:
         else:
             entry[1] += 1
         # A detached alias: the tensor itself would tie a saved output to its own node, a cycle
-        # through C++ that a split backward never frees (see piper/runtime/saved.py).
+        # through C++ that a split backward never frees (see piper/compiler/saved.py).
         return _Saved(t.detach(), self, ptr)
 
     @staticmethod

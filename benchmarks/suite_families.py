@@ -77,7 +77,7 @@ class _RegionRun:
         assert all(i.kind in (PARAM, BUFFER, BATCH) for i in region.inputs)
 
     def forward(self):
-        from piper.runtime.saved import SavedBytes
+        from piper.compiler.saved import SavedBytes
 
         with torch.enable_grad(), SavedBytes():
             return self.graph(*self.args)[-1]

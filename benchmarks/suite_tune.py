@@ -145,7 +145,7 @@ def _accuracy(ctx, result, quick) -> Table:
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
     result.metrics["accuracy.within_15pct"] = within
     table.notes.append(f"{within} of {len(rows)} within ±15%. Each model: a fresh cost cache, one calibration run "
-                       "(`piper.compiler.tune.calibrate`), then the search; spread: (max - min) / median of the "
+                       "(`piper.cli_tune.calibrate`), then the search; spread: (max - min) / median of the "
                        "measured steps. Group: tune's groups of predictions it cannot tell apart.")
     return table
 

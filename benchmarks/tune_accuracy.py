@@ -2,7 +2,7 @@
 
 For each model (the example GPT, the example MoE) on 4 devices and two per-device budgets (every
 candidate fits; the median predicted peak), a fresh cost cache: the search measures the regions,
-calibrates the runtime's costs by one short run (`piper.compiler.tune.calibrate`), and ranks. Its
+calibrates the runtime's costs by one short run (`piper.cli_tune.calibrate`), and ranks. Its
 top candidates for both budgets then run two at a time on the same batch, a step of each in turn
 (A B A B ...), so a change in the machine's load falls on both alike; the table gives
 each one's predicted step, the median measured step, the error, and the group tune puts it in;
@@ -65,7 +65,8 @@ def _measure_together(model_spec: str, candidates, *, steps: int, warmup: int, l
 
 def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) -> list[dict]:
     """Rows for one model: per budget, its top candidates predicted and measured."""
-    from piper.compiler.tune import Search, calibrate, groups, profile
+    from piper.cli_tune import calibrate
+    from piper.compiler.tune import Search, groups, profile
 
     with tempfile.TemporaryDirectory() as cache:
         old = os.environ.get("PIPER_CACHE")

@@ -180,29 +180,21 @@ def check_source(text: str, file: str = "<script>", *, mesh=None, overrides: dic
     >>> [d.code for d in check_source("let x = 1\\n")]
     ['unused-let']
     """
-    return check_and_build(text, file, mesh=mesh, overrides=overrides, limits=limits)[0]
+    return check_kept(text, file, mesh=mesh, overrides=overrides, limits=limits)[0]
 
 
-def check_and_build(text: str, file: str = "<script>", *, mesh=None, overrides: dict | None = None,
-                    limits: Limits = Limits()) -> tuple[list[Diagnostic], tuple | None]:
-    """`check_source`, and the script as `load_strategy` would give it, its
-    `build` already holding the directives the check's own run of the
-    statements made (None when there was no such run: no mesh, no statements,
-    a syntax error). `piper check --regions` plans from it instead of running
-    the script twice more (at 64 stages x 512 microbatches a run is 0.1-0.2 s)."""
+def check_kept(text: str, file: str = "<script>", *, mesh=None, overrides: dict | None = None,
+               limits: Limits = Limits()) -> tuple[list[Diagnostic], dict]:
+    """`check_source`, and what its own run of the statements kept: `kept["script"]` (module, program,
+    declared mesh) and `kept["built"]` (the directives it made), both absent when there was no such run
+    (no mesh, no statements, a syntax error). `script.check_and_build` turns them into a loaded script."""
     kept: dict = {}
     try:
         found = _check(text, file, mesh=mesh, overrides=overrides, limits=limits, kept=kept)
     except RecursionError:  # every walk is bounded; this is the last line of defence
         return [Diagnostic("nesting-limit", "this script nests too deeply to check",
-                           hint="flatten the blocks, or split long expressions with `let`")], None
-    if "built" not in kept:
-        return found, None
-    from .script import Script
-
-    module, program, declared = kept["script"]
-    return found, Script(module, program, mesh=declared, overrides=dict(overrides or {}), limits=limits,
-                         built=dict([kept["built"]]))
+                           hint="flatten the blocks, or split long expressions with `let`")], {}
+    return found, kept
 
 
 def _check(text: str, file: str, *, mesh, overrides, limits: Limits, kept: dict | None = None) -> list[Diagnostic]:

@@ -13,7 +13,8 @@ from piper.frontend.directives import Directive
 from piper.mesh import Mesh
 
 from . import nodes as n
-from .check import analyze_module, check_overrides, declared_mesh, resolve_mesh, settable_names, sole_strategy
+from .check import (analyze_module, check_kept, check_overrides, declared_mesh, resolve_mesh, settable_names,
+                    sole_strategy)
 from .interpreter import Interpreter
 from .program import Found, Program
 from .source import SourceError, read_source
@@ -134,3 +135,18 @@ def load_strategy(path_or_text, *, overrides: dict | None = None, file: str | No
     if _errors(problems):
         raise PiperError(*_errors(problems))
     return Script(module, program, mesh=mesh, overrides=dict(overrides or {}), limits=limits)
+
+
+def check_and_build(text: str, file: str = "<script>", *, mesh=None, overrides: dict | None = None,
+                    limits: Limits = Limits()) -> tuple[list[Diagnostic], Script | None]:
+    """`check_source`, and the script as `load_strategy` would give it, its
+    `build` already holding the directives the check's own run of the
+    statements made (None when there was no such run: no mesh, no statements,
+    a syntax error). `piper check --regions` plans from it instead of running
+    the script twice more (at 64 stages x 512 microbatches a run is 0.1-0.2 s)."""
+    found, kept = check_kept(text, file, mesh=mesh, overrides=overrides, limits=limits)
+    if "built" not in kept:
+        return found, None
+    module, program, declared = kept["script"]
+    return found, Script(module, program, mesh=declared, overrides=dict(overrides or {}), limits=limits,
+                         built=dict([kept["built"]]))

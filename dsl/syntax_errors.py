@@ -16,18 +16,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
 
-
-class BadDedent(Exception):
-    """A line dedents to a column no enclosing block starts at, or the first line is indented.
-
-    Raised by the indenter, which has no parser state to give.
-    """
-
-    def __init__(self, line: int, column: int, *, first_line: bool = False):
-        super().__init__(f"bad indentation at {line}:{column}")
-        self.line = line
-        self.column = column
-        self.first_line = first_line
+from .parser import KEYWORDS, BadDedent, raw_parse
 
 
 EXAMPLES: dict[str, list[str]] = {
@@ -102,9 +91,6 @@ EXAMPLES: dict[str, list[str]] = {
     "unknown-statement": ["palce PP=0 on pp[0]\n", "strategy s():\n    palce PP=0\n", "x = 1\n"],
 }
 
-# Reserved: the lexer would read them as names where no keyword fits; the indenter retypes them.
-KEYWORDS = frozenset({"mesh", "import", "strategy", "let", "split", "into", "place", "on", "shard", "over",
-                      "recompute", "use", "for", "in", "if", "else", "order", "and", "or", "not", "true", "false"})
 _STATEMENT_WORDS = {"MESH", "IMPORT", "STRATEGY", "LET", "SPLIT", "PLACE", "SHARD", "USE", "FOR", "IF",
                     "ORDER", "ELSE", "RECOMPUTE"}
 _EXPRESSION_START = {"INT", "NAME", "LPAR", "MINUS", "NOT", "TRUE", "FALSE"}
@@ -159,8 +145,6 @@ def _table() -> tuple[dict, dict]:
     A state is the parser's automaton state with the set of tokens it would
     accept there (LALR merges states that accept different tokens).
     """
-    from .syntax import raw_parse
-
     by_token: dict = {}
     by_state: dict = {}
     for code, examples in EXAMPLES.items():

@@ -15,13 +15,9 @@ import importlib
 import os
 import sys
 
-from .diagnostics import Diagnostic, PiperError, did_you_mean
+from .diagnostics import Diagnostic, PiperError, UsageError, did_you_mean
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
-
-
-class _Usage(Exception):
-    """A bad flag value: printed as `piper <command>: error: ...`, exit 2."""
 
 
 def _parse_sets(items) -> dict[str, str]:
@@ -29,7 +25,7 @@ def _parse_sets(items) -> dict[str, str]:
     for item in items or ():
         name, eq, value = item.partition("=")
         if not eq or not name.strip():
-            raise _Usage(f"--set takes NAME=VALUE, not {item!r}")
+            raise UsageError(f"--set takes NAME=VALUE, not {item!r}")
         out[name.strip()] = value.strip()
     return out
 
@@ -42,9 +38,9 @@ def _parse_regions(text: str | None) -> dict[str, int] | None:
         name, eq, count = part.partition("=")
         if not eq or not name.strip().isidentifier() or not count.strip().isdigit():
             shown = text if len(text) <= 40 else text[:40] + "..."
-            raise _Usage(f"--regions takes TAG=COUNT such as PP=8 (one chain of regions), not {shown!r}")
+            raise UsageError(f"--regions takes TAG=COUNT such as PP=8 (one chain of regions), not {shown!r}")
         if len(count.strip()) > 30:      # past every limit, and too long for int() to read
-            raise _Usage(f"--regions {name.strip()}=N takes a count of regions, not a {len(count.strip()):,}-digit "
+            raise UsageError(f"--regions {name.strip()}=N takes a count of regions, not a {len(count.strip()):,}-digit "
                          "number")
         out[name.strip()] = int(count)
     return out
@@ -58,7 +54,7 @@ def _parse_mesh(text: str | None):
     try:
         return Mesh.of(text)
     except PiperError as err:
-        raise _Usage(err.diagnostics[0].message + " (write e.g. --mesh dp=2,pp=4)") from None
+        raise UsageError(err.diagnostics[0].message + " (write e.g. --mesh dp=2,pp=4)") from None
 
 
 def _note(code: str, message: str, hint: str | None = None) -> Diagnostic:
@@ -99,7 +95,7 @@ def _model_checks(text: str, file: str, *, mesh, overrides, model, regions, buil
 
 
 def cmd_check(args) -> int:
-    from .dsl.check import check_and_build
+    from .dsl.script import check_and_build
     from .dsl.source import SourceError, read_source
     from .gc_guard import no_cycle_collection
     from .render import render, summary, visible
@@ -149,7 +145,7 @@ def cmd_explain(args) -> int:
 
     if getattr(args, "list", False) or args.code is None:
         if args.code is None and not getattr(args, "list", False):
-            raise _Usage("name a CODE (e.g. piper explain unknown-axis), or pass --list to see every code")
+            raise UsageError("name a CODE (e.g. piper explain unknown-axis), or pass --list to see every code")
         from .dsl.codes import CODES
 
         width = max(map(len, CODES))
@@ -194,9 +190,9 @@ def _parse_costs(text: str | None) -> dict[str, float]:
         try:
             out[name.strip()] = float(value)
         except ValueError:
-            raise _Usage(f"--costs takes PASS=SECONDS pairs such as F=1,B=2,BI=1,BW=1, not {text!r}") from None
+            raise UsageError(f"--costs takes PASS=SECONDS pairs such as F=1,B=2,BI=1,BW=1, not {text!r}") from None
         if not eq:
-            raise _Usage(f"--costs takes PASS=SECONDS pairs such as F=1,B=2, not {text!r}")
+            raise UsageError(f"--costs takes PASS=SECONDS pairs such as F=1,B=2, not {text!r}")
     return out
 
 
@@ -283,6 +279,12 @@ def cmd_simulate(args) -> int:
     return EXIT_OK
 
 
+def _export(args) -> int:
+    from .cli_export import export_main
+
+    return int(export_main(args) or 0)
+
+
 def _interop(name: str, args) -> int:
     from .frontend import interop
 
@@ -357,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", metavar="FILE", help="where to write (default: stdout)")
     export.add_argument("--axis", help="the pipeline axis (default: the one regions are placed along)")
     export.add_argument("--batch-size", type=int, help="the example batch for --model")
-    export.set_defaults(func=lambda args: _interop("export_main", args))
+    export.set_defaults(func=lambda args: _export(args))
 
     imp = commands.add_parser("import", help="turn a torch schedule CSV or a prototype JSON program into a .pps script")
     imp.add_argument("file", metavar="FILE.csv|FILE.json")
@@ -392,7 +394,7 @@ def main(argv=None) -> int:
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
         return args.func(args)
-    except _Usage as err:
+    except UsageError as err:
         print(f"piper {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except PiperError as err:

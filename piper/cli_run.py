@@ -63,8 +63,8 @@ def run(args) -> int:
     if not args.model:
         console.print("piper run: error: --model PATH.py:FACTORY is required (e.g. examples/gpt.py:small_gpt)")
         return 2
-    # The recipe's flags (`piper.job.recipe`): --config first, since it fills in the others.
-    from .job import recipe
+    # The recipe's flags (`piper.run_recipe`): --config first, since it fills in the others.
+    from . import run_recipe as recipe
 
     recipe.apply_config(args)
     steps = 20 if args.steps is None else args.steps
@@ -121,7 +121,7 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
     keeps where they were."""
     import ray
 
-    from .job import recipe
+    from . import run_recipe as recipe
     from .job.recovery import Checkpoints, StepData, train
     from .job.train import StepReport
 

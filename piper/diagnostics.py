@@ -109,3 +109,8 @@ def did_you_mean(name: str, choices) -> str | None:
 
     close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
     return f"did you mean `{close[0]}`?" if close else None
+
+
+class UsageError(Exception):
+    """A bad flag value: printed as `piper <command>: error: ...`, exit 2. Here, below the command line,
+    so the commands' own modules (`piper tune`'s search) raise it without importing `piper.cli`."""

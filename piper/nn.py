@@ -37,9 +37,9 @@ __all__ = ["MoE", "SwiGLU", "DispatchHandle", "dispatch", "combine", "expert_mm"
 
 def _context():
     """The expert group of the calling thread's lane, or None (local meaning)."""
-    from .runtime import experts
+    from .expert_context import current
 
-    return experts.current()
+    return current()
 
 
 # -- dispatch ------------------------------------------------------------------------------------------

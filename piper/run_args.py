@@ -96,7 +96,7 @@ def add_checkpoint_arguments(run) -> None:
 
 
 def add_tune_parser(commands) -> None:
-    """`piper tune` and its flags; the search itself (`piper.compiler.tune.main`) loads on use."""
+    """`piper tune` and its flags; the search itself (`piper.cli_tune.main`) loads on use."""
     tune = commands.add_parser("tune", help="search strategies that fit a memory budget, fastest first")
     tune.add_argument("--model", required=True, metavar="PATH.py:FACTORY")
     tune.add_argument("--devices", required=True, type=int, metavar="N")
@@ -110,11 +110,11 @@ def add_tune_parser(commands) -> None:
                       help="predict from the computes alone: no short run to measure the runtime's costs")
     tune.add_argument("--recalibrate", action="store_true",
                       help="measure the runtime's costs anew (they are cached per model and device count)")
-    tune.set_defaults(func=lambda args: importlib.import_module("piper.compiler.tune").main(args))
+    tune.set_defaults(func=lambda args: importlib.import_module("piper.cli_tune").main(args))
 
 
 # -- a training recipe: config file, schedule, weight decay, token files, evaluation, TensorBoard --------
-# (piper/job/recipe.py reads these; kept together so other flags merge beside them)
+# (piper/run_recipe.py reads these; kept together so other flags merge beside them)
 
 LR_SCHEDULES = ("constant", "warmup-cosine")
 

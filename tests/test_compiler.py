@@ -5,7 +5,8 @@ import pytest
 
 import piper
 from piper.frontend.capture import Program
-from piper.compiler.plans import Action, compile_ir
+from piper.compiler.actions import Action
+from piper.compiler.plans import compile_ir
 from piper.ir.dag import Node, format_ir, parse_ir, parse_key
 from piper.job import plan
 from piper.mesh import Mesh

@@ -155,10 +155,11 @@ _captured = {}
 def compile_only(model, strategy, mesh, key=None):
     """Compile without workers; `key` names a capture to reuse (export takes seconds)."""
     from piper.ir import experts
-    from piper.job import _microbatch_inputs, build_strategy, compile_directives
+    from piper.frontend.microbatches import microbatch_inputs
+    from piper.job import build_strategy, compile_directives
 
     mesh, directives = build_strategy(strategy, mesh)
-    inputs, *_ = _microbatch_inputs(tiny_batches(1)[0], mesh, directives)
+    inputs, *_ = microbatch_inputs(tiny_batches(1)[0], mesh, directives)
     cache = (key, tuple(inputs[0].shape))
     if key is None or cache not in _captured:
         _captured[cache] = capture(copy.deepcopy(model), inputs)
@@ -315,7 +316,7 @@ def test_expert_parallel_in_16_bits_computes_on_float32_rows(precision):
 @pytest.mark.usefixtures("ray_cluster")
 def test_dualpipev_in_turn_switches_items_at_their_exchanges(tmp_path):
     """`overlap=False`: one thread runs an overlapped slot's two items, switching from one to the
-    other after each expert exchange it issues (`piper.runtime.slots.interleaved`)."""
+    other after each expert exchange it issues (`piper.compiler.slots.interleaved`)."""
     import json
 
     strategy = script("use dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + EP)
@@ -377,7 +378,7 @@ def test_all_to_alls_are_nodes_of_the_ir_and_the_plans():
 def test_an_overlapped_slot_takes_its_items_pieces_and_exchanges_into_their_lanes():
     from piper.frontend.interop import compute_slots
     from piper.ir.dag import node_key
-    from piper.runtime.slots import interleaved, spans
+    from piper.compiler.slots import interleaved, spans
 
     compiled, _ = compile_only(Tiny(4, moe_layer()), script(
         "mesh dp=2, pp=2\nuse dualpipev(microbatches=4) on pp\nuse dp() on dp\n" + EP), None, key="tiny4")

@@ -18,7 +18,8 @@ from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 from piper import PiperError  # noqa: E402
 from piper.frontend.capture import Program  # noqa: E402
 from piper.dsl import load_strategy  # noqa: E402
-from piper.frontend.interop import compute_slots, export_main, export_torch_csv, import_main, import_torch_csv, overlapped_slots, read_torch_csv
+from piper.cli_export import export_main
+from piper.frontend.interop import compute_slots, export_torch_csv, import_main, import_torch_csv, overlapped_slots, read_torch_csv
 from piper.job import plan  # noqa: E402
 
 STDLIB = Path(__file__).resolve().parents[1] / "stdlib"

@@ -259,7 +259,8 @@ def test_an_item_found_directly_is_what_the_general_way_finds(text, regions):
     """`_named_nodes` (an item of one region's order, or naming its region by a tag; a split
     backward's B as its BI and BW) against `_item_nodes`, for every item of the schedule."""
     from piper.frontend.directives import Order
-    from piper.ir.statements import _item_nodes, _named_nodes, regions_matching
+    from piper.ir.region_match import regions_matching
+    from piper.ir.statements import _item_nodes, _named_nodes
 
     mesh, directives = load_strategy(text, file="case.pps").build(None)
     unordered = [d for d in directives if not isinstance(d, Order)]

@@ -9,7 +9,7 @@ import pytest
 from examples.gpt import _corpus_tokens
 from piper.cli import build_parser, main
 from piper.diagnostics import PiperError
-from piper.job import recipe
+from piper import run_recipe as recipe
 
 
 def parse(*argv):

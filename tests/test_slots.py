@@ -1,4 +1,4 @@
-"""How the executor regroups slots of several items (piper.runtime.slots), on real compiled plans."""
+"""How the executor regroups slots of several items (piper.compiler.slots), on real compiled plans."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,7 @@ from piper.frontend.capture import Program
 from piper.dsl.script import load_strategy
 from piper.frontend.interop import compute_slots
 from piper.job import plan
-from piper.runtime.slots import span, spans, whole_backwards
+from piper.compiler.slots import span, spans, whole_backwards
 
 ROOT = Path(__file__).resolve().parent.parent
 

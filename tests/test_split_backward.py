@@ -4,7 +4,7 @@ import weakref
 
 import torch
 
-from piper.runtime.saved import SavedBytes
+from piper.compiler.saved import SavedBytes
 from piper.runtime.split_backward import backward_inputs, backward_weights, can_split
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from piper.cli import main
-from piper.compiler import tune
+from piper import cli_tune
 from piper.compiler.runtime_costs import RuntimeModel
 from piper.compiler.tune import Candidate, Result, Search, group_notes, groups
 from piper.compiler.tune_calibration import FLOOR, Calibration, compute_ratio, driver_seconds, relative_spread
@@ -128,7 +128,7 @@ def test_tune_uses_the_cached_calibration_and_groups_what_it_cannot_tell_apart(m
     measured = _cal(RuntimeModel({"F": 1e-4, "B": 1e-4, "SEND": 5e-5, "RECV": 5e-5, "UPD": 1e-4}, latency=0.003),
                     cores=2, driver=0.004, measured=0.1, predicted=0.09, spread=0.02, candidate="measured")
     runs = []
-    monkeypatch.setattr(tune, "_calibrate_on", lambda search, c, log: runs.append(c) or measured)
+    monkeypatch.setattr(cli_tune, "_calibrate_on", lambda search, c, log: runs.append(c) or measured)
     args = ["tune", "--model", MODEL, "--devices", "4", "--memory", "8MiB", "--format", "json"]
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)

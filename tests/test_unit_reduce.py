@@ -10,8 +10,8 @@ import torch
 
 from piper.frontend.capture import TensorSpec
 from piper.runtime import comm
-from piper.runtime.executor import Unit
-from piper.runtime.flat import layout_unit
+from piper.runtime.unit import Unit
+from piper.compiler.flat_layout import layout_unit
 
 
 class _Group:

@@ -24,7 +24,7 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
     if not model_spec:
         raise error("no-regions", "planning needs the model's regions",
                     hint="pass --model PATH.py:FACTORY or --regions PP=N")
-    from ..job import _microbatch_inputs, split_counts
+    from ..frontend.microbatches import microbatch_inputs, split_counts
     from ..frontend.models import example_batch, load_model
 
     from ..frontend.options import TrainingOptions, compute_dtype
@@ -33,7 +33,7 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
     micro, shards = split_counts(mesh, directives)
     inputs = example_batch(module, batch_size or micro * shards)
     training = TrainingOptions(compute_dtype(precision))
-    mb_inputs = _microbatch_inputs(inputs, mesh, directives)[0]
+    mb_inputs = microbatch_inputs(inputs, mesh, directives)[0]
     program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)))
     training.master_specs(program, model, mb_inputs)
     return program

@@ -54,8 +54,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..frontend.capture import BATCH, BUFFER, PARAM, Program
-from ..runtime.flat import layout_unit
-from ..runtime.saved import SavedBytes
+from .flat_layout import layout_unit
+from .saved import SavedBytes
 from ..ir.tied import tie_ids, tied_params
 
 
@@ -385,7 +385,7 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
     `saved` (region -> `RegionBytes`, or bytes saved per microbatch) defaults to
     `region_bytes(program, precision)`; `ranks` defaults to every device (devices of one group
     share one replay). `lanes`: overlapped slots run in lanes, regrouped as the executor does on
-    CPU (`piper.runtime.slots.spans`); False for a job compiled with `overlap=False` (or on
+    CPU (`piper.compiler.slots.spans`); False for a job compiled with `overlap=False` (or on
     CUDA, where the items run in turn). `precision`: the job's `precision=` ("bf16", "fp16",
     "fp32" or a dtype). The strategy's `recompute` regions and `shard experts` come from the IR.
 
@@ -394,7 +394,7 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
     lanes_on = lanes
     from ..ir import experts
     from ..frontend.interop import compute_slots
-    from ..runtime.slots import spans, whole_backwards
+    from .slots import spans, whole_backwards
 
     dtype = compute_dtype(precision)
     if saved is None:             # MoE regions the plans run as pieces save as their pieces do

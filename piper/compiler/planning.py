@@ -10,6 +10,8 @@ from ..gc_guard import no_cycle_collection as _no_cycle_collection
 from .simulate import check
 from ..ir.size import check_lowering
 from ..ir.statements import apply_all, initial_ir
+from ..frontend.strategy import as_strategy
+from ..mesh import Mesh
 
 
 def compile_directives(program, mesh, directives) -> Compiled:
@@ -25,7 +27,26 @@ def compile_directives(program, mesh, directives) -> Compiled:
             from ..ir import experts
 
             experts.check(program, compiled.ir)
-            compiled = experts.add_all_to_alls(compiled, program)
+            from .moe_exchanges import add_all_to_alls
+
+            compiled = add_all_to_alls(compiled, program)
         check(compiled)       # raises on deadlock before anything runs
     compiled.warnings = at_use_sites(compiled.warnings, directives)   # at the user's `use` lines
     return compiled
+
+
+def plan(strategy, *, mesh=None, program, overrides: dict | None = None) -> Compiled:
+    """Build and compile a strategy against a captured (or abstract) program."""
+    with _no_cycle_collection():
+        mesh, directives = build_strategy(strategy, mesh, overrides)
+        return compile_directives(program, mesh, directives)
+
+
+def build_strategy(strategy, mesh, overrides=None):
+    strat = as_strategy(strategy)
+    if overrides:
+        strat = strat.bind(**overrides)
+    mesh = Mesh.of(mesh) if mesh is not None else None
+    if mesh is None:
+        mesh = getattr(strat, "mesh", None) or Mesh(())
+    return strat.build(mesh)

@@ -16,16 +16,16 @@ numbers (`piper.ir.table`); the objects of the result are made when read.
 """
 from __future__ import annotations
 
-from collections import namedtuple
 from collections.abc import Mapping
 from itertools import compress
 from operator import and_, eq, itemgetter
 
 from ..diagnostics import Diagnostic, error
-from ..ir.dag import COLLECTIVES, COMPUTE, IR, Edge, Node, _not_same, distinct_edges
+from ..ir.dag import COLLECTIVES, COMPUTE, IR, Edge, Node, distinct_edges
 from ..ir.lower import check_orders, lower_transfers, resolve_placement, temporal_edges, zero_levels
 from ..ir.table import Table
 from ..ir.tied import add_tie_exchanges, tied_params
+from .actions import Action
 from .collectives import _units_used, add_collectives, place_collectives     # noqa: F401 (the compiler's passes)
 from .plan_waits import waits_by_number
 from .replay import replay, walk
@@ -38,55 +38,6 @@ _TRANSFER = frozenset(("SEND", "RECV"))
 
 _tuple_new = tuple.__new__
 _SRC, _DST, _KEY, _DEVICES = itemgetter(0), itemgetter(1), itemgetter(8), itemgetter(6)
-_ActionFields = namedtuple("_ActionFields", "node peer tag group waits release")
-
-
-class Action(tuple):
-    """One step of a device's plan.
-
-    `peer` is the other rank of a SEND/RECV and `tag` its message tag;
-    `group` the ranks of a collective; `waits` the keys of communication this
-    action must see completed first; `release` the parameter units (owner
-    regions) whose gathered parameters can be freed after it (ZeRO-3).
-
-    An immutable value compared by all its fields, as the frozen dataclass it
-    replaces was; a tuple because plans hold millions of them (see `Node`).
-    """
-
-    __slots__ = ()
-    node, peer, tag, group, waits, release = (
-        _ActionFields.node, _ActionFields.peer, _ActionFields.tag, _ActionFields.group, _ActionFields.waits,
-        _ActionFields.release)
-
-    def __new__(cls, node: Node, peer: int | None = None, tag: int | None = None,
-                group: tuple[int, ...] | None = None, waits: tuple[str, ...] = (),
-                release: tuple[int, ...] = ()) -> "Action":
-        return _tuple_new(cls, (node, peer, tag, group, waits, release))
-
-    @property
-    def key(self) -> str:
-        return self[0].key
-
-    def __eq__(self, other):
-        if other.__class__ is self.__class__:
-            return tuple.__eq__(self, other)
-        return _not_same(other)
-
-    def __ne__(self, other):
-        if other.__class__ is self.__class__:
-            return tuple.__ne__(self, other)
-        return _not_same(other, True)
-
-    __hash__ = tuple.__hash__
-
-    def __reduce__(self):
-        return Action, tuple(self)
-
-    def __repr__(self) -> str:
-        return "Action(" + ", ".join(f"{f}={v!r}" for f, v in zip(_ActionFields._fields, self)) + ")"
-
-    def __str__(self) -> str:
-        return self[0].key
 
 
 class Compiled:

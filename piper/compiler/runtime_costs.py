@@ -27,7 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from .plans import Action
+from .actions import Action
 from ..ir.dag import Node
 from .simulate import SLOT, STEP, UNIT_COSTS, actions_seconds
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .plans import Action
+from .actions import Action
 from ..ir.dag import COMPUTE, node_key
 from ..diagnostics import error
 

@@ -24,7 +24,7 @@ device is predicted (`piper.compiler.memory_model`), and its step time simulated
   Gloo moves between processes on one machine);
 - devices that outnumber the CPU cores share them (`simulate(cores=...)`);
 - the runtime's own costs, measured by a short run of two candidates on as
-  many devices (`calibrate`, `piper.compiler.tune_calibration`): its work per
+  many devices (`piper.cli_tune.calibrate`, `piper.compiler.tune_calibration`): its work per
   action and per step, each device's start skew, the message latency, Gloo's
   threads, the driver's part of a step, the computes' CPU time in the
   workers over the profile's, and the cores other processes took meanwhile;
@@ -51,7 +51,6 @@ import os
 import pickle
 import socket
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -340,7 +339,7 @@ class Search:
         from ..dsl import load_strategy
         from ..diagnostics import PiperError
         from ..frontend.interop import overlapped_slots
-        from ..job import plan
+        from .planning import plan
         from .memory_model import predict_memory
         from .step_costs import comm_cost
 
@@ -452,87 +451,6 @@ class Search:
         return fits, every
 
 
-def calibrate(search: Search, *, log=None, again: bool = False):
-    """The runtime's costs for `search`'s model and device count on this machine
-    (`tune_calibration.Calibration`): a short run of two candidates side by side
-    (`tune_calibration.choose`, `pair`), cached (`$PIPER_CACHE`) by machine, model, batch and
-    devices (`again`: measure anew); None where they do not run."""
-    from .tune_calibration import choose, pair
-
-    path, _, factory = search.model_spec.rpartition(":")
-    key = {"what": "calibration", "model": os.path.abspath(path), "factory": factory, "batch": search.batch,
-           "mtime": os.path.getmtime(path) if os.path.exists(path) else 0, "devices": search.devices,
-           "cores": search.machine["cores"]}
-    log = log or search.log
-
-    def make():
-        chosen = pair(choose(candidates(search.devices, search.batch, search.regions)))
-        if not chosen:
-            return None
-        try:
-            return _calibrate_on(search, chosen, log)
-        except Exception as err:       # noqa: BLE001 - a run that fails leaves the search uncalibrated
-            log(f"calibrating on {chosen[0].label()} failed ({err}): steps are predicted from the computes alone")
-            return None
-
-    return _cached(key, make, again=again)
-
-
-def _calibrate_on(search: Search, chosen: list[Candidate], log):
-    """Run the `chosen` candidates a step each in turn; the first makes the `Calibration`, the second
-    (where there is one) checks what it predicts for another candidate."""
-    import contextlib
-
-    import piper
-    import ray
-
-    from ..dsl import load_strategy
-    from ..frontend.models import example_batch, load_model
-    from .step_costs import comm_cost
-    from .tune_calibration import from_run, measure_together
-
-    log(f"calibrating the runtime's costs on {' and '.join(c.label() for c in chosen)} "
-        f"({search.devices} devices; cached)")
-    owned = not ray.is_initialized()
-    if owned:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        with contextlib.ExitStack() as stack:
-            jobs = []
-            for c in chosen:
-                model, module = load_model(search.model_spec)
-                data = example_batch(module, search.batch)
-                jobs.append(stack.enter_context(piper.compile(
-                    model, data, strategy=load_strategy(c.script(), file="<tune>"), timeout=300,
-                    progress=lambda m: log(f"calibration: {m}"))))
-            runs = measure_together(jobs, data)
-            compiled = jobs[0].compiled
-    finally:
-        if owned:
-            ray.shutdown()
-    c = chosen[0]
-    b = search.batch // (c.dp * c.microbatches)
-    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
-    program = (exact or search.reference).program
-    comm = comm_cost(compiled, program, bandwidth=search.machine["bandwidth"],
-                     value_scale=b / (exact or search.reference).microbatch)
-    fwd, bwd, _ = search._scaled(b, exact)
-    cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=compiled.plans.representatives(),
-                   candidate=c.label(), estimated=search.compute_costs(compiled, program, c, fwd, bwd))
-    own = search.with_calibration(cal).evaluate(c, exact)
-    cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
-    if len(chosen) > 1:
-        other = chosen[1]
-        b = search.batch // (other.dp * other.microbatches)
-        checked = search.with_calibration(cal).evaluate(
-            other, profile(search.model_spec, b) if b != search.reference.microbatch else None)
-        if checked is not None:
-            measured = statistics.median(runs[1]["times"])
-            cal = replace(cal, check=other.label(), check_measured=measured, check_predicted=checked.step_s)
-    return cal
-
-
 def groups(results: list[Result], tolerance: float) -> list[int]:
     """For `results` (fastest first), the number of the group each falls in (1, 2, ...): a result
     joins the group of the fastest before it while their predictions, each within ±`tolerance`,
@@ -592,137 +510,3 @@ def at_load(search: Search, result: Result, external: float) -> float | None:
     exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
     again = search.with_calibration(search.calibration, external=external).evaluate(c, exact)
     return again.step_s if again is not None else None
-
-
-def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) -> list[tuple[float, int]]:
-    """Run each result for `steps` steps: (median step seconds after the first, the largest step_peak)."""
-    import piper
-
-    from ..dsl import load_strategy
-    from ..frontend.models import example_batch, load_model
-
-    import ray
-
-    out = []
-    owned = not ray.is_initialized()
-    if owned:                        # one local cluster for every run, not one each
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        for r in results:
-            model, module = load_model(model_spec)
-            data = example_batch(module, batch)
-            with piper.compile(model, data, strategy=load_strategy(r.candidate.script(), file="<tune>"),
-                               timeout=300) as job:
-                out.append(measure_steps(job, data, steps))
-    finally:
-        if owned:
-            ray.shutdown()
-    return out
-
-
-def main(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from ..diagnostics import error
-    from .memory_model import format_bytes, parse_bytes
-
-    try:
-        budget = parse_bytes(args.memory)
-    except ValueError as err:
-        raise _usage(str(err)) from None
-    if args.devices < 1:
-        raise _usage("--devices takes a number of devices >= 1")
-    err_console = Console(stderr=True)
-    log = (lambda msg: err_console.print(f"[dim]piper tune: {msg}[/]")) if args.format != "json" else None
-    batch = args.batch_size or 16
-    start = time.perf_counter()
-    search = Search(args.model, args.devices, budget, batch, log=log)
-    if getattr(args, "calibrate", True):
-        calibration = calibrate(search, log=log, again=getattr(args, "recalibrate", False))
-        if calibration is not None:
-            search = search.with_calibration(calibration)
-    fits, every = search.run()
-    elapsed = time.perf_counter() - start
-    if not fits:
-        if not every:
-            raise error("no-fit", f"no strategy compiles for {args.devices} device(s) and a batch of {batch}",
-                        hint=f"the model has {search.regions} PP region(s); use a device count its pipeline "
-                             "schedules fit (p or 2p regions over p devices) or a batch that divides over the devices")
-        smallest = min(every, key=lambda r: r.peak_bytes)
-        raise error("no-fit", f"nothing fits {format_bytes(budget)} per device: the smallest predicted peak is "
-                    f"{format_bytes(smallest.peak_bytes)} ({smallest.candidate.label()})",
-                    notes=(f"searched {len(every)} strategies in {elapsed:.1f} s",),
-                    hint=f"raise --memory to at least {format_bytes(smallest.peak_bytes)} "
-                         f"({smallest.peak_bytes} bytes), use more devices, or a smaller --batch-size")
-    shown = fits[: args.top]
-    measured = _verify(args.model, fits[: args.verify], batch) if args.verify else []
-    if args.output:
-        best = fits[0].candidate
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(f"# chosen by `piper tune --devices {args.devices} --memory {args.memory} --batch-size {batch}`: "
-                    f"predicted step {fits[0].step_s * 1e3:.1f} ms, peak {format_bytes(fits[0].peak_bytes)} per device\n"
-                    + best.script())
-    tolerance, cal = search.tolerance, search.calibration
-    numbers = groups(shown, tolerance)
-    again: dict[int, float | None] = {}
-    if args.format == "json":
-        rows = []
-        for i, r in enumerate(shown):
-            d = r.as_dict()
-            d.update(group=numbers[i], tolerance=tolerance, calibrated=cal is not None)
-            if i < len(measured):
-                d["measured_step_s"], d["measured_peak_bytes"], d["measured_other_load"] = measured[i][:3]
-                d["step_error"] = r.step_s / measured[i][0] - 1
-                again[i] = at_load(search, r, measured[i][2])
-                if again[i] is not None:
-                    d["step_s_at_measured_load"] = again[i]
-                    d["step_error_at_measured_load"] = again[i] / measured[i][0] - 1
-            rows.append(d)
-        sys.stdout.write(json.dumps(rows, indent=1) + "\n")
-        return 0
-    table = Table(title=f"piper tune: {len(fits)} of {len(every)} strategies fit {format_bytes(budget)} per device "
-                        f"({args.devices} devices, batch {batch}; searched in {elapsed:.1f} s)")
-    columns = ["#", "group", "strategy", "step (predicted)", "bubble", "peak / device (predicted)"]
-    if measured:
-        columns += ["step (measured)", "error", "peak (measured)"]
-    for col in columns:
-        table.add_column(col, justify="left" if col == "strategy" else "right")
-    for i, r in enumerate(shown):
-        row = [str(i + 1), f"≈{numbers[i]}", r.candidate.label(), f"{r.step_s * 1e3:.1f} ms", f"{r.bubble:.0%}",
-               format_bytes(r.peak_bytes) + ("" if r.exact else " ~")]
-        if measured:
-            row += ([f"{measured[i][0] * 1e3:.1f} ms", f"{r.step_s / measured[i][0] - 1:+.0%}",
-                     format_bytes(measured[i][1])] if i < len(measured) else ["", "", ""])
-            if i < len(measured):
-                again[i] = at_load(search, r, measured[i][2])
-        table.add_row(*row)
-    console = Console() if sys.stdout.isatty() else Console(width=160)
-    console.print(table)
-    for line in group_notes(shown, numbers, tolerance, calibrated=cal is not None):
-        console.print(line)
-    for i, step in again.items():
-        if step is not None:
-            console.print(f"row {i + 1}: {measured[i][2]:.1f} cores busy with other work while it ran; predicted for "
-                          f"that load {step * 1e3:.1f} ms ({step / measured[i][0] - 1:+.0%} of the measured step)")
-    if cal is not None:
-        console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
-                      f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; "
-                      f"steps varied ±{cal.spread:.0%}),"
-                      f" for {cal.external:.1f} of {cal.cores} cores busy with other work as then; "
-                      "--recalibrate to measure again[/]")
-    else:
-        console.print("[dim]steps predicted from the computes alone (--no-calibrate): the runtime's own costs, "
-                      "message latency and other load are left out, so a step runs longer than predicted[/]")
-    console.print("[dim]~: activations scaled from another microbatch size; costs measured on this machine "
-                  "(cached); -o writes the best as a .pps[/]")
-    if args.output:
-        console.print(f"wrote {args.output}: {fits[0].candidate.label()}")
-    return 0
-
-
-def _usage(message: str):
-    from ..cli import _Usage
-
-    return _Usage(message)

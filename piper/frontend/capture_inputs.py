@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .capture import BATCH, BUFFER, PARAM, RegionInput, TensorSpec, _mutation_error
+from .captured import BATCH, BUFFER, PARAM, RegionInput, TensorSpec, _mutation_error
 from ..diagnostics import error
 from ..lazy import LazyModule
 

@@ -8,8 +8,8 @@ reads: row r lists pipeline rank r's compute actions, each `{stage}{F|B|I|W}{mic
 with the stage index = the region's PP number, I/W = Piper's BI/BW, and an
 overlapped slot written as torch's compound `(a;b)OVERLAP_F_B`.
 
-The command line (`piper export`, `piper import`) calls `export_main` and
-`import_main`; their flags are listed on each.
+The command line calls `import_main` for `piper import` and `piper.cli_export.export_main` (which
+compiles first) for `piper export`; their flags are listed on each.
 """
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ import csv
 import io
 import re
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-from ..compiler.plans import Compiled
 from ..diagnostics import error
+
+if TYPE_CHECKING:                  # the front end reads a compiled result; it does not compile
+    from ..compiler.plans import Compiled
 
 # Piper pass -> torch computation type, and back.
 TO_TORCH = {"F": "F", "B": "B", "BI": "I", "BW": "W"}
@@ -312,41 +315,6 @@ def _regions(text):
                         hint="give the number of regions, e.g. --regions PP=8")
         out[key.strip()] = int(count)
     return out
-
-
-def export_main(args) -> int:
-    """`piper export SCRIPT [--model PATH.py:FACTORY | --regions PP=8] [--mesh pp=4] [--set NAME=VALUE ...]
-    [--format torch-csv] [-o FILE]`.
-
-    `args` fields: script, model, regions ("PP=8" or a dict), mesh ("pp=4" or
-    None for the script's own), set (a list of NAME=VALUE, or a dict),
-    format ("torch-csv"), output (a path, or None / "-" for stdout), and
-    optionally axis and batch_size. Returns the exit status.
-    """
-    import sys
-
-    from ..compiler.analysis import compile_script
-    from ..dsl import load_strategy
-
-    fmt = getattr(args, "format", None) or "torch-csv"
-    if fmt != "torch-csv":
-        raise error("bad-flag", f"unknown export format {fmt!r}", hint="the only format is torch-csv")
-    script = load_strategy(args.script, overrides=_sets(getattr(args, "set", None)))
-    regions = _regions(getattr(args, "regions", None))
-    model = getattr(args, "model", None)
-    if not regions and not model:
-        raise error("bad-flag", "piper export needs the regions: --model PATH.py:FACTORY or --regions PP=N",
-                    hint="e.g. piper export stdlib/zbv.pps --regions PP=8 --mesh pp=4 --set microbatches=8")
-    compiled = compile_script(script, mesh=getattr(args, "mesh", None), model_spec=model, regions=regions,
-                              batch_size=getattr(args, "batch_size", None))
-    text = export_torch_csv(compiled, axis=getattr(args, "axis", None))
-    output = getattr(args, "output", None)
-    if output in (None, "-"):
-        sys.stdout.write(text)
-    else:
-        with open(output, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-    return 0
 
 
 def import_main(args) -> int:

@@ -265,7 +265,7 @@ def _keyword_tags(records, problems: Problems) -> None:
     lower = [t for t in used if t.islower()]
     if not lower:
         return                      # the language's words are all lower case; tags usually are not
-    from ..dsl.syntax_errors import KEYWORDS
+    from ..dsl.parser import KEYWORDS
 
     for tag in lower:
         if tag in KEYWORDS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .capture import BATCH, BUFFER, PARAM, VALUE, Region, RegionInput, TensorSpec, Value, _stack_line
+from .captured import BATCH, BUFFER, PARAM, VALUE, Region, RegionInput, TensorSpec, Value, _stack_line
 from ..diagnostics import error
 from ..lazy import LazyModule
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from ..diagnostics import error
 from ..frontend.directives import Recompute
 from .dag import IR
+from .region_match import regions_matching
 
 
 def recompute(ir: IR, d: Recompute) -> IR:
@@ -25,8 +26,6 @@ def recompute(ir: IR, d: Recompute) -> IR:
     A selector that names a pass or a microbatch is an error: a region
     recomputes for every microbatch or for none.
     """
-    from .statements import regions_matching
-
     chosen = set(ir.recompute)
     for selector in d.selectors:
         if selector.op is not None or selector.tag("MB") is not None:

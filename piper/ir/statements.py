@@ -12,12 +12,13 @@ from itertools import chain
 from operator import attrgetter, itemgetter
 
 from ..frontend.capture import Program
-from ..diagnostics import Label, did_you_mean, error
+from ..diagnostics import Label, error
 from ..frontend.directives import Directive, Order, Place, Recompute, Shard, Split
 from .dag import _COMPUTE, _IDENTITY, _PASSES, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from ..mesh import Mesh
+from .region_match import regions_by_tag, regions_matching
 from .size import check_placement, check_split
-from ..frontend.selectors import ANY, Selector
+from ..frontend.selectors import Selector
 
 _tuple_new = tuple.__new__
 _KEY = itemgetter(8)
@@ -228,38 +229,6 @@ def _halves(node: Node) -> tuple[Node, Node]:
             _tuple_new(Node, ("BW", region, mb, phase, value, peer, devices, stream, f"{region}BW{mb}")))
 
 
-def regions_matching(ir: IR, selector: Selector, span=None) -> list[RegionInfo]:
-    """The regions a selector's region tags pick; an error naming the known tags if none."""
-    tags = selector.region_tags()
-    if len(tags) == 1 and tags[0][1] != ANY:       # `PP=3`, most selectors: the regions tagged so
-        found = list(_regions_by_tag(ir).get(tags[0], ()))
-    else:
-        found = [r for r in ir.regions if selector.matches_region(dict(r.tags))]
-    if not found:
-        known_tags = sorted({k for r in ir.regions for k, _ in r.tags})
-        labels = ", ".join(r.label for r in ir.regions) or "(none)"
-        hint = None
-        for name, _ in selector.region_tags():
-            if name not in known_tags:
-                hint = did_you_mean(name, known_tags)
-        raise error("unknown-region", f"`{selector}` matches no region of the model", span=span,
-                    notes=(f"the model's regions are {labels}",),
-                    hint=hint or "check the tag and index against the model's piper.annotate blocks")
-    return found
-
-
-def _regions_by_tag(ir: IR) -> dict[tuple, list[RegionInfo]]:
-    """(tag, value) -> the regions tagged so (nested ones too), made once per IR's regions."""
-    found = ir._indexes.get("by_tag")
-    if found is None or found[0] is not ir.regions:
-        index: dict[tuple, list] = {}
-        for r in ir.regions:
-            for tag in r.tags:
-                index.setdefault(tag, []).append(r)
-        found = ir._indexes["by_tag"] = (ir.regions, index)
-    return found[1]
-
-
 def place(ir: IR, d: Place) -> IR:
     """`place PP=1 on pp[1]`: the regions the selector picks run on that device group.
 
@@ -442,7 +411,7 @@ def _named_nodes(ir: IR, by_pass: dict, item: Selector, direct: dict[str, dict])
             name, value, other, mb = other, mb, name, value
         if other != "MB" or type(value) is not int:
             return None
-        regions = _regions_by_tag(ir).get((name, value))
+        regions = regions_by_tag(ir).get((name, value))
         if regions is None or len(regions) != 1:
             return None
         region = regions[0].index

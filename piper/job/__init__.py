@@ -22,66 +22,21 @@ from ..frontend.capture import Program, capture
 from .checkpoint import describe_strategy
 from ..compiler.plans import Compiled
 from ..diagnostics import error
-from ..frontend.directives import Shard, Split
 from .inspection import JobInspection
 from .progress import reporter
 from .startup import JobStartup
 from .state import JobState
 from .steps import JobSteps
 from .worker_specs import WorkerSpecs
-from ..mesh import Mesh
 from ..frontend.loss_scaling import loss_scaling
 from ..frontend import param_groups
 from ..frontend.lr_schedules import check_schedule
+from ..frontend.microbatches import microbatch_inputs
 from ..frontend.model_checks import check_loss_gradient, check_parameters
 from ..frontend.options import TrainingOptions, check_clip, check_nonfinite, compute_dtype
-from ..compiler.planning import _no_cycle_collection, compile_directives
-from ..runtime.flat import UnitLayout, layout_unit
-from ..frontend.strategy import as_strategy
+from ..compiler.planning import build_strategy, compile_directives, plan  # noqa: F401 (piper.job.plan)
+from ..compiler.flat_layout import UnitLayout, layout_unit
 from ..ir.tied import state_keys, tie_ids, tied_params
-
-def plan(strategy, *, mesh=None, program: Program, overrides: dict | None = None) -> Compiled:
-    """Build and compile a strategy against a captured (or abstract) program."""
-    with _no_cycle_collection():
-        mesh, directives = build_strategy(strategy, mesh, overrides)
-        return compile_directives(program, mesh, directives)
-
-
-def split_counts(mesh: Mesh, directives) -> tuple[int, int]:
-    """(microbatches, batch shards) the directives cut the global batch into."""
-    microbatches = next((d.count for d in directives if isinstance(d, Split) and d.what == "MB"), 1)
-    shards = 1
-    for d in directives:
-        if isinstance(d, Shard) and "batch" in d.what:
-            shards *= mesh.size(d.over)
-    return microbatches, shards
-
-
-def build_strategy(strategy, mesh, overrides=None):
-    strat = as_strategy(strategy)
-    if overrides:
-        strat = strat.bind(**overrides)
-    mesh = Mesh.of(mesh) if mesh is not None else None
-    if mesh is None:
-        mesh = getattr(strat, "mesh", None) or Mesh(())
-    return strat.build(mesh)
-
-
-def _microbatch_inputs(example_inputs, mesh: Mesh, directives):
-    """Cut the global example batch to one microbatch: export fixes shapes."""
-    microbatches, shards = split_counts(mesh, directives)
-    sizes = {int(x.shape[0]) for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
-    if len(sizes) != 1:
-        raise error("bad-inputs", "every example input needs the same batch size in dimension 0",
-                    hint="pass (inputs, targets) with one row per example")
-    batch = sizes.pop()
-    if batch % (microbatches * shards):
-        raise error("indivisible-batch", f"the global batch of {batch} does not divide into {microbatches} "
-                    f"microbatch(es) x {shards} data-parallel shard(s)",
-                    hint=f"use a batch size that is a multiple of {microbatches * shards}")
-    size = batch // (microbatches * shards)
-    return tuple(x[:size] for x in example_inputs), microbatches, shards, batch
-
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -171,7 +126,7 @@ def compile(model: torch.nn.Module, example_inputs=None, strategy=None, mesh=Non
     # A dict of example inputs calls forward with keywords (`input_ids=..., labels=...`).
     names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else ()
     example_inputs = tuple(example_inputs.values()) if names else tuple(example_inputs)
-    mb_inputs, microbatches, shards, batch = _microbatch_inputs(example_inputs, mesh, directives)
+    mb_inputs, microbatches, shards, batch = microbatch_inputs(example_inputs, mesh, directives)
     if data_options is not None and batch != data_options.batch_size:
         raise error("bad-inputs", f"example_inputs hold a batch of {batch} and batch_size={data_options.batch_size}",
                     hint="leave example_inputs None with data=: global batch 0 of the data is the example")

@@ -81,7 +81,7 @@ def fit(job, batches, steps: int, *, tokens_per_batch: int, console: Console | N
     Steps are numbered from the job's own count (`job.steps`: a loaded checkpoint's step), and
     `metrics` gets one JSON line per step as it ends (`StepReport`). `after_step(steps done, loss,
     step seconds, tokens/s, unit)` runs after each step (evaluation, TensorBoard:
-    `piper.job.recipe.Observer`)."""
+    `piper.run_recipe.Observer`)."""
     losses = []
     first = int(getattr(job, "steps", 0) or 0)
     with StepReport(first + steps, tokens_per_batch=tokens_per_batch, console=console, unit=unit,

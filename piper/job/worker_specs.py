@@ -5,7 +5,8 @@ Mixed into `piper.job.Job`; builds the `WorkerSpec` (`runtime/specs.py`) that th
 from __future__ import annotations
 
 from ..frontend.capture import BUFFER
-from ..ir.experts import expert_spec, slots_lanes
+from ..ir.experts import groups as expert_groups, holdings, slots_lanes
+from ..runtime.experts import ExpertSpec
 from ..runtime.flat import flatten
 from ..runtime.graphs import pack
 from ..runtime.specs import RegionSpec, WorkerSpec
@@ -51,3 +52,12 @@ class WorkerSpecs:
         spec.readers = self._readers(rank)      # data= / val_data=: what this rank reads of each batch
         self.training.configure(spec, ir, program)
         return spec, init
+
+
+def expert_spec(program: Program, ir: IR, rank: int, params: dict, lanes: int):
+    """(the worker's `ExpertSpec`, its initial expert rows by weight name)."""
+    held = holdings(program, ir, rank)
+    init = {name: params[name].detach()[lo:hi].cpu().clone()
+            for names in held.values() for name, (lo, hi) in names.items()}
+    shapes = {name: tuple(params[name].shape) for names in held.values() for name in names}
+    return ExpertSpec(expert_groups(ir), lanes, held, shapes), init

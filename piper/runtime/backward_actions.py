@@ -9,7 +9,7 @@ import torch
 
 from .clip import gradients_finite, scaled_gradients
 from .gradient_routing import GradientRouting
-from .slots import whole_backwards
+from ..compiler.slots import whole_backwards
 from .specs import RegionSpec
 from .split_backward import backward_inputs, backward_weights, can_split
 

@@ -83,7 +83,7 @@ class CommActions:
 
     def _all_to_all(self, action) -> None:
         """An exchange between the pieces of a cut pass (`moe_pieces`); else a marker: the compute
-        before it issued its all-to-alls from its graph (`piper.ir.experts.add_all_to_alls`)."""
+        before it issued its all-to-alls from its graph (`piper.compiler.moe_exchanges.add_all_to_alls`)."""
         if action.node.value is not None:
             self.moe.exchange(self, action)
 

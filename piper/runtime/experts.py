@@ -20,25 +20,15 @@ then already the sum over the global batch.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .. import expert_context
+from ..expert_context import current, forget, lane_group  # noqa: F401 (the runtime's names for them)
 from . import optimizers
-
-_thread = threading.local()
-_default: "ExpertGroup | None" = None      # lane 0 (and CUDA's autograd threads, where backward runs)
-
-
-def forget() -> None:
-    """Drop the last job's groups (a kept worker's `reset`): a job without EP must not find them."""
-    global _default, _thread
-    _default = None
-    _thread = threading.local()
 
 
 class ExpertGroup:
@@ -55,7 +45,7 @@ class ExpertGroup:
         start = time.perf_counter()
         out = torch.empty_like(counts)
         dist.all_to_all_single(out, counts.contiguous(), group=self.group)
-        _thread.seconds = getattr(_thread, "seconds", 0.0) + time.perf_counter() - start
+        expert_context.add_seconds(time.perf_counter() - start)
         return out
 
     def all_to_all(self, rows: torch.Tensor, out_splits: torch.Tensor, in_splits: torch.Tensor) -> torch.Tensor:
@@ -64,7 +54,7 @@ class ExpertGroup:
         outs, ins = out_splits.tolist(), in_splits.tolist()
         out = rows.new_empty(sum(outs), *rows.shape[1:])
         dist.all_to_all_single(out, rows.contiguous(), outs, ins, group=self.group)
-        _thread.seconds = getattr(_thread, "seconds", 0.0) + time.perf_counter() - start
+        expert_context.add_seconds(time.perf_counter() - start)
         return out
 
     def all_to_all_async(self, rows: torch.Tensor, out_splits: torch.Tensor, in_splits: torch.Tensor):
@@ -73,25 +63,6 @@ class ExpertGroup:
         out = rows.new_empty(sum(outs), *rows.shape[1:])
         work = dist.all_to_all_single(out, rows.contiguous(), outs, ins, group=self.group, async_op=True)
         return out, work
-
-
-def current() -> ExpertGroup | None:
-    """The calling thread's expert group; None on one device (the ops' local meaning)."""
-    return getattr(_thread, "group", None) or _default
-
-
-@contextlib.contextmanager
-def lane_group(groups: "list[ExpertGroup] | None", lane: int):
-    """Run the body with lane `lane`'s expert group (overlapped slots: one group per lane)."""
-    if not groups:
-        yield
-        return
-    previous = getattr(_thread, "group", None)
-    _thread.group = groups[lane]
-    try:
-        yield
-    finally:
-        _thread.group = previous
 
 
 @dataclass(frozen=True)
@@ -109,14 +80,13 @@ class Experts:
     """This device's expert parameters (leaves with their own `.grad`) and its groups."""
 
     def __init__(self, spec: ExpertSpec, rank: int, init: dict[str, torch.Tensor], optimizer, device):
-        global _default
         self.spec = spec
         self.lanes: list[ExpertGroup] = []
         for ranks in spec.groups:
             made = [dist.new_group(list(ranks)) for _ in range(spec.lanes)]
             if rank in ranks:
                 self.lanes = [ExpertGroup(g, ranks, rank) for g in made]
-        _default = self.lanes[0] if self.lanes else None
+        expert_context.set_default(self.lanes[0] if self.lanes else None)
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}
         self.optimizers = {}
         for unit, names in spec.params.items():
@@ -128,8 +98,7 @@ class Experts:
     @staticmethod
     def exchanged() -> float:
         """Seconds the calling thread spent in expert all-to-alls since it last asked."""
-        seconds, _thread.seconds = getattr(_thread, "seconds", 0.0), 0.0
-        return seconds
+        return expert_context.take_seconds()
 
     def account(self, node, timings: dict[str, float]) -> None:
         """Move the all-to-all seconds of the compute `node` just ran from its own time to its

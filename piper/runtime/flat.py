@@ -1,91 +1,13 @@
-"""Flat parameter units: the parameters one region owns, packed per dtype into
-one flat buffer padded to a multiple of the group size, so ZeRO can shard it
-into equal contiguous slices.
+"""Flat parameter units on a worker: a bucket's named tensors packed into its flat buffer and back.
 
-The layout is computed once on the driver and shared by every worker and by
-`Job.state_dict`, so shards always mean the same elements.
+The layout itself (`UnitLayout`, `layout_unit`) is the compiler's (`piper.compiler.flat_layout`): the
+memory model replays it without torch's tensors; it is named here too, for plans pickled before.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """All parameters of one dtype in a unit."""
-
-    dtype: torch.dtype
-    entries: tuple[Entry, ...]
-    padded: int               # flat length, a multiple of the group size
-    group_size: int
-    tied: int | None = None   # a tied parameter's bucket of its own: the tie's number (piper.ir.tied)
-    counted: bool = True      # False on a tied weight's second copy: a global norm counts the weight once
-    param_group: int | None = None   # the optimizer's parameter group of every entry (`optimizers.Grouped`)
-
-    @property
-    def shard_size(self) -> int:
-        return self.padded // self.group_size
-
-    def bounds(self, index: int) -> tuple[int, int]:
-        """The slice of the flat buffer that group member `index` owns."""
-        return index * self.shard_size, (index + 1) * self.shard_size
-
-
-@dataclass(frozen=True)
-class UnitLayout:
-    owner: int                        # the region that owns these parameters
-    group: tuple[int, ...]            # ranks sharing (and sharding) the unit
-    buckets: tuple[Bucket, ...]
-
-
-def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: dict | None = None,
-                second_copies=frozenset(), param_groups: dict[str, int] | None = None) -> UnitLayout:
-    """Pack `names` (with `specs[name].shape/.dtype`) per dtype, in the given order.
-
-    A name in `tied` (name -> tie number) gets a bucket of its own, so every
-    copy of a tied parameter is padded and sharded alike; a name in
-    `second_copies` is a tied weight whose first copy lives in another unit.
-    With `param_groups` (name -> the optimizer's parameter group) each group's
-    names are packed apart too, so no shard holds elements of two groups."""
-    tied = tied or {}
-    by_dtype: dict = {}
-    for name in names:
-        key = ("tied", tied[name]) if name in tied else specs[name].dtype
-        if param_groups is not None:
-            key = (key, param_groups[name])
-        by_dtype.setdefault(key, []).append(name)
-    buckets = []
-    for key, members in by_dtype.items():
-        dtype = specs[members[0]].dtype
-        entries, offset = [], 0
-        for name in members:
-            e = Entry(name, tuple(specs[name].shape), offset)
-            entries.append(e)
-            offset += e.numel
-        size = len(group)
-        padded = -(-offset // size) * size if offset else size
-        kind = key[0] if param_groups is not None else key
-        tie = kind[1] if isinstance(kind, tuple) else None
-        buckets.append(Bucket(dtype, tuple(entries), padded, size, tie,
-                              counted=tie is None or members[0] not in second_copies,
-                              param_group=param_groups[members[0]] if param_groups is not None else None))
-    return UnitLayout(owner, tuple(group), tuple(buckets))
+from ..compiler.flat_layout import Bucket, Entry, UnitLayout, layout_unit  # noqa: F401
 
 
 def flatten(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

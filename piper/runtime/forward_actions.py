@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import recompute
-from .saved import SavedBytes
+from ..compiler.saved import SavedBytes
 from .specs import BATCH, BUFFER, PARAM, RegionSpec
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from .experts import lane_group
-from .slots import exchanges, interleaved, spans
+from ..expert_context import lane_group
+from ..compiler.slots import exchanges, interleaved, spans
 from .specs import VALUE
 
 

@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..ir.moe_cut import DISPATCH, Source
-from . import experts as expert_groups
+from .. import expert_context as expert_groups
 from .moe_pass import _add, _Pass
 
 

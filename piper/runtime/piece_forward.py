@@ -10,7 +10,7 @@ import torch
 from ..ir.moe_cut import Source
 from . import recompute
 from .moe_pass import _count, _no_views, _Pass
-from .saved import SavedBytes
+from ..compiler.saved import SavedBytes
 
 
 class PieceForward:

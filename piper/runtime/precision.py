@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .clip import Deferring
-from .executor import Unit
+from .unit import Unit
 
 
 class _Cast(torch.autograd.Function):

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from .saved import SavedBytes
+from ..compiler.saved import SavedBytes
 
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "exponential", "poisson")
 _random_graphs: dict[int, bool] = {}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .flat import UnitLayout
+from ..compiler.flat_layout import UnitLayout
 
 PARAM, BUFFER, BATCH, VALUE = "param", "buffer", "batch", "value"
 

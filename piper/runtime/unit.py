@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import comm, optimizers
-from .flat import UnitLayout
+from ..compiler.flat_layout import UnitLayout
 from .unit_gradients import UnitGradients
 
 

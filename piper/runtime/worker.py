@@ -116,12 +116,12 @@ class Worker(WorkerQueries):
 
         import torch.distributed as dist
 
-        from . import experts
+        from .. import expert_context
 
         self.executor = None
         self.steps_done = 0
         self._store = None
-        experts.forget()
+        expert_context.forget()
         if dist.is_initialized():
             dist.destroy_process_group()      # every group of the job, the lanes' and experts' too
         gc.collect()

@@ -112,7 +112,7 @@ def test_internal_errors_are_one_line(script, capsys, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("piper.dsl.check.check_and_build", boom)
+    monkeypatch.setattr("piper.dsl.script.check_and_build", boom)
     assert main(["check", script("split MB into 2\n")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal-error" in err and "RuntimeError: boom" in err

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 
-from ..diagnostics import did_you_mean, error
+from .diagnostics import did_you_mean, error
 
 _NOT_KEYS = {"func", "command", "overrides", "config", "_given"}
 
@@ -60,7 +60,7 @@ def apply_config(args) -> None:
             continue                      # the command line overrides the file
         setattr(args, dest, _value(path, key, dest, value, actions.get(dest)))
     if "set" not in given and getattr(args, "set", None):
-        from ..cli import _parse_sets
+        from .cli import _parse_sets
 
         args.overrides = _parse_sets(args.set)
 
@@ -79,7 +79,7 @@ def _run_actions() -> dict:
     """dest -> the argparse action of each flag of `piper run`."""
     import argparse
 
-    from ..cli import build_parser
+    from .cli import build_parser
 
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {a.dest: a for a in commands.choices["run"]._actions}
@@ -119,7 +119,7 @@ def _value(path, key, dest, value, action):
 
 def check(args) -> str | None:
     """What is wrong with the recipe's flags together, or None (printed as a usage error)."""
-    from ..run_args import LR_SCHEDULES
+    from .run_args import LR_SCHEDULES
 
     if args.lr_schedule not in LR_SCHEDULES:
         return f"--lr-schedule {args.lr_schedule} is not one of {', '.join(LR_SCHEDULES)}"
@@ -142,7 +142,7 @@ def optimizer(args, base):
     its lr), else `base` itself."""
     if args.weight_decay is None:
         return base
-    from ..frontend.param_groups import param_groups
+    from .frontend.param_groups import param_groups
 
     if args.no_decay:
         return param_groups(base.func, weight_decay=args.weight_decay, no_decay=tuple(args.no_decay), **base.keywords)
@@ -161,14 +161,14 @@ def schedule(args, steps: int):
     """`--lr-schedule` as `piper.compile`'s lr_schedule= (None: constant)."""
     if args.lr_schedule == "constant":
         return None
-    from ..frontend.lr_schedules import warmup_cosine
+    from .frontend.lr_schedules import warmup_cosine
 
     return warmup_cosine(min(args.warmup, steps), steps, args.min_lr_ratio)
 
 
 def datasets(args):
     """(train, val) token files of `--data` / `--val-data` (None where not given)."""
-    from ..data import TokenFile
+    from .data import TokenFile
 
     train = TokenFile(args.data, args.block_size) if args.data else None
     val = TokenFile(args.val_data, args.block_size) if args.val_data else None
