@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .clip import gradients_finite, scaled_gradients
+from .clip import drop_gradients, gradients_finite, scaled_gradients
 from .gradient_routing import GradientRouting
 from ..compiler.slots import whole_backwards
 from .specs import RegionSpec
@@ -90,8 +90,6 @@ class BackwardActions(GradientRouting):
         # Nothing else looks at the gradients before this update (no clip, no loss scaler): an inf
         # or NaN would go into the weights, so the update is skipped and the step reported.
         if self.clip is None and not gradients_finite(list(scaled_gradients(unit)) + expert_grads):
-            from .precision import drop_gradients
-
             drop_gradients(unit)
             for w in self.experts.weights(region) if self.experts is not None else ():
                 w.grad = None

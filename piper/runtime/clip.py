@@ -59,8 +59,6 @@ class GlobalNormClip(Deferring):
         self.clip(units, experts)
         self.nonfinite = not math.isfinite(self.norm)
         if self.nonfinite:
-            from .precision import drop_gradients
-
             self.deferred = []
             for unit in units:
                 drop_gradients(unit)
@@ -100,6 +98,14 @@ def run_deferred(holder, run) -> None:
             run(action)
     finally:
         holder.flushing = False
+
+
+def drop_gradients(unit) -> None:
+    """A skipped step: zero the unit's gradients as its `step` would after the optimizer."""
+    for i in range(len(unit.layout.buckets)):
+        for grad in (unit.flat_grad[i], unit.grad_shard[i]):
+            if grad is not None:
+                grad.zero_()
 
 
 def gradients_finite(grads) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .clip import Deferring
+from .clip import Deferring, drop_gradients
 from .unit import Unit
 
 
@@ -166,14 +166,6 @@ class DynamicLossScale(Deferring):
     def state(self) -> dict:
         return {"scale": self.loss_scale, "skipped_steps": self.skipped, "last_step_skipped": self.last_skipped,
                 "good_steps": self.good_steps}
-
-
-def drop_gradients(unit) -> None:
-    """A skipped step: zero the unit's gradients as its `step` would after the optimizer."""
-    for i in range(len(unit.layout.buckets)):
-        for grad in (unit.flat_grad[i], unit.grad_shard[i]):
-            if grad is not None:
-                grad.zero_()
 
 
 class _KeepScale:
