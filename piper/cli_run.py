@@ -122,7 +122,7 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
     import ray
 
     from . import run_recipe as recipe
-    from .job.recovery import Checkpoints, StepData, train
+    from .job.recovery import StepData, train
     from .job.train import StepReport
 
     quiet = Console(quiet=True)           # the repeated-batch warning was printed once already
@@ -189,15 +189,7 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
             console.print(f"trace of the last steps: {job.trace(args.trace)} (open it in ui.perfetto.dev)")
 
     directory = getattr(args, "checkpoint_dir", None)
-    checkpoints = None
-    if directory:
-        checkpoints = Checkpoints(
-            directory, getattr(args, "checkpoint_every", None) or 0,
-            on_save=lambda path, s: console.print(f"saved checkpoint {path} ({s:.1f} s)", highlight=False),
-            on_load=lambda step, path: console.print(f"loaded checkpoint {path} (step {step}): training goes "
-                                                     "on from there", highlight=False),
-            on_skip=lambda path, why: console.print(f"[yellow]warning[/]: skipping checkpoint {path}: {why}; "
-                                                    "trying the one before it", highlight=False))
+    checkpoints = _checkpoints(args, directory, console) if directory else None
     resume = bool(getattr(args, "resume", False))
     try:
         with report:
@@ -221,6 +213,19 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
         # Full precision: a recovered run ends exactly where an uninterrupted one does.
         console.print(f"restarted {len(restarts)} time(s); final loss {losses[-1]!r}", highlight=False)
     return 0
+
+
+def _checkpoints(args, directory: str, console):
+    """`--checkpoint-dir DIR --checkpoint-every N`: DIR/step-N, each save, load and skip said."""
+    from .job.recovery import Checkpoints
+
+    return Checkpoints(
+        directory, getattr(args, "checkpoint_every", None) or 0,
+        on_save=lambda path, s: console.print(f"saved checkpoint {path} ({s:.1f} s)", highlight=False),
+        on_load=lambda step, path: console.print(f"loaded checkpoint {path} (step {step}): training goes "
+                                                 "on from there", highlight=False),
+        on_skip=lambda path, why: console.print(f"[yellow]warning[/]: skipping checkpoint {path}: {why}; "
+                                                "trying the one before it", highlight=False))
 
 
 def _has_checkpoints(directory) -> bool:
