@@ -27,6 +27,8 @@ TOP_LEVEL = {
     "piper.gc_guard": "base",      # garbage-collector guard the runtime and the driver share
     "piper.cache_dir": "base",     # where caches live; read by the parser (dsl) and by `piper tune`
     "piper.expert_context": "base",  # the calling thread's expert group: nn's MoE ops ask, the runtime sets it
+    "piper.tensor_context": "base",  # the calling thread's tensor-parallel group: the TP ops ask, the runtime sets it
+    "piper.tensor_ops": "front end",  # the collectives of tensor parallelism, as ops capture records
     "piper.nn": "front end",       # the modules a model is written with (experts, annotations)
     "piper.data": "runtime",       # datasets the workers read; the driver hands them over
     "piper.run_args": "top",       # the flags of `piper run` / `piper tune`, for the command line

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Entry:
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]        # this device's (a tensor-parallel shard's, under `shard columns/rows/vocab`)
     offset: int
+    tp_dim: int | None = None     # the dimension divided over tp (None: the whole parameter)
 
     @property
     def numel(self) -> int:
@@ -41,6 +42,7 @@ class Bucket:
     tied: int | None = None   # a tied parameter's bucket of its own: the tie's number (piper.ir.tied)
     counted: bool = True      # False on a tied weight's second copy: a global norm counts the weight once
     param_group: int | None = None   # the optimizer's parameter group of every entry (`optimizers.Grouped`)
+    tensor: str = ""          # under tp: "divided" (shards), "summed" (gradients summed over tp), "whole"
 
     @property
     def shard_size(self) -> int:
@@ -54,39 +56,74 @@ class Bucket:
 @dataclass(frozen=True)
 class UnitLayout:
     owner: int                        # the region that owns these parameters
-    group: tuple[int, ...]            # ranks sharing (and sharding) the unit
+    group: tuple[int, ...]            # ranks sharing (and sharding) the unit: under tp, those of one tp index
     buckets: tuple[Bucket, ...]
+    tensor_index: int = 0             # under tp: the index along tp of `group`'s devices
+    tensor_size: int = 1
+
+    def global_shape(self, e: Entry) -> tuple[int, ...]:
+        """The whole parameter's shape (`e.shape` times the tp size along `e.tp_dim`)."""
+        if e.tp_dim is None:
+            return e.shape
+        return tuple(s * self.tensor_size if d == e.tp_dim else s for d, s in enumerate(e.shape))
+
+    def global_offset(self, e: Entry, offsets: tuple[int, ...]) -> tuple[int, ...]:
+        """`offsets` in this device's shard of `e` -> in the whole parameter."""
+        if e.tp_dim is None:
+            return tuple(offsets)
+        return tuple(o + self.tensor_index * e.shape[d] if d == e.tp_dim else o for d, o in enumerate(offsets))
+
+    def for_tensor_index(self, index: int, group: tuple[int, ...]) -> "UnitLayout":
+        """The same layout for the devices `group` at tp index `index`: a replicated bucket's
+        gradient counts towards a global norm at index 0 only (every index holds the same)."""
+        from dataclasses import replace
+
+        buckets = tuple(replace(b, counted=b.counted and (b.tensor in ("", "divided") or index == 0))
+                        for b in self.buckets)
+        return replace(self, group=tuple(group), buckets=buckets, tensor_index=index)
 
 
 def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: dict | None = None,
-                second_copies=frozenset(), param_groups: dict[str, int] | None = None) -> UnitLayout:
+                second_copies=frozenset(), param_groups: dict[str, int] | None = None,
+                tensor=None) -> UnitLayout:
     """Pack `names` (with `specs[name].shape/.dtype`) per dtype, in the given order.
 
     A name in `tied` (name -> tie number) gets a bucket of its own, so every
     copy of a tied parameter is padded and sharded alike; a name in
     `second_copies` is a tied weight whose first copy lives in another unit.
     With `param_groups` (name -> the optimizer's parameter group) each group's
-    names are packed apart too, so no shard holds elements of two groups."""
+    names are packed apart too, so no shard holds elements of two groups. With `tensor` (a
+    `frontend.tensor_parallel.TensorLayout`) the divided, summed and whole parameters are
+    packed apart as well (`Bucket.tensor`), and `group` is the devices of one tp index."""
     tied = tied or {}
     by_dtype: dict = {}
     for name in names:
         key = ("tied", tied[name]) if name in tied else specs[name].dtype
         if param_groups is not None:
             key = (key, param_groups[name])
+        if tensor is not None:
+            key = (key, _tensor_kind(tensor, name))
         by_dtype.setdefault(key, []).append(name)
     buckets = []
     for key, members in by_dtype.items():
         dtype = specs[members[0]].dtype
         entries, offset = [], 0
         for name in members:
-            e = Entry(name, tuple(specs[name].shape), offset)
+            e = Entry(name, tuple(specs[name].shape), offset,
+                      tensor.dims.get(name) if tensor is not None else None)
             entries.append(e)
             offset += e.numel
         size = len(group)
         padded = -(-offset // size) * size if offset else size
-        kind = key[0] if param_groups is not None else key
+        kind = key[0] if tensor is not None else key
+        kind = kind[0] if param_groups is not None else kind
         tie = kind[1] if isinstance(kind, tuple) else None
         buckets.append(Bucket(dtype, tuple(entries), padded, size, tie,
                               counted=tie is None or members[0] not in second_copies,
-                              param_group=param_groups[members[0]] if param_groups is not None else None))
-    return UnitLayout(owner, tuple(group), tuple(buckets))
+                              param_group=param_groups[members[0]] if param_groups is not None else None,
+                              tensor=_tensor_kind(tensor, members[0]) if tensor is not None else ""))
+    return UnitLayout(owner, tuple(group), tuple(buckets), 0, tensor.size if tensor is not None else 1)
+
+
+def _tensor_kind(tensor, name: str) -> str:
+    return "divided" if name in tensor.dims else "summed" if name in tensor.summed else "whole"

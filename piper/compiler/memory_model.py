@@ -357,9 +357,17 @@ def unit_layouts(compiled, program: Program, exclude=frozenset()) -> dict:
     their own; the names in `exclude`, expert weights under `shard experts`, left out)."""
     ir = compiled.ir
     ties, copies = tie_ids(ir), tied_params(ir)
+    tensor = getattr(program, "tensor", None)
+
+    def group(region: int) -> tuple[int, ...]:
+        devices = ir.devices_of(region)
+        if tensor is None:
+            return devices
+        return tuple(r for r in devices if ir.mesh.coords(r)[tensor.axis] == 0)   # one tp index's devices
     return {r.index: layout_unit(r.index, [p for p in r.owned if p not in exclude], program.params,
-                                 ir.devices_of(r.index), ties,
-                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index})
+                                 group(r.index), ties,
+                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index},
+                                 tensor=tensor)
             for r in ir.regions if r.owned}
 
 

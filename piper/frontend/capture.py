@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import replace
 
 from .annotate import reset_counters
 from ..diagnostics import error
@@ -33,7 +34,7 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _export(model, example_inputs, names=()):
+def _export(model, example_inputs, names=(), tensor=None):
     from .exported import python_data_on_cpu
 
     reset_counters()
@@ -48,6 +49,8 @@ def _export(model, example_inputs, names=()):
             text = str(exc)
             where = last_user_frame(text)     # where the user's code broke
             first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+            if tensor is not None:
+                raise _tensor_capture_error(first, where, tensor) from None
             raise error(
                 "graph-break",
                 f"cannot capture the model's forward as one graph: {first}"
@@ -60,8 +63,11 @@ def _export(model, example_inputs, names=()):
             ) from None
 
 
-def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = ()) -> Program:
+def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = (), tensor=None) -> Program:
     """Trace `model(*example_inputs)` on the meta device and cut it into regions.
+
+    `tensor` (a `tensor_parallel.TensorPlan`) divides the matched modules over tp first:
+    the program then holds one device's shapes and the collectives (`program.tensor`).
 
     `example_inputs` must already have the microbatch shape the regions will
     run with: export specialises shapes into the graph. With `names`, forward
@@ -80,12 +86,39 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = ())
     meta_model = _meta_copy(model)
     _no_kv_cache(meta_model)
     undivided = use_piper_experts(meta_model)
+    layout = None
+    if tensor is not None:
+        from . import tensor_parallel
+
+        layout = tensor_parallel.apply(meta_model, tensor)
     meta_inputs = tuple(x.detach().to("meta") for x in example_inputs)
-    exported = _export(meta_model, meta_inputs, names)
+    exported = _export(meta_model, meta_inputs, names, tensor)
+    if layout is not None:
+        from . import tensor_parallel, vocab_loss
+
+        tensor_parallel.merge_copies(exported.graph_module)
+        vocab_loss.rewrite(exported.graph_module)
     program = _cut(exported, model)
     program.input_names = tuple(names)
     program.undivided_experts = undivided
+    if layout is not None:
+        from .tensor_gradients import summed
+
+        program.tensor = replace(layout, summed=summed(program, layout.dims))
     return program
+
+
+def _tensor_capture_error(first: str, where: str | None, tensor):
+    """Capture failed with the model divided over tp: most often a reshape to a whole size."""
+    return error(
+        "tp-capture", f"cannot capture the model divided over `{tensor.axis}` (size {tensor.size}): {first}"
+        + (f" (at {where})" if where else ""),
+        notes=("under tensor parallelism each device's modules compute on its shards: a columns module's output "
+               "holds out_features / tp features, and under `shard sequence` the activations between a rows "
+               "module and the next columns module hold sequence / tp positions",),
+        hint="reshape with -1 where a size is divided (`view(B, T, -1, head_dim)`, not `view(B, T, n_head, ...)` "
+             "with a size computed from the whole layer), and under `shard sequence` shard the embedding and "
+             "the output layer with `shard vocab` so the sequence shards begin and end there")
 
 
 def _no_kv_cache(model: torch.nn.Module) -> None:

@@ -99,6 +99,7 @@ class Program:
     constants: dict = field(default_factory=dict)   # tensors forward makes from data, sent as buffers
     annotated: bool = True               # False: the model has no piper.annotate regions (it is one, PP=0)
     undivided_experts: tuple[str, ...] = ()   # Hugging Face experts modules capture left as they are, and why
+    tensor: object = None                # a `tensor_parallel.TensorLayout` when divided over tp
 
     def owner(self, param: str) -> int:
         """The region that owns a parameter: the first one that uses it."""

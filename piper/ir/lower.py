@@ -49,25 +49,32 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
                     hint=f"add `place {missing[0].label} on ...` (or place nothing, to run every region "
                          "on every device)")
     batch_axes = ir.batch_axes()
+    # The tensor-parallel axis divides a region's work too: its devices hold shards, not copies.
+    tensor = tensor_axis(ir)
+    dividing = batch_axes + ((tensor,) if tensor is not None else ())
     spans = {r: ir.placement_span(r) for r, _ in ir.placement}
     for region in ir.regions:
         ranks = ir.devices_of(region.index)
         coords = [mesh.coords(rank) for rank in ranks]
         varying = {a for a in mesh.names if len({c[a] for c in coords}) > 1}
         expected = 1
-        for a in batch_axes:
+        for a in dividing:
             expected *= mesh.size(a)
         # Where nothing was placed, the statement to blame is the `shard batch`.
         span = spans.get(region.index) or ir.sharding_span("batch")
-        if varying - set(batch_axes):
-            extra = sorted(varying - set(batch_axes))
+        if varying - set(dividing):
+            extra = sorted(varying - set(dividing))
             raise error("undivided-work", f"region {region.label} runs on {len(ranks)} devices across "
                         f"`{', '.join(extra)}` but nothing divides its work over {'them' if len(extra) > 1 else 'it'}",
                         span=span,
                         hint=f"add `shard batch over {extra[0]}`, or place the region on a group that fixes "
                              f"`{extra[0]}` (and every other axis the batch is not sharded over)")
         # An axis of size 1 never varies: sharding over it covers nothing and needs nothing.
-        missing = {a for a in batch_axes if mesh.size(a) > 1} - varying
+        missing = {a for a in dividing if mesh.size(a) > 1} - varying
+        if tensor in missing:
+            raise error("batch-not-covered", f"the model is divided over `{tensor}` but region {region.label} runs "
+                        f"on {len(ranks)} device(s) at one `{tensor}` index", span=span,
+                        hint=f"place every region on a group that spans `{tensor}` (e.g. pp[s], not tp[0])")
         if len(ranks) != expected or missing:
             others = [a for a in mesh.names if a not in batch_axes]
             example = f", e.g. {others[0]}[s] with the batch sharded over {batch_axes[0]}" if others else ""
@@ -99,9 +106,20 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
     return ir
 
 
+TENSOR_KINDS = ("columns", "rows", "vocab", "sequence")
+
+
+def tensor_axis(ir: IR) -> str | None:
+    """The axis `shard columns/rows/vocab/sequence` divide over (one per strategy), or None."""
+    for what, axis in ir.sharding:
+        if what in TENSOR_KINDS:
+            return axis
+    return None
+
+
 def zero_levels(ir: IR) -> int:
     """0: replicated state, 1: optimizer sharded, 2: + gradients, 3: + parameters."""
-    axes = {what: axis for what, axis in ir.sharding if what not in ("batch", "experts")}
+    axes = {what: axis for what, axis in ir.sharding if what not in ("batch", "experts") + TENSOR_KINDS}
     spans = {what: ir.sharding_span(what) for what, _ in ir.sharding}
     batch = ir.batch_axes()
     for what, axis in axes.items():

@@ -9,6 +9,7 @@ import torch
 from . import checkpoint
 from ..ir.experts import expert_state
 from ..runtime.flat import unflatten
+from .tensor_units import layouts_by_index, whole
 
 
 class JobState:
@@ -30,10 +31,14 @@ class JobState:
         self._check_open()
         shards = self._get([a.shards.remote() for a in self.actors], "state_dict")
         out: dict[str, torch.Tensor] = {}
-        for u, layout in self.layouts.items():
-            for b, bucket in enumerate(layout.buckets):
-                pieces = [shards[rank][u][b] for rank in layout.group]
-                out.update(unflatten(bucket, torch.cat(pieces)))
+        for u in self.layouts:
+            by_index = []
+            for layout in layouts_by_index(self, u):        # one per tp index (one without tp)
+                held = {}
+                for b, bucket in enumerate(layout.buckets):
+                    held.update(unflatten(bucket, torch.cat([shards[rank][u][b] for rank in layout.group])))
+                by_index.append(held)
+            out.update(whole(self.program.tensor, by_index) if self.program.tensor is not None else by_index[0])
         if self._expert_weights:
             out.update(expert_state(self.compiled.ir, self.program, self._expert_weights, shards))
         out.update({k: v.clone() for k, v in self._buffers.items()})

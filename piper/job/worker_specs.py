@@ -11,6 +11,7 @@ from ..runtime.flat import flatten
 from ..runtime.graphs import pack
 from ..runtime.specs import RegionSpec, WorkerSpec
 from ..ir.tied import units_used
+from .tensor_units import layout_of, local_params, tensor_index
 
 
 class WorkerSpecs:
@@ -29,13 +30,15 @@ class WorkerSpecs:
         units_of = units_used(ir)
         regions = {r: RegionSpec(r, pack(program.regions[r].graph), program.regions[r].inputs, program.regions[r].outputs,
                                  program.regions[r].loss, units_of[r]) for r in mine}
-        units = {u: self.layouts[u] for u in mine if u in self.layouts}
+        units = {u: layout_of(self, u, rank) for u in mine if u in self.layouts}
+        tensor = program.tensor
+        mine_params = local_params(params, tensor, tensor_index(self.mesh, tensor.axis, rank) if tensor else 0)
         init = {}
         for u, layout in units.items():
             index = layout.group.index(rank)
             flats = []
             for bucket in layout.buckets:
-                flat = flatten(bucket, params)
+                flat = flatten(bucket, mine_params)
                 if self.compiled.zero == 3:
                     lo, hi = bucket.bounds(index)
                     flat = flat[lo:hi].clone()    # a ZeRO-3 device never holds the full unit

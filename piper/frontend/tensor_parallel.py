@@ -1,0 +1,338 @@
+"""Tensor, sequence and vocab parallelism at capture: the matched modules of capture's meta
+copy compute on one device's shards and call `piper.tensor_ops`' collectives.
+
+    shard columns of "blocks.*.attn.q", "blocks.*.mlp.up" over tp     weight rows (out features) / tp
+    shard rows of "blocks.*.attn.o", "blocks.*.mlp.down" over tp      weight columns (in features) / tp
+    shard vocab of "tok_emb", "head" over tp                          vocabulary rows / tp
+    shard sequence over tp                                            SP between rows and columns
+
+What each matched module runs instead of its forward (Megatron-LM's plan; torchtitan's
+ColwiseParallel / RowwiseParallel / SequenceParallel with local outputs):
+
+    columns:  linear(tp_copy(x), W_i, b_i)                  SP: linear(tp_gather(x, seq), W_i, b_i)
+    rows:     tp_reduce(linear(x, W_i)) + b                 SP: tp_reduce_scatter(linear(x, W_i), seq) + b
+    vocab, an nn.Embedding: this device's rows looked up, other tokens give zeros, summed over tp
+              (SP: reduce-scattered along the sequence, where the sequence shards begin)
+    vocab, an nn.Linear (the output layer): its vocabulary columns of the logits; where they go
+              straight into cross_entropy the loss is computed on the shards (`vocab_loss`),
+              elsewhere they are gathered.
+
+So the model's own code runs on local shapes between them: attention reshaping a columns
+module's output with `view(B, T, -1, head_dim)` runs on heads / tp heads per device (key and
+value heads too), and head-count attributes of the module holding the projections
+(`n_head`, `num_heads`, `num_key_value_heads`, ...) are divided on the copy. The model is
+not changed; its parameters keep their names, with each device's shapes in the program.
+
+Why not DTensor: Piper's workers run autograd eagerly over forward graphs, and DTensor's
+placements live in its autograd (its redistributes are autograd functions), which a forward
+graph does not keep; per-op DTensor dispatch would also cost host time on every op. The
+placements at module boundaries, which is all a Megatron plan fixes, are these ops.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..diagnostics import Label, did_you_mean, error
+from .modules import match_names
+
+KINDS = ("columns", "rows", "vocab")
+HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_head", "n_kv_heads",
+                   "num_kv_heads", "num_key_value_heads")
+SEQUENCE_DIM = 1            # activations are [batch, sequence, ...]
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """The tensor-parallel statements of a strategy, resolved against its mesh."""
+
+    axis: str
+    size: int
+    patterns: tuple[tuple[str, str, object], ...]     # (kind, pattern, span)
+    sequence: bool = False
+    sequence_span: object = None
+
+    def of(self, kind: str) -> list[tuple[str, object]]:
+        return [(p, s) for k, p, s in self.patterns if k == kind]
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """What a program divided over tp holds: each sharded parameter's dimension, the global shapes,
+    and the replicated parameters whose gradients are summed over tp (those used on divided data)."""
+
+    axis: str
+    size: int
+    dims: dict = field(default_factory=dict)          # param name -> the dimension divided over tp
+    shapes: dict = field(default_factory=dict)        # param name -> its whole shape
+    summed: frozenset = frozenset()                   # replicated params with gradients summed over tp
+    sequence: bool = False
+    modules: dict = field(default_factory=dict)       # module name -> its kind
+
+
+def plan_of(directives, mesh) -> TensorPlan | None:
+    """The tensor-parallel plan of `directives` (None without `shard columns/rows/vocab/sequence`)."""
+    from .directives import Shard
+
+    patterns, axis, sequence, sequence_span = [], None, False, None
+    for d in directives:
+        if not isinstance(d, Shard):
+            continue
+        for what in d.what:
+            if what in KINDS:
+                spans = tuple(getattr(d, "of_spans", ())) or (d.span,) * len(d.of)
+                patterns += [(what, p, s or d.span) for p, s in zip(d.of, spans)]
+                axis = d.over
+            elif what == "sequence":
+                sequence, sequence_span, axis = True, d.span, d.over
+    if axis is None or mesh.size(axis) == 1 and not patterns:
+        return None
+    return TensorPlan(axis, mesh.size(axis), tuple(patterns), sequence, sequence_span)
+
+
+# -- the modules' forwards on one device's shards -----------------------------------------------------------
+
+def _columns_forward(self, x):
+    from .. import tensor_ops
+
+    # Under SP the module holding the projections gathered the sequence at its input
+    # (`_gathering_forward`); else each projection's input enters tp here (capture merges the
+    # copies of one input: `merge_copies`).
+    if not self._piper_tp.sequence:
+        x = tensor_ops.tp_copy(x)
+    return F.linear(x, self.weight, self.bias)
+
+
+def _gathering_forward(self, *args, **kwargs):
+    """SP: the module holding columns projections (attention, an MLP) gathers the sequence of
+    its first tensor argument once, so its code sees whole sequences (torchtitan's
+    PrepareModuleInput), and its projections compute on them."""
+    from .. import tensor_ops
+
+    plan = self._piper_tp_parent
+
+    def gathered(x):
+        return tensor_ops.tp_gather(x, SEQUENCE_DIM, plan.size)
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            args = (*args[:i], gathered(a), *args[i + 1:])
+            break
+    else:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                kwargs = {**kwargs, k: gathered(v)}
+                break
+    return self._piper_tp_inner(*args, **kwargs)
+
+
+def _rows_forward(self, x):
+    from .. import tensor_ops
+
+    plan = self._piper_tp
+    y = F.linear(x, self.weight)
+    y = tensor_ops.tp_reduce_scatter(y, SEQUENCE_DIM, plan.size) if plan.sequence else tensor_ops.tp_reduce(y)
+    return y if self.bias is None else y + self.bias
+
+
+def _vocab_embedding_forward(self, ids):
+    from .. import tensor_ops
+
+    plan = self._piper_tp
+    per = self.weight.shape[0]
+    local = ids - tensor_ops.tp_offset(ids, per)
+    mine = (local >= 0) & (local < per)
+    out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+    if self.padding_idx is not None:     # nn.Embedding's padding row is looked up but gets no gradient
+        out = torch.where((ids == self._piper_padding).unsqueeze(-1), out.detach(), out)
+    out = torch.where(mine.unsqueeze(-1), out, torch.zeros_like(out))      # another device's token: zeros
+    return tensor_ops.tp_reduce_scatter(out, SEQUENCE_DIM, plan.size) if plan.sequence else tensor_ops.tp_reduce(out)
+
+
+def _vocab_linear_forward(self, x):
+    from .. import tensor_ops
+
+    plan = self._piper_tp
+    x = tensor_ops.tp_gather(x, SEQUENCE_DIM, plan.size) if plan.sequence else tensor_ops.tp_copy(x)
+    # The logits' vocabulary columns, gathered: `vocab_loss` removes the gather where they go
+    # straight into cross_entropy.
+    return tensor_ops.tp_collect(F.linear(x, self.weight, self.bias), -1, plan.size)
+
+
+def _wrap_parent(module: torch.nn.Module, plan) -> None:
+    """SP: `module`'s forward gathers the sequence first (`_gathering_forward`)."""
+    if "_piper_tp_parent" in module.__dict__:
+        return
+    annotated = "_piper_regions" in module.__dict__
+    inner = module.__dict__.get("_piper_inner_forward" if annotated else "forward")
+    object.__setattr__(module, "_piper_tp_inner", inner or types.MethodType(type(module).forward, module))
+    object.__setattr__(module, "_piper_tp_parent", plan)
+    _set_forward(module, _gathering_forward)
+
+
+def merge_copies(gm) -> None:
+    """One `tp_copy` per value: the projections reading one input (q, k, v) share its copy, so
+    its backward all-reduces their gradients once."""
+    seen = {}
+    for node in list(gm.graph.nodes):
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or schema.name != "piper::tp_copy":
+            continue
+        first = seen.setdefault(node.args[0], node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _set_forward(module: torch.nn.Module, fn) -> None:
+    """Give the meta copy's `module` the forward `fn`, inside any region `annotate_modules` set on it."""
+    bound = types.MethodType(fn, module)
+    if "_piper_regions" in module.__dict__:
+        object.__setattr__(module, "_piper_inner_forward", bound)
+    else:
+        object.__setattr__(module, "forward", bound)
+
+
+# -- applying a plan to capture's meta copy ----------------------------------------------------------------
+
+def apply(model: torch.nn.Module, plan: TensorPlan) -> TensorLayout:
+    """Divide the meta copy `model` as `plan` says; returns what the program will hold."""
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    kind_of: dict[str, tuple[str, object]] = {}
+    for kind, pattern, span in plan.patterns:
+        found = match_names(pattern, names)
+        if not found:
+            raise error("unknown-module", f"`shard {kind} of \"{pattern}\"` matches no module of the model "
+                        f"({type(model).__name__})", span=span,
+                        hint=did_you_mean(pattern, names) or "names are those of model.named_modules(), e.g. "
+                        + ", ".join(names[:3]) + "; `*` matches within one dotted part, `**` across")
+        for name in found:
+            if name in kind_of and kind_of[name][0] != kind:
+                raise error("tp-conflict", f"module `{name}` is sharded both by {kind_of[name][0]} and by {kind}",
+                            span=span, labels=(Label(kind_of[name][1], f"{kind_of[name][0]} here"),)
+                            if kind_of[name][1] else (), hint="shard each module one way")
+            kind_of[name] = (kind, span)
+    if plan.sequence and not any(k == "rows" for k, _ in kind_of.values()):
+        raise error("sequence-without-tp", "`shard sequence` but no module is sharded by rows", span=plan.sequence_span,
+                    hint="sequence parallelism shards the activations between a rows module and the next columns "
+                         "module: add `shard rows of ...` and `shard columns of ...`, or drop `shard sequence`")
+    dims: dict[str, int] = {}
+    shapes: dict[str, tuple] = {}
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for name, (kind, span) in kind_of.items():
+        module = modules[name]
+        fn, divided = _check_module(name, module, kind, plan, span)
+        for pname, dim in divided.items():
+            old = getattr(module, pname)
+            new = replaced.get(id(old))
+            if new is None:
+                shape = list(old.shape)
+                shape[dim] //= plan.size
+                new = replaced[id(old)] = torch.nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"),
+                                                             requires_grad=old.requires_grad)
+            setattr(module, pname, new)
+            full = f"{name}.{pname}" if name else pname
+            dims[full], shapes[full] = dim, tuple(old.shape)
+        object.__setattr__(module, "_piper_tp", plan)
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            object.__setattr__(module, "_piper_padding", module.padding_idx)
+        _set_forward(module, fn)
+    _tied_names(model, replaced, dims, shapes)
+    _divide_heads(modules, kind_of, plan)
+    if plan.sequence:
+        for name, (kind, span) in kind_of.items():
+            if kind == "columns":
+                parent = name.rpartition(".")[0]
+                if not parent:
+                    raise error("tp-module-type", f"`shard sequence` needs columns modules inside a module (an "
+                                f"attention, an MLP) whose input it gathers; `{name}` is the model's own child",
+                                span=span, hint="shard the projections of a block, or drop `shard sequence`")
+                _wrap_parent(modules[parent], plan)
+    _check_pairs(kind_of, plan)
+    return TensorLayout(plan.axis, plan.size, dims, shapes, frozenset(), plan.sequence,
+                        {n: k for n, (k, _) in kind_of.items()})
+
+
+def _check_module(name, module, kind, plan, span):
+    """(the forward it runs, {parameter: divided dimension}) for one matched module, or its error."""
+    n = plan.size
+    if kind in ("columns", "rows") and not isinstance(module, torch.nn.Linear):
+        raise error("tp-module-type", f"`shard {kind}` matches `{name}`, a {type(module).__name__}, not an nn.Linear",
+                    span=span, hint=f"name the nn.Linear modules inside it (e.g. `{name}.*`), or shard it another way")
+    if kind == "vocab" and not isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
+        raise error("tp-module-type", f"`shard vocab` matches `{name}`, a {type(module).__name__}, not an "
+                    "nn.Embedding or an output nn.Linear", span=span,
+                    hint="name the token embedding and the output layer")
+    if kind == "columns":
+        _divisible(name, "output features", module.out_features, plan, span)
+        return _columns_forward, {"weight": 0, **({"bias": 0} if module.bias is not None else {})}
+    if kind == "rows":
+        _divisible(name, "input features", module.in_features, plan, span)
+        return _rows_forward, {"weight": 1}
+    if isinstance(module, torch.nn.Embedding):
+        _divisible(name, "vocabulary rows", module.num_embeddings, plan, span)
+        if module.max_norm is not None or module.sparse:
+            raise error("tp-module-type", f"`{name}` is an nn.Embedding with max_norm or sparse gradients, which "
+                        "`shard vocab` does not divide", span=span, hint="drop max_norm/sparse, or leave it whole")
+        return _vocab_embedding_forward, {"weight": 0}
+    _divisible(name, "vocabulary columns (output features)", module.out_features, plan, span)
+    return _vocab_linear_forward, {"weight": 0, **({"bias": 0} if module.bias is not None else {})}
+
+
+def _divisible(name, what, count, plan, span):
+    if count % plan.size:
+        raise error("tp-indivisible", f"`{name}` has {count} {what}, which do not divide over `{plan.axis}` of size "
+                    f"{plan.size}", span=span,
+                    hint=f"use a tensor-parallel size that divides {count}, or leave `{name}` whole")
+
+
+def _tied_names(model, replaced, dims, shapes) -> None:
+    """A tied parameter (one tensor under two names) is divided once; both names say so."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        for old_id, new in replaced.items():
+            if p is new and name not in dims:
+                first = next(k for k in dims if _param(model, k) is new)
+                dims[name], shapes[name] = dims[first], shapes[first]
+
+
+def _param(model, name):
+    module, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module) if module else model, attr)
+
+
+def _divide_heads(modules, kind_of, plan) -> None:
+    """Head counts of the modules holding columns projections, divided on the copy."""
+    parents = {name.rpartition(".")[0] for name, (kind, _) in kind_of.items() if kind == "columns"}
+    for parent in parents:
+        module = modules.get(parent)
+        if module is None:
+            continue
+        for attr in HEAD_ATTRIBUTES:
+            value = module.__dict__.get(attr)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value % plan.size:
+                    span = next(s for n, (k, s) in kind_of.items() if n.rpartition(".")[0] == parent)
+                    raise error("tp-indivisible", f"`{parent}` has {attr}={value}, which does not divide over "
+                                f"`{plan.axis}` of size {plan.size}", span=span,
+                                hint=f"use a tensor-parallel size that divides {value}")
+                object.__setattr__(module, attr, value // plan.size)
+
+
+def _check_pairs(kind_of, plan) -> None:
+    """A rows module needs its input divided by a columns module, and the other way round."""
+    kinds = {k for k, _ in kind_of.values()}
+    if "rows" in kinds and "columns" not in kinds:
+        span = next(s for k, s in kind_of.values() if k == "rows")
+        raise error("tp-unpaired", "modules are sharded by rows but none by columns: a rows module's input must "
+                    "arrive divided along its features, as a columns module's output is", span=span,
+                    hint="shard the projection feeding each rows module by columns (`shard columns of ...`)")
+    if "columns" in kinds and "rows" not in kinds:
+        span = next(s for k, s in kind_of.values() if k == "columns")
+        raise error("tp-unpaired", "modules are sharded by columns but none by rows: a columns module's divided "
+                    "output must reach a rows module that sums it", span=span,
+                    hint="shard the projection reading each columns module's output by rows (`shard rows of ...`)")

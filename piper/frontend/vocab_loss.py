@@ -1,0 +1,123 @@
+"""The vocab-parallel loss: where an output layer divided by `shard vocab` feeds its logits
+straight into `cross_entropy`, the loss is computed on each device's vocabulary columns.
+
+Capture's meta copy runs such a layer as `tp_collect(linear(x, W_i), -1)`: its columns of the
+logits, gathered, so the model's own code after it (a `view(-1, vocab_size)`, `.float()`, a
+shift of the labels' positions) traces on the whole vocabulary. Here the exported graph is
+rewritten where the gathered logits reach `aten.cross_entropy_loss` through nothing but
+reshapes that keep the vocabulary last, casts and slices along other dimensions:
+
+    before:  collect -> view(-1, V) -> to(float32) -> cross_entropy_loss(., target)
+    after:   local   -> view(-1, V/tp) -> to(float32) -> tensor_ops.vocab_cross_entropy(., target)
+
+so no device ever holds the full logits. Any other use keeps the gather (the logits whole on
+every device, and the loss as the model computes it).
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+_aten = torch.ops.aten
+_PASS_THROUGH = {_aten.to.dtype, _aten._to_copy.default, _aten.contiguous.default, _aten.clone.default,
+                 _aten.to.dtype_layout}
+_RESHAPES = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+_CROSS_ENTROPY = _aten.cross_entropy_loss.default
+_ASSERT = getattr(_aten, "_assert_tensor_metadata", None)
+
+
+def _is_collect(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.name == "piper::tp_collect"
+
+
+def _users(node: fx.Node) -> list[fx.Node]:
+    """The users that compute with `node` (metadata asserts only read its dtype)."""
+    return [u for u in node.users if not (_ASSERT is not None and u.target == _ASSERT.default)]
+
+
+def _shape(node) -> tuple | None:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _chain(collect: fx.Node, vocab: int):
+    """(the nodes from the gather to the loss, the loss node), or None where the logits go elsewhere."""
+    chain, cur = [], collect
+    while True:
+        users = _users(cur)
+        if len(users) != 1:
+            return None
+        (user,) = users
+        shape = _shape(user)
+        if user.target in _PASS_THROUGH:
+            pass
+        elif user.target in _RESHAPES:
+            sizes = list(user.args[1])
+            if not sizes or sizes[-1] not in (vocab, -1) or shape is None or shape[-1] != vocab:
+                return None
+        elif user.target == _aten.slice.Tensor:
+            dim = user.args[1] if len(user.args) > 1 else 0
+            if shape is None or dim in (-1, len(shape) - 1):
+                return None
+        elif user.target == _CROSS_ENTROPY and user.args[0] is cur:
+            return chain, user
+        else:
+            return None
+        if user.args[0] is not cur:
+            return None
+        chain.append(user)
+        cur = user
+
+
+def _loss_options(node: fx.Node) -> dict | None:
+    """The cross_entropy_loss call's options, if the vocab-parallel loss computes the same."""
+    names = [a.name for a in node.target._schema.arguments]
+    given = dict(zip(names, node.args))
+    given.update(node.kwargs)
+    shape = _shape(node.args[0])
+    if given.get("weight") is not None or given.get("label_smoothing", 0.0) != 0.0 or shape is None or len(shape) != 2:
+        return None
+    return {"ignore_index": given.get("ignore_index", -100), "reduction": given.get("reduction", 1)}
+
+
+def rewrite(gm: fx.GraphModule) -> int:
+    """Compute each gathered-logits cross entropy on the shards; returns how many were rewritten."""
+    from .. import tensor_ops
+
+    done = 0
+    for collect in [n for n in gm.graph.nodes if _is_collect(n)]:
+        local, dim, size = collect.args
+        full = _shape(collect)
+        if dim not in (-1, len(full) - 1 if full else -1) or full is None:
+            continue
+        found = _chain(collect, full[-1])
+        if found is None:
+            continue
+        chain, loss = found
+        options = _loss_options(loss)
+        if options is None:
+            continue
+        per = full[-1] // size
+        collect.replace_all_uses_with(local)
+        for node in chain:
+            if node.target in _RESHAPES:
+                sizes = list(node.args[1])
+                if sizes[-1] != -1:
+                    sizes[-1] = per
+                node.args = (node.args[0], sizes, *node.args[2:])
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                node.meta["val"] = torch.empty((*val.shape[:-1], per), dtype=val.dtype, device="meta")
+        with gm.graph.inserting_after(loss):
+            new = gm.graph.call_function(tensor_ops.vocab_cross_entropy,
+                                         (loss.args[0], loss.args[1], options["ignore_index"], options["reduction"]))
+        new.meta = dict(loss.meta)
+        loss.replace_all_uses_with(new)
+        gm.graph.erase_node(loss)
+        gm.graph.erase_node(collect)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done

@@ -1,0 +1,62 @@
+"""The driver's side of tensor parallelism: which devices share a unit at each tp index, each
+device's shards of the parameters, and the whole parameters from every index's shards.
+
+Under `shard columns/rows/vocab ... over tp` a region runs on every tp index of its devices;
+the devices at one tp index hold the same shards and share (and ZeRO-shard) the unit's flat
+buffers, so each unit has one layout per tp index, alike but for its group and which
+replicated buckets count towards a global norm (`UnitLayout.for_tensor_index`).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def tensor_index(mesh, axis: str, rank: int) -> int:
+    return mesh.coords(rank)[axis]
+
+
+def at_index(mesh, axis: str, devices, index: int) -> tuple[int, ...]:
+    """The devices of `devices` at tp index `index`."""
+    return tuple(r for r in devices if mesh.coords(r)[axis] == index)
+
+
+def layout_of(job, unit: int, rank: int):
+    """Unit `unit`'s layout on `rank` (the job's layout where nothing is divided over tp)."""
+    layout = job.layouts[unit]
+    tensor = job.program.tensor
+    if tensor is None:
+        return layout
+    index = tensor_index(job.mesh, tensor.axis, rank)
+    devices = job.compiled.ir.devices_of(unit)
+    return layout.for_tensor_index(index, at_index(job.mesh, tensor.axis, devices, index))
+
+
+def layouts_by_index(job, unit: int) -> list:
+    """Unit `unit`'s layout at each tp index, in order."""
+    tensor = job.program.tensor
+    layout = job.layouts[unit]
+    if tensor is None:
+        return [layout]
+    devices = job.compiled.ir.devices_of(unit)
+    return [layout.for_tensor_index(i, at_index(job.mesh, tensor.axis, devices, i)) for i in range(tensor.size)]
+
+
+def local_params(params: dict, tensor, index: int) -> dict:
+    """Each parameter as tp index `index` holds it: its slice along the divided dimension."""
+    if tensor is None:
+        return params
+    out = dict(params)
+    for name, dim in tensor.dims.items():
+        if name in params:
+            out[name] = params[name].detach().chunk(tensor.size, dim)[index]
+    return out
+
+
+def whole(tensor, pieces: list[dict]) -> dict:
+    """The whole parameters from each tp index's named tensors (`pieces[i]`)."""
+    out = dict(pieces[0])
+    for name in pieces[0]:
+        dim = tensor.dims.get(name)
+        if dim is not None:
+            out[name] = torch.cat([p[name] for p in pieces], dim)
+    return out

@@ -1,0 +1,215 @@
+"""The collectives of tensor and sequence parallelism, as ops a captured graph holds.
+
+Under `shard columns/rows/vocab ... over tp` capture rewrites the matched
+modules of its meta copy (`piper.frontend.tensor_parallel`) to call these, so
+each region graph computes on each device's shards and names every
+collective it needs as one node (Megatron-LM's f and g, and their sequence-
+parallel forms):
+
+    tp_copy(x)                  forward: identity        backward: all-reduce (f: a columns module's input)
+    tp_reduce(x)                forward: all-reduce      backward: identity   (g: a rows module's output)
+    tp_gather(x, dim, n)        forward: all-gather      backward: reduce-scatter  (SP: a columns module's input)
+    tp_reduce_scatter(x, dim, n) forward: reduce-scatter backward: all-gather      (SP: a rows module's output)
+    tp_collect(x, dim, n)       forward: all-gather      backward: this device's slice (logits used whole)
+    tp_max(x)                   forward: all-reduce max, no gradient (the vocab-parallel loss's shift)
+    tp_offset(x, per)           this device's index along tp times `per` (where its vocabulary rows start)
+
+Each is a `torch.library` custom op, so strict `torch.export` records it as one
+node with a static shape (`n` is the axis size, known at capture). What it does
+is decided when it runs: the runtime installs the calling thread's group
+(`piper.tensor_context`); with none (one device) every op is the identity.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .tensor_context import current
+
+
+def _group():
+    return current()
+
+
+# -- f: identity forward, all-reduce backward -------------------------------------------------------------
+
+@torch.library.custom_op("piper::tp_copy", mutates_args=())
+def tp_copy(x: Tensor) -> Tensor:
+    return x.clone()
+
+
+@tp_copy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _copy_backward(ctx, grad):
+    return _all_reduce(grad)
+
+
+tp_copy.register_autograd(_copy_backward)
+
+
+# -- g: all-reduce forward, identity backward -------------------------------------------------------------
+
+@torch.library.custom_op("piper::tp_reduce", mutates_args=())
+def tp_reduce(x: Tensor) -> Tensor:
+    return _all_reduce(x)
+
+
+@tp_reduce.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _reduce_backward(ctx, grad):
+    return grad
+
+
+tp_reduce.register_autograd(_reduce_backward)
+
+
+def _all_reduce(x: Tensor) -> Tensor:
+    group = _group()
+    out = x.contiguous().clone()
+    if group is not None and group.size > 1:
+        group.all_reduce(out)
+    return out
+
+
+# -- sequence parallelism: all-gather / reduce-scatter along a dimension ------------------------------------
+
+@torch.library.custom_op("piper::tp_gather", mutates_args=())
+def tp_gather(x: Tensor, dim: int, size: int) -> Tensor:
+    return _gather(x, dim, size)
+
+
+@tp_gather.register_fake
+def _(x, dim, size):
+    shape = list(x.shape)
+    shape[dim] *= size
+    return x.new_empty(shape)
+
+
+def _gather_backward(ctx, grad):
+    return _reduce_scatter(grad, ctx.dim, ctx.size), None, None
+
+
+def _dim_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.size = inputs
+
+
+tp_gather.register_autograd(_gather_backward, setup_context=_dim_setup)
+
+
+@torch.library.custom_op("piper::tp_reduce_scatter", mutates_args=())
+def tp_reduce_scatter(x: Tensor, dim: int, size: int) -> Tensor:
+    return _reduce_scatter(x, dim, size)
+
+
+@tp_reduce_scatter.register_fake
+def _(x, dim, size):
+    shape = list(x.shape)
+    shape[dim] //= size
+    return x.new_empty(shape)
+
+
+def _reduce_scatter_backward(ctx, grad):
+    return _gather(grad, ctx.dim, ctx.size), None, None
+
+
+tp_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_dim_setup)
+
+
+def _gather(x: Tensor, dim: int, size: int) -> Tensor:
+    group = _group()
+    if group is None or group.size == 1:
+        assert size == 1, "a graph divided over tp runs with its tensor-parallel group installed"
+        return x.clone()
+    return group.all_gather(x, dim)
+
+
+def _reduce_scatter(x: Tensor, dim: int, size: int) -> Tensor:
+    group = _group()
+    if group is None or group.size == 1:
+        assert size == 1, "a graph divided over tp runs with its tensor-parallel group installed"
+        return x.clone()
+    return group.reduce_scatter(x, dim)
+
+
+# -- the output layer's logits, gathered where nothing divides the loss ------------------------------------
+
+@torch.library.custom_op("piper::tp_collect", mutates_args=())
+def tp_collect(x: Tensor, dim: int, size: int) -> Tensor:
+    """All-gather for a value every device then uses whole and alike: its gradient is the same
+    on every device, so each keeps its own slice (not a reduce-scatter, as `tp_gather`'s)."""
+    return _gather(x, dim, size)
+
+
+@tp_collect.register_fake
+def _(x, dim, size):
+    shape = list(x.shape)
+    shape[dim] *= size
+    return x.new_empty(shape)
+
+
+def _collect_backward(ctx, grad):
+    group = _group()
+    if group is None or group.size == 1:
+        return grad.clone(), None, None
+    return grad.chunk(ctx.size, ctx.dim)[group.index].contiguous(), None, None
+
+
+tp_collect.register_autograd(_collect_backward, setup_context=_dim_setup)
+
+
+# -- the vocab-parallel loss's helpers ---------------------------------------------------------------------
+
+@torch.library.custom_op("piper::tp_max", mutates_args=())
+def tp_max(x: Tensor) -> Tensor:
+    group = _group()
+    out = x.contiguous().clone()
+    if group is not None and group.size > 1:
+        group.all_reduce(out, "max")
+    return out
+
+
+@tp_max.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("piper::tp_offset", mutates_args=())
+def tp_offset(x: Tensor, per: int) -> Tensor:
+    group = _group()
+    index = group.index if group is not None else 0
+    return torch.tensor(index * per, dtype=torch.int64, device=x.device)
+
+
+@tp_offset.register_fake
+def _(x, per):
+    return x.new_empty((), dtype=torch.int64)
+
+
+def vocab_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: int = 1) -> Tensor:
+    """`cross_entropy(full_logits, target)` from this device's vocabulary columns `logits`
+    (`[N, V/tp]`, its rows `[offset, offset + V/tp)` of the vocabulary), never gathering the
+    full logits: the row maxima, the sums of exponentials and the target logits are reduced
+    over tp (Megatron-LM's vocab-parallel cross entropy; torchtitan's loss_parallel).
+    `reduction`: 0 none, 1 mean over the targets that are not `ignore_index`, 2 sum (ATen's)."""
+    per = logits.shape[-1]
+    offset = tp_offset(logits, per)
+    shift = tp_max(logits.detach().amax(-1))          # any shift gives the same loss and gradient
+    shifted = logits - shift.unsqueeze(-1)
+    sum_exp = tp_reduce(shifted.exp().sum(-1))
+    local = target - offset
+    mine = (local >= 0) & (local < per)
+    picked = shifted.gather(-1, local.clamp(0, per - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = tp_reduce(torch.where(mine, picked, torch.zeros_like(picked)))
+    valid = target != ignore_index
+    loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit))
+    if reduction == 0:
+        return loss
+    if reduction == 2:
+        return loss.sum()
+    return loss.sum() / valid.sum().to(loss.dtype)
