@@ -18,6 +18,7 @@ SYNTAX = {
     "unexpected-token-in-selector": "a selector holds something other than NAME=VALUE tags",
     "missing-into": "`split` without `into`",
     "missing-over": "`shard` without `over`",
+    "missing-pattern": "`shard ... of` without a quoted module pattern after `of` or a `,`",
     "missing-on": "`place` (or `use ... on`) without `on`",
     "missing-expression": "a value is missing, e.g. after `=` or `into`",
     "bad-range": "a `for` loop without a `START..END` range",

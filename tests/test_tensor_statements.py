@@ -134,9 +134,17 @@ def test_pps_refusals_point_at_the_item(line, code, column):
     assert (d.code, d.span.line, d.span.column) == (code, 2, column)
 
 
-def test_of_without_patterns_is_a_syntax_error():
-    (d,) = checked("mesh tp=2\nshard columns of over tp\n")
-    assert d.span.line == 2
+@pytest.mark.parametrize("line, code, column", [
+    ("shard columns of over tp", "missing-pattern", 18),
+    ("shard columns of q_proj over tp", "missing-pattern", 18),
+    ('shard rows of "a", over tp', "missing-pattern", 20),
+    ('shard columns "a" over tp', "missing-of", 15),
+    ('shard columns of "a" tp', "missing-over", 22),
+    ('shard columns of "a" "b" over tp', "missing-separator", 22),
+])
+def test_syntax_errors_of_of(line, code, column):
+    (d,) = checked(f"mesh tp=2\n{line}\n")
+    assert (d.code, d.span.line, d.span.column) == (code, 2, column)
 
 
 def test_a_pattern_divided_two_ways_names_both_statements():
