@@ -2,6 +2,9 @@
 their diagnostics. No model and no lowering: an abstract chain of regions (`Program.chain`)."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from piper import PiperError
@@ -200,3 +203,57 @@ def test_the_hand_built_directive_is_checked_too():
     with pytest.raises(PiperError) as info:
         apply_all(initial_ir(Program.chain("PP=1"), mesh), [Shard(("rows",), "tp")])
     assert info.value.diagnostics[0].code == "missing-of"
+
+
+# ---- stdlib/llama_tensor_parallel.pps
+
+LLAMA = Path(__file__).parents[1] / "stdlib" / "llama_tensor_parallel.pps"
+
+
+def test_llama_tensor_parallel_is_one_documented_strategy():
+    text = LLAMA.read_text()
+    assert text.startswith("strategy llama_tensor_parallel(")
+    doc = re.search(r'"""(.*?)"""', text, re.S).group(1)
+    for part in ("Source:", "Memory per device:", "Communication:", "Limits:", "Use:"):
+        assert part in doc, f"the docstring says nothing under {part!r}"
+    assert {"axis", "sequence"} <= set(load_strategy(LLAMA).params)
+
+
+@pytest.mark.parametrize("args, sequence", [("", False), ("sequence=true", True)])
+def test_llama_tensor_parallel_by_name(args, sequence):
+    ir = ir_of(f"mesh dp=2, tp=2\nuse dp() on dp\nuse llama_tensor_parallel({args}) on tp\n")
+    assert ir.tensor_axis() == "tp" and ir.batch_axes() == ("dp",)
+    assert ir.tensor_patterns_of("columns") == ("**.q_proj", "**.k_proj", "**.v_proj", "**.gate_proj", "**.up_proj")
+    assert ir.tensor_patterns_of("rows") == ("**.o_proj", "**.down_proj")
+    assert ir.tensor_patterns_of("vocab") == ("**.embed_tokens", "**.lm_head")
+    assert (ir.sharded("sequence") == "tp") == sequence
+    span = ir.tensor_patterns[0][2]
+    assert span.file.endswith("llama_tensor_parallel.pps"), "a pattern's span is the library file's"
+
+
+def test_llama_tensor_parallel_on_the_batch_axis_is_refused():
+    d = refusal("mesh dp=2, tp=2\nuse dp() on dp\nuse llama_tensor_parallel() on dp\n")
+    assert d.code == "unsupported-sharding" and d.hint == "TP needs an axis of its own: mesh dp=2, tp=2"
+
+
+def test_llama_patterns_pick_every_linear_and_embedding_of_a_hugging_face_llama_once():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from piper.frontend.modules import match_names
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    ir = ir_of(load_strategy(LLAMA))
+    names = [name for name, _ in model.named_modules()]
+    kinds: dict[str, list[str]] = {}
+    for kind in TENSOR_KINDS:
+        for pattern in ir.tensor_patterns_of(kind):
+            for name in match_names(pattern, names):
+                kinds.setdefault(name, []).append(kind)
+    divisible = {name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    assert set(kinds) == divisible and "lm_head" in kinds, "the top-level lm_head is matched"
+    assert all(len(found) == 1 for found in kinds.values())
+    assert kinds["lm_head"] == kinds["model.embed_tokens"] == ["vocab"]
+    assert kinds["model.layers.1.mlp.down_proj"] == ["rows"]
