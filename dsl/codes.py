@@ -18,6 +18,7 @@ SYNTAX = {
     "unexpected-token-in-selector": "a selector holds something other than NAME=VALUE tags",
     "missing-into": "`split` without `into`",
     "missing-over": "`shard` without `over`",
+    "missing-pattern": "`shard ... of` without a quoted module pattern after `of` or a `,`",
     "missing-on": "`place` (or `use ... on`) without `on`",
     "missing-expression": "a value is missing, e.g. after `=` or `into`",
     "bad-range": "a `for` loop without a `START..END` range",
@@ -47,7 +48,9 @@ VALUES = {
     "value-out-of-range": "a number outside what it may be (microbatches < 1, an index outside its axis)",
     "division-by-zero": "`//` or `%` by zero",
     "bad-split": "`split` of something other than MB (into a count) or B (into BI, BW)",
-    "bad-shard": "`shard` of something other than batch, optimizer, grads, params, experts",
+    "bad-shard": "`shard` of something other than batch, optimizer, grads, params, experts, columns, rows, vocab, "
+                 "sequence, or `of` where it does not belong",
+    "missing-of": "`shard columns`, `rows` or `vocab` without `of` and the patterns of its modules",
     "loop-limit": "the script takes more than 1,000,000 steps, or evaluates more than 8,000,000 terms",
     "recursion-limit": "`use` or `import` nested more than 64 levels deep",
 }
@@ -82,7 +85,8 @@ STATEMENTS = {
     "placed-twice": "a region is placed by two `place` statements",
     "split-twice": "`split MB` or `split B` appears twice",
     "order-before-split": "`split MB` comes after an `order` statement",
-    "sharded-twice": "one thing is sharded by two `shard` statements",
+    "sharded-twice": "one thing (or one module pattern) is sharded by two `shard` statements",
+    "sequence-without-tp": "`shard sequence` without `shard columns` or `shard rows` for it to run between",
     "bad-order-item": "an order item that is not a pass of a microbatch (UPD, or a region alone)",
     "unknown-node": "an order item names a microbatch or pass that does not exist",
     "ordered-twice": "one pass of one microbatch appears twice in an `order`",
@@ -97,7 +101,8 @@ PLACEMENT = {
     "shard-size-one": "`shard ... over` an axis of size 1 does nothing (warning)",
     "shard-without-batch": "optimizer, grads or params sharded over an axis the batch is not sharded over",
     "incomplete-zero": "grads sharded without optimizer, or params without grads and optimizer",
-    "unsupported-sharding": "ZeRO while the batch is sharded over several axes",
+    "unsupported-sharding": "ZeRO while the batch is sharded over several axes, or tensor parallelism over "
+                            "two axes or over the batch's, ZeRO's or the experts' axis",
     "indivisible-experts": "`shard experts over AXIS` with a MoE layer whose experts do not divide by size(AXIS)",
     "no-experts": "`shard experts` on a model without MoE layers",
 }

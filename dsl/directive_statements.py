@@ -7,7 +7,7 @@ of `piper.frontend.directives` that the Python API would make.
 from __future__ import annotations
 
 from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
-from piper.frontend.directives import SHARDABLE, Order, Place, Recompute, Shard, Split
+from piper.frontend.directives import SHARDABLE, Order, Place, Recompute, Shard, Split, shard_problem
 
 from . import nodes as n
 from .outcomes import Stop
@@ -73,9 +73,14 @@ class DirectiveStatements:
                 raise self.fail("duplicate-name", f"`{item.name}` is listed twice", item.span,
                                 labels=(Label(seen[item.name], "first listed here"),))
             seen[item.name] = item.span
+        of = tuple(p.text for p in stmt.of)
+        problem = shard_problem(tuple(seen), of, stmt.span, what_spans=tuple(i.span for i in stmt.what),
+                                of_spans=tuple(p.span for p in stmt.of))
+        if problem is not None:
+            raise self.fail(problem.code, problem.message, problem.span, hint=problem.hint, labels=problem.labels)
         axis = self.axis_of(self.value(stmt.over, env), stmt.over.span, env, "`shard ... over`")
         if isinstance(axis, str):
-            self.emit(Shard(tuple(seen), axis, stmt.span, self.trace))
+            self.emit(Shard(tuple(seen), axis, stmt.span, self.trace, of, tuple(p.span for p in stmt.of)))
 
     def exec_recompute(self, stmt: n.Recompute, env: Env) -> None:
         selectors = [self.region(region, env) for region in stmt.regions]

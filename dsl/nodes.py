@@ -122,12 +122,21 @@ class Place:
 
 
 @dataclass(frozen=True)
+class Pattern:
+    """A module path pattern, a string literal: `"blocks.*.attn.q"` in `shard columns of ...`."""
+
+    text: str
+    span: Span
+
+
+@dataclass(frozen=True)
 class Shard:
-    """`shard optimizer, grads over dp`."""
+    """`shard optimizer, grads over dp`; `shard columns of "**.q_proj" over tp` (`of` the patterns)."""
 
     what: tuple[Name, ...]
     over: Name
     span: Span
+    of: tuple[Pattern, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from lark.indenter import Indenter
 from piper.cache_dir import cache_dir
 
 # Reserved: the lexer would read them as names where no keyword fits; the indenter retypes them.
-KEYWORDS = frozenset({"mesh", "import", "strategy", "let", "split", "into", "place", "on", "shard", "over",
+KEYWORDS = frozenset({"mesh", "import", "strategy", "let", "split", "into", "place", "on", "shard", "of", "over",
                       "recompute", "use", "for", "in", "if", "else", "order", "and", "or", "not", "true", "false"})
 
 class BadDedent(Exception):

@@ -245,7 +245,10 @@ class _Convert(_Parts):
         if kind == "place_stmt":
             return n.Place(self.region(c[0]), self.name(c[1]), self.expr(c[2]), span)
         if kind == "shard_stmt":
-            return n.Shard(tuple(self.name(x) for x in c[:-1]), self.name(c[-1]), span)
+            of = next((x for x in c if isinstance(x, Tree) and x.data == "shard_of"), None)
+            names = [x for x in c[:-1] if isinstance(x, Token)]
+            patterns = () if of is None else tuple(n.Pattern(_unquote(t), self.tok_span(t)) for t in of.children)
+            return n.Shard(tuple(self.name(x) for x in names), self.name(c[-1]), span, patterns)
         if kind == "recompute_stmt":
             return n.Recompute(tuple(self.region(r) for r in c), span)
         if kind == "use_stmt":

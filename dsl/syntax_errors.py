@@ -56,7 +56,11 @@ EXAMPLES: dict[str, list[str]] = {
         "recompute\n",
     ],
     "missing-into": ["split MB 8\n", "split MB\n", "split MB in 8\n", "split B BI, BW\n"],
-    "missing-over": ["shard batch dp\n", "shard batch\n", "shard batch on dp\n", "shard batch, grads dp\n"],
+    "missing-over": ["shard batch dp\n", "shard batch\n", "shard batch on dp\n", "shard batch, grads dp\n",
+                     'shard columns of "a" tp\n', 'shard columns of "a"\n'],
+    "missing-of": ['shard columns "a" over tp\n', 'shard columns, "a" over tp\n'],
+    "missing-pattern": ["shard columns of over tp\n", "shard columns of a over tp\n", 'shard rows of "a", over tp\n',
+                        'shard rows of "a", b over tp\n', "shard vocab of\n"],
     "missing-on": ["place PP=0 pp[0]\n", "place PP=0\n", "place PP=0 onn pp[0]\n", "use s() dp\n",
                    "use s() over dp\n"],
     "missing-expression": [
@@ -77,6 +81,7 @@ EXAMPLES: dict[str, list[str]] = {
         "mesh dp=2 pp=2\n",
         "use s(a=1 b=2)\n",
         "let x = min(1 2)\n",
+        'shard columns of "a" "b" over tp\n',
     ],
     "bad-import": ["import zero3\n", "import\n"],
     "misplaced-statement": [
@@ -372,6 +377,11 @@ def _keyword_missing(word: str, example: str):
     return make
 
 
+def _missing_pattern(token, accepts, where, span):
+    return (f"`of` takes quoted module path patterns, found {_found(token)}",
+            'write e.g. `shard columns of "blocks.*.attn.q", "blocks.*.attn.k" over tp`', [])
+
+
 def _missing_expression(token, accepts, where, span):
     return (f"expected a value here, found {_found(token)}",
             "write a number, a name, or an expression such as `p - 1`", [])
@@ -426,6 +436,8 @@ _MESSAGES = {
     "unexpected-token-in-selector": _selector,
     "missing-into": _keyword_missing("into", "split MB into 8"),
     "missing-over": _keyword_missing("over", "shard batch over dp"),
+    "missing-of": _keyword_missing("of", 'shard columns of "blocks.*.attn.q" over tp'),
+    "missing-pattern": _missing_pattern,
     "missing-on": _keyword_missing("on", "place PP=0 on pp[0]"),
     "missing-expression": _missing_expression,
     "bad-range": _bad_range,

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..diagnostics import Span
+from ..diagnostics import Diagnostic, Label, Span
 from ..mesh import DeviceGroup
 from .selectors import Selector
 
-SHARDABLE = ("batch", "optimizer", "grads", "params", "experts")
+SHARDABLE = ("batch", "optimizer", "grads", "params", "experts", "columns", "rows", "vocab", "sequence")
+# Tensor parallelism: the kinds of `shard KIND of "PATTERN", ... over AXIS`, each naming its modules.
+# (`sequence`, the fourth tensor-parallel kind, names none: it applies to every tensor-parallel region.)
+TENSOR_KINDS = ("columns", "rows", "vocab")
+# Everything tensor parallelism divides over its axis: one axis for all of them.
+TENSOR_PARALLEL = TENSOR_KINDS + ("sequence",)
 
 
 @dataclass(frozen=True)
@@ -39,12 +44,70 @@ class Place:
 
 @dataclass(frozen=True)
 class Shard:
-    """`shard optimizer, grads over dp`: divide each of `what` over mesh axis `over`."""
+    """`shard optimizer, grads over dp`: divide each of `what` over mesh axis `over`.
+
+    `shard columns of "**.q_proj", "**.k_proj" over tp` has what=("columns",) and `of` the module
+    patterns (as `piper.annotate_modules`: `*` within one dotted part, `**` across parts);
+    `of_spans` parallels `of`, one span per pattern.
+    """
 
     what: tuple[str, ...]
     over: str
     span: Span | None = None
     trace: tuple[Span, ...] = field(default=(), compare=False)   # as `Place.trace`
+    of: tuple[str, ...] = ()
+    of_spans: tuple = field(default=(), compare=False)
+
+
+def shard_problem(what: tuple[str, ...], of: tuple[str, ...], span: Span | None = None, *,
+                  what_spans: tuple = (), of_spans: tuple = ()) -> Diagnostic | None:
+    """What is wrong with `shard WHAT of OF over ...`, as an error pointed at the item at fault
+    (`what_spans[i]` or `of_spans[i]` where given, else `span`), or None.
+
+    Both front ends and `piper.ir.statements.shard` call this, each with the spans it has:
+
+        >>> shard_problem(("columns",), ()).code
+        'missing-of'
+        >>> shard_problem(("columns",), ("**.q_proj",)) is None
+        True
+    """
+    def at(spans: tuple, i: int) -> Span | None:
+        return (spans[i] if i < len(spans) else None) or span
+
+    kinds = [i for i, w in enumerate(what) if w in TENSOR_KINDS]
+    if len(kinds) > 1:
+        a, b = what[kinds[0]], what[kinds[1]]
+        return Diagnostic("bad-shard", f"`{a}` and `{b}` in one `shard`: each kind takes its own `of`",
+                          span=at(what_spans, kinds[1]),
+                          hint=f'write one statement per kind: `shard {a} of "..." over tp` and '
+                               f'`shard {b} of "..." over tp`')
+    if kinds and not of:
+        kind = what[kinds[0]]
+        return Diagnostic("missing-of", f"`shard {kind}` needs `of` and the patterns of the modules it divides",
+                          span=at(what_spans, kinds[0]), hint=f'write e.g. `shard {kind} of "blocks.*.attn.q" over tp`')
+    if of and not kinds:
+        if "sequence" in what:
+            return Diagnostic("bad-shard", "`shard sequence` takes no `of`: it applies to every tensor-parallel "
+                              "region", span=at(of_spans, 0),
+                              hint="write `shard sequence over tp`, and name the modules in `shard columns of` "
+                                   "and `shard rows of`")
+        return Diagnostic("bad-shard", f"`of` names modules for columns, rows or vocab, not for `{what[0]}`",
+                          span=at(of_spans, 0), hint=f"drop `of`: `shard {', '.join(what)} over ...` divides whole "
+                                                     "states")
+    if of and len(what) > 1:
+        other = next(i for i, w in enumerate(what) if w not in TENSOR_KINDS)
+        return Diagnostic("bad-shard", f"`of` belongs to `{what[kinds[0]]}` alone; `{what[other]}` takes no `of`",
+                          span=at(what_spans, other), hint=f"shard `{what[other]}` in a statement of its own")
+    for i, pattern in enumerate(of):
+        if not pattern.strip():
+            return Diagnostic("bad-shard", "an empty pattern matches no module", span=at(of_spans, i),
+                              hint='write a module path pattern, e.g. "blocks.*.attn.q" or "**.q_proj"')
+        if pattern in of[:i]:
+            first = at(of_spans, of.index(pattern))
+            return Diagnostic("duplicate-name", f'"{pattern}" is listed twice', span=at(of_spans, i),
+                              labels=(Label(first, "first listed here"),) if first else (),
+                              hint="list each pattern once")
+    return None
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,25 @@ import inspect
 import sys
 
 from ..diagnostics import PiperError, Span, did_you_mean, error
-from .directives import SHARDABLE, Directive, Order, Place, Recompute, Shard, Split
+from .directives import SHARDABLE, Directive, Order, Place, Recompute, Shard, Split, shard_problem
 from ..mesh import DeviceGroup, Mesh
 from .selectors import parse_selector
+
+
+def _patterns(of, span: Span | None) -> tuple[str, ...]:
+    """`of=` as a tuple of patterns: None -> (), "a" -> ("a",), ["a", "b"] -> ("a", "b")."""
+    if of is None:
+        return ()
+    items = (of,) if isinstance(of, str) else of
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (of,)
+    for item in items:
+        if not isinstance(item, str):
+            raise error("wrong-type", f"`of=` takes module path patterns (strings), got {item!r}", span=span,
+                        hint='write e.g. of=["blocks.*.attn.q", "blocks.*.attn.k"]')
+    return items
 
 
 def _caller_span() -> Span | None:
@@ -67,8 +83,13 @@ class Builder:
                         span=span)
         self.directives.append(Place(parse_selector(selector, span=span), group, span))
 
-    def shard(self, *what: str, over: str) -> None:
-        """`s.shard("optimizer", "grads", "params", over="dp")`: ZeRO-3 over dp."""
+    def shard(self, *what: str, over: str, of=None) -> None:
+        """`s.shard("optimizer", "grads", "params", over="dp")`: ZeRO-3 over dp.
+
+        Tensor parallelism names its modules in `of`, a list of patterns (one string is one
+        pattern): `s.shard("columns", of=["**.q_proj", "**.k_proj"], over="tp")`, likewise
+        "rows" and "vocab"; `s.shard("sequence", over="tp")` takes no `of`.
+        """
         span = _caller_span()
         for item in what:
             if item not in SHARDABLE:
@@ -77,8 +98,12 @@ class Builder:
         if not what:
             raise error("bad-shard", "shard needs something to divide", span=span,
                         hint='e.g. s.shard("batch", over="dp")')
+        patterns = _patterns(of, span)
+        problem = shard_problem(tuple(what), patterns, span)
+        if problem is not None:
+            raise PiperError(problem)
         self.mesh.check_axis(over, span=span)
-        self.directives.append(Shard(tuple(what), over, span))
+        self.directives.append(Shard(tuple(what), over, span, (), patterns, tuple(span for _ in patterns)))
 
     def order(self, selector: str, items) -> None:
         """`s.order("PP=0", ["F(MB=0)", ["F(MB=1)", "B(MB=0)"], "B(MB=1)"])`.

@@ -20,12 +20,14 @@ PyTorch's pipelining actions:
 """
 from __future__ import annotations
 
+import json
 import re
 from collections import namedtuple
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
-from ..diagnostics import Span, error
+from ..diagnostics import Label, Span, error
+from ..frontend.directives import TENSOR_KINDS, TENSOR_PARALLEL
 from ..mesh import Mesh
 
 COMPUTE = ("F", "B", "BI", "BW", "UPD")
@@ -334,6 +336,10 @@ class IR(_Indexed):
 
     `placement` maps region -> device ranks; `sharding` holds (what, axis)
     records; the parallel `*_spans` say which statement made each.
+    `tensor_patterns` holds the module patterns of tensor parallelism as
+    (kind, pattern, span of the pattern), kind one of columns, rows, vocab
+    (their axis is the `sharding` record of the kind); the spans are not part
+    of the value.
     """
 
     mesh: Mesh
@@ -351,8 +357,15 @@ class IR(_Indexed):
     sharding_spans: tuple[Span | None, ...] = field(default=(), compare=False)
     split_span: Span | None = field(default=None, compare=False)
     split_b_span: Span | None = field(default=None, compare=False)
+    tensor_patterns: tuple[tuple[str, str, Span | None], ...] = field(default=(), compare=False)
+    # (kind, pattern) of `tensor_patterns`: what equality compares, spans left out (set by __post_init__).
+    _tensor_key: tuple[tuple[str, str], ...] = field(default=(), init=False, repr=False)
     # Indexes of `nodes`, built on first use; rewrites that keep the nodes share them.
     _indexes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.tensor_patterns:
+            object.__setattr__(self, "_tensor_key", tuple((kind, pattern) for kind, pattern, _ in self.tensor_patterns))
 
     def node(self, key: str) -> Node:
         for n in self.nodes:
@@ -382,6 +395,30 @@ class IR(_Indexed):
             if w == what:
                 return axis
         return None
+
+    def tensor_axis(self) -> str | None:
+        """The axis tensor parallelism (columns, rows, vocab, sequence) divides over, or None.
+
+        All of them use one axis; `shard` refuses a second, so an IR that has two was built by hand.
+        """
+        found = [(axis, span) for (w, axis), span in zip(self.sharding, self._sharding_spans())
+                 if w in TENSOR_PARALLEL]
+        axes = list(dict.fromkeys(axis for axis, _ in found))
+        if len(axes) > 1:
+            first = next(span for axis, span in found if axis == axes[0])
+            second = next(span for axis, span in found if axis == axes[1])
+            raise error("unsupported-sharding", f"tensor parallelism over both `{axes[0]}` and `{axes[1]}`",
+                        span=second, labels=(Label(first, f"over `{axes[0]}` here"),) if first else (),
+                        hint=f"shard columns, rows, vocab and sequence over one axis (`over {axes[0]}`)")
+        return axes[0] if axes else None
+
+    def tensor_patterns_of(self, kind: str) -> tuple[str, ...]:
+        """The module patterns of `kind` ("columns", "rows" or "vocab"), in statement order."""
+        return tuple(pattern for k, pattern, _ in self.tensor_patterns if k == kind)
+
+    def _sharding_spans(self) -> tuple[Span | None, ...]:
+        """`sharding_spans`, padded with None to the length of `sharding` (spans are not part of the value)."""
+        return self.sharding_spans + (None,) * (len(self.sharding) - len(self.sharding_spans))
 
     def batch_axes(self) -> tuple[str, ...]:
         return tuple(axis for w, axis in self.sharding if w == "batch")
@@ -423,6 +460,8 @@ def format_ir(ir: IR) -> str:
         lines.append(f"place {r} @{','.join(map(str, ranks))}")
     for what, axis in ir.sharding:
         lines.append(f"shard {what} over {axis}")
+    for kind, pattern, _ in ir.tensor_patterns:
+        lines.append(f"pattern {kind} {json.dumps(pattern)}")
     placed = dict(ir.placement)
     for n in ir.nodes:
         devices = n.devices if n.devices is not None else placed.get(n.region) if n.is_compute else None
@@ -437,7 +476,7 @@ def format_ir(ir: IR) -> str:
 def parse_ir(text: str) -> IR:
     """Read the text form of `format_ir` back into an IR."""
     mesh = Mesh(())
-    regions, values, nodes, edges, placement, sharding = [], [], [], [], [], []
+    regions, values, nodes, edges, placement, sharding, patterns = [], [], [], [], [], [], []
     microbatches, split = 1, False
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -470,6 +509,12 @@ def parse_ir(text: str) -> IR:
             elif word == "shard":
                 what, _, axis = rest.partition(" over ")
                 sharding.append((what.strip(), axis.strip()))
+            elif word == "pattern":
+                kind, _, quoted = rest.partition(" ")
+                pattern = json.loads(quoted)
+                if kind not in TENSOR_KINDS or not isinstance(pattern, str):
+                    raise ValueError(f"not a tensor-parallel pattern: {rest!r}")
+                patterns.append((kind, pattern, None))
             elif word == "node":
                 key, *attrs = rest.split(" ")
                 node = parse_key(key)
@@ -487,4 +532,4 @@ def parse_ir(text: str) -> IR:
         except (ValueError, KeyError) as exc:
             raise error("bad-ir", f"line {lineno}: cannot read {raw!r} ({exc})") from None
     return IR(mesh, tuple(regions), tuple(values), tuple(nodes), tuple(edges), microbatches, split,
-              tuple(placement), tuple(sharding))
+              tuple(placement), tuple(sharding), tensor_patterns=tuple(patterns))

@@ -119,7 +119,7 @@ def tensor_axis(ir: IR) -> str | None:
 
 def zero_levels(ir: IR) -> int:
     """0: replicated state, 1: optimizer sharded, 2: + gradients, 3: + parameters."""
-    axes = {what: axis for what, axis in ir.sharding if what not in ("batch", "experts") + TENSOR_KINDS}
+    axes = {what: axis for what, axis in ir.sharding if what in ("optimizer", "grads", "params")}
     spans = {what: ir.sharding_span(what) for what, _ in ir.sharding}
     batch = ir.batch_axes()
     for what, axis in axes.items():

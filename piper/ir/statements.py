@@ -12,12 +12,13 @@ from itertools import chain
 from operator import attrgetter, itemgetter
 
 from ..frontend.capture import Program
-from ..diagnostics import Label, error
-from ..frontend.directives import Directive, Order, Place, Recompute, Shard, Split
+from ..diagnostics import Label, PiperError, error
+from ..frontend.directives import TENSOR_PARALLEL, Directive, Order, Place, Recompute, Shard, Split, shard_problem
 from .dag import _COMPUTE, _IDENTITY, _PASSES, IR, Edge, Node, RegionInfo, ValueInfo, distinct_edges
 from ..mesh import Mesh
 from .region_match import regions_by_tag, regions_matching
 from .size import check_placement, check_split
+from .tensor_shards import add_patterns, check_axes, check_sequence
 from ..frontend.selectors import Selector
 
 _tuple_new = tuple.__new__
@@ -85,6 +86,7 @@ def apply_all(ir: IR, directives) -> IR:
     its edges in one go: `order` reads the nodes, never the edges, so this is
     `apply` one at a time without copying the growing edge tuple per statement.
     Two statements may order the same pair: the IR keeps its edges distinct.
+    Last, the checks that need every statement: `shard sequence` needs `shard columns` or `rows`.
     """
     pending: list[Edge] = []
     ends: tuple[list[int], list[int]] | None = ([], [])     # their ends' positions, while all are known
@@ -106,6 +108,7 @@ def apply_all(ir: IR, directives) -> IR:
         ir = apply(ir, d)
     if pending:
         ir = _add_ordered(ir, pending, ends, len(set(members)) == len(members))
+    check_sequence(ir)
     return ir
 
 
@@ -267,23 +270,34 @@ def place(ir: IR, d: Place) -> IR:
 
 
 def shard(ir: IR, d: Shard) -> IR:
-    """`shard batch over dp` (data parallel), `shard optimizer, grads, params over dp` (ZeRO-3).
+    """`shard batch over dp` (data parallel), `shard optimizer, grads, params over dp` (ZeRO-3),
+    `shard experts over dp`; tensor parallelism: `shard columns of "**.q_proj" over tp` (likewise
+    rows and vocab) and `shard sequence over tp`.
 
-    Records what is divided over which axis; lowering inserts the collectives
-    (ALL_REDUCE for DP, REDUCE_SCATTER + ALL_GATHER for ZeRO).
+    Records what is divided over which axis (and tensor parallelism's module patterns in
+    `tensor_patterns`); lowering inserts the collectives (ALL_REDUCE for DP, REDUCE_SCATTER +
+    ALL_GATHER for ZeRO). Several `shard columns of` statements accumulate their patterns under
+    one record; tensor parallelism takes an axis of its own, one for all its kinds.
     """
     ir.mesh.check_axis(d.over, span=d.span)
-    records, spans = list(ir.sharding), list(ir.sharding_spans)
+    problem = shard_problem(d.what, d.of, d.span, of_spans=d.of_spans)    # as the front ends do: a
+    if problem is not None:                                                # directive may be built by hand
+        raise PiperError(problem)
+    records, spans = list(ir.sharding), list(ir._sharding_spans())
     for what in d.what:
         previous = ir.sharded(what) if what != "batch" else (d.over if d.over in ir.batch_axes() else None)
+        if previous is not None and what in TENSOR_PARALLEL and what != "sequence":
+            check_axes(records, spans, what, d.over, d.span)    # more patterns of a kind: on its axis
+            continue
         if previous is not None:
             first = ir.sharding_span(what)
             raise error("sharded-twice", f"`{what}` is already sharded over `{previous}`", span=d.span,
                         labels=(Label(first, "sharded here first"),) if first else (),
                         hint="shard each thing once")
+        check_axes(records, spans, what, d.over, d.span)
         records.append((what, d.over))
         spans.append(d.span)
-    return ir.with_(sharding=tuple(records), sharding_spans=tuple(spans))
+    return ir.with_(sharding=tuple(records), sharding_spans=tuple(spans), tensor_patterns=add_patterns(ir, d))
 
 
 def order(ir: IR, d: Order) -> IR:
