@@ -22,7 +22,7 @@ from operator import and_, eq, itemgetter
 
 from ..diagnostics import Diagnostic, error
 from ..ir.dag import COLLECTIVES, COMPUTE, IR, Edge, Node, distinct_edges
-from ..ir.lower import check_orders, lower_transfers, resolve_placement, temporal_edges, tensor_axis, zero_levels
+from ..ir.lower import check_orders, lower_transfers, resolve_placement, temporal_edges, zero_levels
 from ..ir.table import Table
 from ..ir.tied import add_tie_exchanges, tied_params
 from .actions import Action
@@ -211,7 +211,7 @@ def project_table(table: Table, order: list[int], release: dict[int, tuple],
     ir = table.ir
     mesh = ir.mesh
     # A device's shard: its batch shard and, under tp, its tensor shard (transfers pair equals).
-    tensor = tensor_axis(ir)
+    tensor = ir.tensor_axis()
     batch_axes = ir.batch_axes() + ((tensor,) if tensor is not None else ())
     shard_of = {}
     for rank in range(mesh.world_size):

@@ -50,7 +50,7 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
                          "on every device)")
     batch_axes = ir.batch_axes()
     # The tensor-parallel axis divides a region's work too: its devices hold shards, not copies.
-    tensor = tensor_axis(ir)
+    tensor = ir.tensor_axis()
     dividing = batch_axes + ((tensor,) if tensor is not None else ())
     spans = {r: ir.placement_span(r) for r, _ in ir.placement}
     for region in ir.regions:
@@ -104,17 +104,6 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
                                    tuple(Label(s, f"also shards over `{axis}`") for s in spans[1:]),
                                    hint=f"grow `{axis}` in the mesh or drop the statement"))
     return ir
-
-
-TENSOR_KINDS = ("columns", "rows", "vocab", "sequence")
-
-
-def tensor_axis(ir: IR) -> str | None:
-    """The axis `shard columns/rows/vocab/sequence` divide over (one per strategy), or None."""
-    for what, axis in ir.sharding:
-        if what in TENSOR_KINDS:
-            return axis
-    return None
 
 
 def zero_levels(ir: IR) -> int:
