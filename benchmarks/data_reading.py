@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     try:
         rows = measure([int(s) for s in args.sizes.split(",")], args.steps)
     finally:
-        from piper.runtime import pool
+        from piper.runtime.launch import pool
 
         pool.release()
         ray.shutdown()

@@ -122,7 +122,7 @@ class ProbeState:
 # -- functions run inside a Piper worker via actor.__ray_call__ ------------------------------------
 
 def install_probes(worker, time_compute: bool = False, track_activations: bool = False) -> int:
-    """Instrument `worker.executor` (a piper.runtime.executor.Executor); returns the plan's length."""
+    """Instrument `worker.executor` (a piper.runtime.execution.executor.Executor); returns the plan's length."""
     ex = worker.executor
     state = ProbeState()
     worker._bench_probes = state

@@ -5,7 +5,7 @@ For each family (the nn.MultiheadAttention GPT, an MLP-Mixer, and whatever
 
   (a) region compute against eager PyTorch on one device: the whole model as
       one region, captured by `piper.frontend.capture`, shipped and rebuilt as the
-      runtime does (`runtime.graphs.pack/unpack`), run with the runtime's
+      runtime does (`runtime.launch.packed_graphs.pack/unpack`), run with the runtime's
       saved-tensor hook and its parameters as views of one flat buffer whose
       gradients are views of a flat gradient buffer; eager runs the module
       with gradients accumulating likewise. One thread, CPU time of each
@@ -55,7 +55,7 @@ class _RegionRun:
 
     def __init__(self, model, batch):
         from piper.frontend.capture import BATCH, BUFFER, PARAM, capture
-        from piper.runtime.graphs import pack, unpack
+        from piper.runtime.launch.packed_graphs import pack, unpack
 
         program = capture(model, batch)
         if len(program.regions) != 1:

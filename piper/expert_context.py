@@ -4,7 +4,7 @@
         current()                    # `piper.nn`'s dispatch/combine: that lane's group (None on one device)
 
 Pure Python, below both the front end's ops (`piper.nn`) and the runtime's expert groups
-(`piper.runtime.experts`, which makes the groups and sets the default): the ops ask, the runtime answers.
+(`piper.runtime.moe.expert_groups`, which makes the groups and sets the default): the ops ask, the runtime answers.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ node means is decided when it runs:
   is a local permutation: dispatch sorts the token copies by expert, combine
   puts them back and sums them with their gates;
 - under `shard experts over AXIS` the runtime installs an expert group
-  (`piper.runtime.experts`) and the same nodes move tokens: dispatch exchanges
+  (`piper.runtime.moe.expert_groups`) and the same nodes move tokens: dispatch exchanges
   the per-expert counts, then sends each token copy to the device holding its
   expert with an uneven `all_to_all_single`; combine sends the results back
   the same way. Their backwards run the reverse all-to-alls.

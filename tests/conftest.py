@@ -28,7 +28,7 @@ def pytest_unconfigure(config):
 
 
 FULL = bool(os.environ.get("PIPER_FULL"))
-# A closed job's workers serve the next job of the same shape (piper/runtime/pool.py): the suite
+# A closed job's workers serve the next job of the same shape (piper/runtime/launch/pool.py): the suite
 # starts worker processes (a torch import each) a few times instead of once per job.
 os.environ.setdefault("PIPER_KEEP_WORKERS", "1")
 
@@ -50,7 +50,7 @@ def _ray_session():
     yield
     import ray
 
-    from piper.runtime import pool
+    from piper.runtime.launch import pool
 
     pool.release()
     ray.shutdown()

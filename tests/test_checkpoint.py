@@ -11,7 +11,7 @@ import torch
 import piper
 from examples.gpt import _corpus_tokens, batches, make_model
 from piper.dsl.script import load_strategy
-from piper.runtime.checkpoint import boxes
+from piper.runtime.state.checkpoint import boxes
 from tests.helpers import train_one_device
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)

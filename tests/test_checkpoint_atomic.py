@@ -130,7 +130,8 @@ def _load_crafted_count(worker, path: str):
 
     import torch.distributed.checkpoint as dcp
 
-    from piper.runtime import checkpoint, checkpoint_files
+    from piper.runtime.state import checkpoint
+    from piper.runtime.state import checkpoint_files
 
     state = {"optim": {"state": {"a.weight": {"count": None}}}}
     try:

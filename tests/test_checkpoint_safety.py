@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 import piper
 from piper.job import checkpoint
-from piper.runtime import checkpoint_files
+from piper.runtime.state import checkpoint_files
 
 
 class Payload:

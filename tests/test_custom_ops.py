@@ -8,7 +8,7 @@ import torch
 
 from piper.dsl import load_strategy
 from piper.frontend.capture import capture
-from piper.runtime.graphs import pack
+from piper.runtime.launch.packed_graphs import pack
 from piper.testing import train_both
 from tests.custom_op_model import WithCustomOp
 from tests.helpers import assert_same
@@ -31,7 +31,7 @@ def test_a_process_that_never_imported_the_module_resolves_the_op(tmp_path):
 
     program = capture(WithCustomOp().double(), XY)
     (tmp_path / "graph.pkl").write_bytes(pickle.dumps(pack(program.regions[0].graph)))
-    code = ("import pickle, sys; from piper.runtime.graphs import unpack; "
+    code = ("import pickle, sys; from piper.runtime.launch.packed_graphs import unpack; "
             "assert 'tests.custom_op_model' not in sys.modules; "
             f"gm = unpack(pickle.loads(open({str(tmp_path / 'graph.pkl')!r}, 'rb').read())); "
             "print(sorted(str(n.target) for n in gm.graph.nodes if 'pipertest' in str(n.target)))")
@@ -43,7 +43,7 @@ def test_a_process_that_never_imported_the_module_resolves_the_op(tmp_path):
 
 def test_an_op_whose_module_is_gone_is_named(tmp_path):
     from piper.diagnostics import PiperError
-    from piper.runtime.graphs import _Op
+    from piper.runtime.launch.packed_graphs import _Op
 
     with pytest.raises(PiperError) as err:
         _Op("nowhere.thing.default", "no_such_package.ops").resolve()

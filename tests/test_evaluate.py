@@ -9,7 +9,7 @@ import torch
 
 import piper
 from piper.dsl.script import load_strategy
-from piper.runtime.evaluation import forward_only
+from piper.runtime.execution.evaluation import forward_only
 from tests.helpers import assert_same
 from tests.test_train import data_parallel, gpt, gpt_batches
 

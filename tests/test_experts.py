@@ -465,14 +465,14 @@ def test_expert_parallel_is_shard_experts():
 def test_each_lane_has_its_own_expert_group():
     import threading
 
-    from piper.runtime import experts
+    from piper.runtime.moe import expert_groups
 
-    lanes = [experts.ExpertGroup(None, (0, 1), 1), experts.ExpertGroup(None, (0, 1), 1)]
+    lanes = [expert_groups.ExpertGroup(None, (0, 1), 1), expert_groups.ExpertGroup(None, (0, 1), 1)]
     seen = {}
 
     def lane(k):
-        with experts.lane_group(lanes, k):
-            seen[k] = experts.current()
+        with expert_groups.lane_group(lanes, k):
+            seen[k] = expert_groups.current()
 
     threads = [threading.Thread(target=lane, args=(k,)) for k in (0, 1)]
     for t in threads:
@@ -480,7 +480,7 @@ def test_each_lane_has_its_own_expert_group():
     for t in threads:
         t.join()
     assert seen[0] is lanes[0] and seen[1] is lanes[1] and lanes[0].index == 1
-    assert experts.current() is None          # nothing installed on this thread: the local meaning
+    assert expert_groups.current() is None          # nothing installed on this thread: the local meaning
 
 
 @pytest.mark.parametrize("mesh,model,code", [("dp=3, pp=2", "examples/moe.py:moe_two_regions", "indivisible-experts"),

@@ -5,8 +5,8 @@ import os
 import pytest
 
 import piper
-from piper.runtime.cluster import describe_rank, interface_of, plan_placement
-from piper.runtime.faults import Fault
+from piper.runtime.launch.placement import describe_rank, interface_of, plan_placement
+from piper.runtime.health.faults import Fault
 from tests.helpers import wait_gone
 from tests.test_train import gpt, gpt_batches, pipeline
 

@@ -163,7 +163,7 @@ def test_gpt2_with_tied_embeddings_trains_as_on_one_device(strategy):
         # After the last step each stage still holds the same tied weight: compare the
         # stages' own copies, not the one state_dict picks.
         if len(job.layouts) > 1:
-            from piper.runtime.flat import unflatten
+            from piper.runtime.state.flat_buffers import unflatten
             shards = job._get([a.shards.remote() for a in job.actors], "shards")
             for u, layout in job.layouts.items():
                 for b, bucket in enumerate(layout.buckets):

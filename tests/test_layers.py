@@ -202,3 +202,27 @@ def test_no_loops_of_files():
     _, graph = import_graph()
     loops = strongly_connected({mod: {dep for _, dep in deps} for mod, deps in graph.items()})
     assert not loops, "files that import each other in a loop:\n" + "\n".join(" <-> ".join(c) for c in loops)
+
+
+# piper/runtime/'s rooms, lowest first (piper/runtime/__init__.py says what each holds).
+RUNTIME_ROOMS = ["launch", "communication", "state", "autograd", "moe", "execution", "health", "workers"]
+
+
+def _room(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if parts[:2] == ["piper", "runtime"] and len(parts) > 2 else None
+
+
+def test_every_runtime_file_is_in_a_room():
+    loose = [m for m in module_files() if m.startswith("piper.runtime") and _room(m) not in RUNTIME_ROOMS
+             and m != "piper.runtime"]
+    assert not loose, f"runtime modules outside the rooms {RUNTIME_ROOMS}: {loose}"
+
+
+def test_runtime_rooms_import_one_way():
+    mods, graph = import_graph()
+    rank = {room: i for i, room in enumerate(RUNTIME_ROOMS)}
+    against = [f"{mods[mod].relative_to(ROOT)}:{line}: {mod} imports {dep}"
+               for mod, deps in sorted(graph.items()) if _room(mod) in rank for line, dep in deps
+               if dep == "piper.runtime" or (_room(dep) in rank and rank[_room(dep)] > rank[_room(mod)])]
+    assert not against, "imports against the runtime's rooms:\n" + "\n".join(against)

@@ -1,4 +1,4 @@
-"""The MoE cut (`piper.ir.moe_cut`) and its runner (`piper.runtime.moe_pieces`) on one
+"""The MoE cut (`piper.ir.moe_cut`) and its runner (`piper.runtime.moe.pieces`) on one
 process: the pieces and exchanges of a region, run one action at a time as a plan
 would, give the region graph's own loss and gradients (float64, exact to 1e-12)."""
 import copy
@@ -11,9 +11,9 @@ import torch
 from piper.frontend.capture import capture
 from piper.ir.dag import Node
 from piper.ir.moe_cut import COMBINE, DISPATCH, count_exchanges, cut, cuttable
-from piper.runtime import experts as expert_groups
-from piper.runtime.graphs import pack, unpack
-from piper.runtime.moe_pieces import Pieces
+from piper.runtime.moe import expert_groups as expert_groups
+from piper.runtime.launch.packed_graphs import pack, unpack
+from piper.runtime.moe.pieces import Pieces
 
 from .test_experts import SkewedMoE, Tiny, moe_layer, tiny_batches
 

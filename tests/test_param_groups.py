@@ -11,7 +11,7 @@ import piper
 from piper.dsl.script import load_strategy
 from piper.frontend.param_groups import resolve
 from piper.compiler.flat_layout import layout_unit
-from piper.runtime.optimizers import build, set_lr_scale
+from piper.runtime.state.optimizers import build, set_lr_scale
 from tests.helpers import assert_same
 from tests.test_train import data_parallel, gpt, gpt_batches
 

@@ -9,7 +9,7 @@ import torch
 import piper
 from examples.gpt import _corpus_tokens, batches, make_model
 from piper.dsl.script import load_strategy
-from piper.runtime import pool
+from piper.runtime.launch import pool
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -252,7 +252,7 @@ def test_a_non_finite_loss_stops_naming_its_step_or_is_skipped():
 
 
 def test_the_skip_of_non_finite_gradients_is_the_loss_scaler_s_at_scale_one():
-    from piper.runtime.precision import DynamicLossScale, with_loss_scaling
+    from piper.runtime.state.precision import DynamicLossScale, with_loss_scaling
 
     guard = with_loss_scaling(None, None, skip_nonfinite=True)
     assert isinstance(guard, DynamicLossScale) and guard.loss_scale == 1.0

@@ -1,5 +1,5 @@
 """The runtime's own time outside its computes as a cost model (piper/compiler/runtime_costs.py) and as the
-runtime records it (piper/runtime/dispatch.py, job.overheads()). No timing assertions: the runtime
+runtime records it (piper/runtime/execution/overheads.py, job.overheads()). No timing assertions: the runtime
 test checks what is counted (ops, entries, non-negative seconds), the model tests exact arithmetic."""
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def test_overheads_take_each_entry_less_its_compute_and_its_blocked_waits():
     wait, compute 4 wall / 4 CPU); CPU seconds share the loop's CPU outside computes by wall time."""
     from types import SimpleNamespace
 
-    from piper.runtime.dispatch import StepMarks, overheads
+    from piper.runtime.execution.overheads import StepMarks, overheads
 
     plan = _plans()[0]
     keys = [a.key for a in plan[:6]]          # 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0

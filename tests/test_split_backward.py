@@ -5,7 +5,7 @@ import weakref
 import torch
 
 from piper.compiler.saved import SavedBytes
-from piper.runtime.split_backward import backward_inputs, backward_weights, can_split
+from piper.runtime.autograd.split_backward import backward_inputs, backward_weights, can_split
 
 
 def _region(x, w1, w2):

@@ -1,7 +1,7 @@
 """ZeRO-2/3 gradient shards add up over reduce-scatters, issued one after another or overlapping.
 
 Two members of a data-parallel group live in this process; a stand-in for
-`comm.reduce_scatter_into` does the reduction when the work is waited on,
+`collectives.reduce_scatter_into` does the reduction when the work is waited on,
 the way an asynchronous collective finishes later.
 """
 import functools
@@ -9,8 +9,8 @@ import functools
 import torch
 
 from piper.frontend.capture import TensorSpec
-from piper.runtime import comm
-from piper.runtime.unit import Unit
+from piper.runtime.communication import collectives
+from piper.runtime.state.unit import Unit
 from piper.compiler.flat_layout import layout_unit
 
 
@@ -46,7 +46,7 @@ class _Work:
 
 def _members(monkeypatch):
     group = _Group(2)
-    monkeypatch.setattr(comm, "reduce_scatter_into", group.reduce_scatter_into)
+    monkeypatch.setattr(collectives, "reduce_scatter_into", group.reduce_scatter_into)
     layout = layout_unit(0, ["w"], {"w": TensorSpec((5,), torch.float64)}, (0, 1))
     init = [torch.zeros(layout.buckets[0].padded, dtype=torch.float64)]
     sgd = functools.partial(torch.optim.SGD, lr=0.1)

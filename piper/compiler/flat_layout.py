@@ -5,7 +5,7 @@ padded to a multiple of the group size, so ZeRO can shard it into equal contiguo
 
 The layout is computed once on the driver and shared by every worker and by `Job.state_dict`, so shards
 always mean the same elements. In the compiler, below the runtime that packs the buffers
-(`piper.runtime.flat`), since the memory model replays the same layout to predict the bytes a unit holds.
+(`piper.runtime.state.flat_buffers`), since the memory model replays the same layout to predict the bytes a unit holds.
 """
 from __future__ import annotations
 

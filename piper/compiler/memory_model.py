@@ -1,7 +1,7 @@
 """Predict each device's peak memory in a step from the compiled plans, before anything runs.
 
 The prediction replays each device's plan the way the executor spends memory
-(`piper/runtime/executor.py`), with sizes instead of tensors:
+(`piper/runtime/execution/executor.py`), with sizes instead of tensors:
 
 - parameters: each unit's flat buffer (padded to its group), or under ZeRO-3
   its shard plus the full buffer while gathered (from its ALL_GATHER_<pass>
@@ -18,7 +18,7 @@ The prediction replays each device's plan the way the executor spends memory
 - `recompute` regions: F keeps only the bytes of its inputs; the first
   backward pass (B, or BI under a split backward) runs the forward again and
   adds what that saves beyond the inputs, until B or BW frees both;
-- mixed precision (`precision="bf16"`/`"fp16"`, `piper/runtime/precision.py`):
+- mixed precision (`precision="bf16"`/`"fp16"`, `piper/runtime/state/precision.py`):
   float32 masters, gradients and optimizer state as in full precision, plus
   a 16-bit copy of each unit's flat parameters (held throughout without
   ZeRO-3; under ZeRO-3 it is the gathered buffer, half the float32 one, and
@@ -30,7 +30,7 @@ The prediction replays each device's plan the way the executor spends memory
   backward until its update. A MoE region's saved activations assume every
   device receives its share of the routed token copies (the routing decides),
   and, for a pass the runtime cuts into pieces at its all-to-alls
-  (`piper/runtime/moe_pieces.py`), what each piece saves on its own.
+  (`piper/runtime/moe/pieces.py`), what each piece saves on its own.
 
 The peak is sampled after every action, as `job.memory()[rank]["step_peak"]`
 is, in a steady-state step (optimizer state and gradient shards exist). The
@@ -175,7 +175,7 @@ def _storage_keys(tensors, exclude) -> dict[int, int]:
 
 
 def _pieces_saved(graph, args, exclude) -> int:
-    """What a region run as pieces cut at its all-to-alls saves (`piper/runtime/moe_pieces.py`):
+    """What a region run as pieces cut at its all-to-alls saves (`piper/runtime/moe/pieces.py`):
     each piece on its own, reading earlier pieces' and exchanges' outputs as leaves. The
     exchanges are local here (a group of one): the rows stay, as new tensors."""
     from ..ir.moe_cut import DISPATCH, Source, cut
@@ -240,7 +240,7 @@ def _run_regions(program, backward, timer, clock, dtype=None, pieces=frozenset()
                 if values[i.ref].differentiable:
                     t.requires_grad_()
                 args.append(t)
-        inputs = _storage_keys(args, exclude)        # what `recompute` keeps (runtime/recompute.py)
+        inputs = _storage_keys(args, exclude)        # what `recompute` keeps (runtime/autograd/recompute.py)
         start = clock()
         with torch.enable_grad(), _SavedAndInputs(exclude, set(inputs)) as counted:
             outs = region.graph(*args)

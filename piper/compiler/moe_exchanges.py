@@ -28,7 +28,7 @@ def add_all_to_alls(compiled, program: Program):
     moves no tokens and stays one action. The executor issues each exchange
     on the expert group of the lane that runs it and the next piece waits for
     it, so work the plan puts between them runs while the tokens travel
-    (`piper.runtime.moe_pieces`). Data edges into a forward keep reaching its
+    (`piper.runtime.moe.pieces`). Data edges into a forward keep reaching its
     first piece and those out of it leave from its last; a backward the other
     way round. Temporal edges (the `order`) stay on the pass's own token.
 

@@ -3,7 +3,7 @@
 `job.timings()` times the computes. A step costs more: between computes a
 device's thread issues and waits for communication, routes what arrives,
 samples memory and runs the plan loop (`job.overheads()`,
-`piper/runtime/dispatch.py`); each step starts and ends with fixed work, and
+`piper/runtime/execution/overheads.py`); each step starts and ends with fixed work, and
 the devices do not start together (the driver's calls reach them one after
 another); and a point-to-point message on the CPU runtime is a rendezvous of
 the two processes' Gloo threads, which on busy cores takes far longer than a

@@ -6,7 +6,7 @@
 - `precision="bf16"`/`"fp16"`: ZeRO-3 gathers its parameters in 16 bits and
   activations (and their gradients) travel between stages in 16 bits; gradient
   reductions and ZeRO-1/2's gathers of updated shards stay in float32
-  (`piper/runtime/precision.py`). `comm_bytes` gives the bytes each
+  (`piper/runtime/state/precision.py`). `comm_bytes` gives the bytes each
   communication moves; `comm_cost` prices them over a throughput.
 
     costs = recompute_costs(compiled, {"F": 1.0, "B": 2.0})   # 0B3 of a recomputed region: 3.0
@@ -19,7 +19,7 @@ import torch
 
 from .simulate import UNIT_COSTS
 
-RERUN_PASSES = ("B", "BI")        # where the runtime reruns a recomputed forward (runtime/recompute.py)
+RERUN_PASSES = ("B", "BI")        # where the runtime reruns a recomputed forward (runtime/autograd/recompute.py)
 
 
 def recompute_costs(compiled, costs: dict | None = None, *, measured=None) -> dict:

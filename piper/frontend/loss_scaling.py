@@ -10,7 +10,7 @@ before clipping and the optimizer, and a step whose gradients hold an inf or
 a NaN anywhere in the model (any stage, any ZeRO shard) is skipped on every
 device and S shrinks by `backoff_factor`; after `growth_interval` steps in a
 row without one, S grows by `growth_factor`. This is `torch.amp.GradScaler`'s
-rule, with its defaults. The runtime side is `piper/runtime/precision.py`;
+rule, with its defaults. The runtime side is `piper/runtime/state/precision.py`;
 `piper.loss_scale(job)` reads the state.
 """
 from __future__ import annotations

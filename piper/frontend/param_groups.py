@@ -26,7 +26,7 @@ from .modules import match_names
 
 @dataclass(frozen=True)
 class Grouped:
-    """Parameter groups as the workers build them (`runtime.optimizers.build`).
+    """Parameter groups as the workers build them (`runtime.state.optimizers.build`).
 
         Grouped(torch.optim.AdamW, {"lr": 3e-4}, ({"weight_decay": 0.1}, {"weight_decay": 0.0}),
                 {"wte.weight": 1, "blocks.0.mlp.0.weight": 0, ...})

@@ -14,7 +14,7 @@ unregroup, piece 2 from its home to the next layer's sort, and so on. A region
 with L layers has 2L exchanges and 2L + 1 pieces. Every value a piece reads from
 an earlier piece or exchange is one of its inputs (a `Source`), so the runtime
 can run, and differentiate, each piece on its own, and issue the exchanges
-itself (`piper.runtime.moe_pieces`).
+itself (`piper.runtime.moe.pieces`).
 
 Pure fx and torch, no process groups: the driver cuts too, to count the pieces
 the plan must hold (`count_exchanges`).

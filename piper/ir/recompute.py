@@ -9,7 +9,7 @@ usual, so the activations live from that backward to the end of the region's
 backward (its BW under a split backward) instead of from the forward. The
 statement only marks regions: the schedule, the placement and the
 communication are unchanged, so it composes with every strategy. The
-runtime side is `piper/runtime/recompute.py`.
+runtime side is `piper/runtime/autograd/recompute.py`.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ the one parameter with the same padding.
 
     lowering:   resolve_placement -> share_across_devices   (copies, UPD nodes)
     compiler:   add_collectives -> add_tie_exchanges        (SEND_T/RECV_T, UPD after them)
-    runtime:    runtime/tied.py                             (send, receive, add)
+    runtime:    runtime/communication/tied_weights.py       (send, receive, add)
 """
 from __future__ import annotations
 

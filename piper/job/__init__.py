@@ -83,7 +83,7 @@ def compile(model: torch.nn.Module, example_inputs=None, strategy=None, mesh=Non
     `worker_env` sets environment variables in the worker processes before
     they start (Ray's runtime_env), e.g. allocator settings.
     `address` joins an existing Ray cluster ("auto", "ray://head:10001" or
-    "head:6379"); workers are placed by the mesh (`piper.runtime.cluster`), and
+    "head:6379"); workers are placed by the mesh (`piper.runtime.launch.placement`), and
     `job.placement()` says where each rank went. Starting the workers has its
     own limit, `startup_timeout` seconds. Each stage of the start (capture,
     planning, Ray, placement, torch.distributed, set-up) is reported as a line
@@ -189,7 +189,7 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         self.actors = []
         self.where: dict[int, dict] = {}     # rank -> pid, node, ip, device (`placement()`)
         self._owns_ray = False
-        self._broken = False       # a call to the workers failed: close kills them (`runtime/pool.py`)
+        self._broken = False       # a call to the workers failed: close kills them (`runtime/launch/pool.py`)
         self._pool_key = None
         self._closed = False
         self.steps = 0                                    # optimizer steps taken (checkpoints keep it)
@@ -228,7 +228,7 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         try:
             import ray
 
-            from ..runtime import pool
+            from ..runtime.launch import pool
 
             pg = getattr(self, "_pg", None)
             if self._broken or self._owns_ray or not pool.give(self._pool_key, pg, self.actors):

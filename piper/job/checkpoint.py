@@ -15,11 +15,11 @@ worker R, and `piper.json`: each file's size and CRC-32) holding
 so it does not depend on the strategy that wrote it: regions, pipeline stages,
 flat ZeRO units and expert rows under `shard experts` are the job's business,
 not the file's (see
-`piper.runtime.checkpoint` for how a flat shard is described).
+`piper.runtime.state.checkpoint` for how a flat shard is described).
 
 A save is atomic (written beside the path, renamed into place); a load first
 verifies every file's checksum and reads everything as data only, running no
-code a crafted file names (`piper.runtime.checkpoint_files`); `verify_checkpoint`
+code a crafted file names (`piper.runtime.state.checkpoint_files`); `verify_checkpoint`
 does the checking alone, and `to_torch_save(dir, file)` turns a checkpoint into
 one `torch.save` file that `torch.load(file, weights_only=True)["model"]` loads
 into the plain model.
@@ -249,8 +249,8 @@ def _exchange(a: str, b: str) -> bool:
 # -- read and verify, running no code --------------------------------------------------------
 
 def _files():
-    """`piper.runtime.checkpoint_files`, imported on use (torch.distributed.checkpoint costs about a second)."""
-    from ..runtime import checkpoint_files
+    """`piper.runtime.state.checkpoint_files`, imported on use (torch.distributed.checkpoint costs about a second)."""
+    from ..runtime.state import checkpoint_files
 
     return checkpoint_files
 
@@ -261,7 +261,7 @@ _FIX = ("pass the directory job.save(path) wrote (it holds a `.metadata` file); 
 
 def read_metadata(path):
     """The DCP metadata of checkpoint `path`, read without running code
-    (`runtime.checkpoint_files.MetadataUnpickler`), or a `not-a-checkpoint` error saying why not."""
+    (`runtime.state.checkpoint_files.MetadataUnpickler`), or a `not-a-checkpoint` error saying why not."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         what = "is a file" if os.path.exists(path) else "does not exist"

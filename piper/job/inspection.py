@@ -32,10 +32,10 @@ class JobInspection:
     def overheads(self, cpu: bool = False) -> dict[int, dict]:
         """Per rank: the worker thread's seconds in the last step outside its computes and its blocking
         waits for communication, `start` (before the first action), `end` (after the last) and per op of
-        the plan (seconds, actions) (`piper/runtime/dispatch.py`); `cpu=True`: the thread's CPU seconds
+        the plan (seconds, actions) (`piper/runtime/execution/overheads.py`); `cpu=True`: the thread's CPU seconds
         outside its computes. `piper.compiler.runtime_costs.RuntimeModel` makes a cost model of them."""
         self._check_open()
-        from ..runtime.dispatch import read_overheads
+        from ..runtime.execution.overheads import read_overheads
 
         return dict(enumerate(self._get([a.__ray_call__.remote(read_overheads, cpu) for a in self.actors],
                                         "overheads")))
@@ -52,7 +52,7 @@ class JobInspection:
         return self._get([self.actors[0].__ray_call__.remote(_last_grad_norm)], "grad_norm")[0]
 
     def trace(self, path: str, steps: int | None = None) -> str:
-        """Write the last steps (up to `piper.runtime.executor.TRACE_STEPS`; `steps` to keep fewer) as a
+        """Write the last steps (up to `piper.runtime.execution.executor.TRACE_STEPS`; `steps` to keep fewer) as a
         Chrome/Perfetto trace: one process per device, a track per lane and one for communication,
         flow arrows from each send to its receive (`piper/compiler/trace.py`). Returns `path`."""
         self._check_open()

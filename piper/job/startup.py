@@ -1,5 +1,5 @@
 """Starting a job's workers: Ray, placement on the cluster's nodes (or a closed job's workers kept,
-`runtime/pool.py`), torch.distributed, set-up.
+`runtime/launch/pool.py`), torch.distributed, set-up.
 
 Mixed into `piper.job.Job`; `placement()` says where each rank went.
 """
@@ -18,7 +18,7 @@ class JobStartup:
     def _start(self, model, optimizer, address, device) -> None:
         import ray
 
-        from ..runtime import pool
+        from ..runtime.launch import pool
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster needs no token
         if not ray.is_initialized():
@@ -38,13 +38,13 @@ class JobStartup:
         from .memory_check import check_memory, local_address
 
         check_memory(self, optimizer, ray.nodes(), local_address())    # before any worker starts
-        from ..runtime.cluster import node_capacity, plan_placement
-        from ..runtime.health import Watch
+        from ..runtime.launch.placement import node_capacity, plan_placement
+        from ..runtime.health.watch import Watch
 
         started = time.monotonic()
         placement = plan_placement(self.mesh.axes, node_capacity(ray.nodes(), device), device)
         self._progress(f"placing {world} worker{'s' if world != 1 else ''} ({placement.strategy} over the cluster's nodes)")
-        if os.environ.get("PIPER_FAULT"):      # a test's injected fault (runtime.faults) reaches the workers
+        if os.environ.get("PIPER_FAULT"):      # a test's injected fault (runtime.health.faults) reaches the workers
             self.worker_env.setdefault("PIPER_FAULT", os.environ["PIPER_FAULT"])
         self._pool_key = pool.key(placement, device, self.worker_env)
         kept = pool.take(self._pool_key)       # PIPER_KEEP_WORKERS: a closed job's workers of this shape
@@ -74,9 +74,9 @@ class JobStartup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ..runtime.worker import Worker
+        from ..runtime.workers.worker import Worker
 
-        from ..runtime import pool
+        from ..runtime.launch import pool
 
         pg = placement_group([dict(b) for b in placement.bundles], strategy=placement.strategy)
         self._pg = pg            # removed by `close` if what follows fails

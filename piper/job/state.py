@@ -8,7 +8,7 @@ import torch
 
 from . import checkpoint
 from ..ir.experts import expert_state
-from ..runtime.flat import unflatten
+from ..runtime.state.flat_buffers import unflatten
 from .tensor_units import layouts_by_index, whole
 
 

@@ -19,7 +19,7 @@ class JobSteps:
 
     def _get(self, refs, what: str, limit: float | None = None):
         """ray.get with a deadline; a dead, stalled or failing worker closes the job with an error
-        naming it (`runtime.health`)."""
+        naming it (`runtime.health.watch`)."""
         ranks = list(range(len(refs))) if len(refs) == len(self.actors) else [0] * len(refs)
         try:
             return self._watch.wait(refs, what, self.timeout if limit is None else limit, ranks)
@@ -61,7 +61,7 @@ class JobSteps:
 
     def evaluate(self, *batch, batches: int = 1, **named) -> float:
         """The mean loss of the global batch without any update: the forward half of every
-        device's plan, on the same devices (`runtime.evaluation`). Parameters, optimizer state
+        device's plan, on the same devices (`runtime.execution.evaluation`). Parameters, optimizer state
         and the step count stay as they are. With no batch, on a job compiled with `val_data=`,
         the mean over its first `batches` global batches (the same ones every time), read by
         the workers.

@@ -1,15 +1,15 @@
 """What each worker is given at set-up: its plan, regions, units and their initial flat buffers.
 
-Mixed into `piper.job.Job`; builds the `WorkerSpec` (`runtime/specs.py`) that the worker's `Executor` runs.
+Mixed into `piper.job.Job`; builds the `WorkerSpec` (`runtime/launch/specs.py`) that the worker's `Executor` runs.
 """
 from __future__ import annotations
 
 from ..frontend.capture import BUFFER
 from ..ir.experts import groups as expert_groups, holdings, slots_lanes
-from ..runtime.experts import ExpertSpec
-from ..runtime.flat import flatten
-from ..runtime.graphs import pack
-from ..runtime.specs import RegionSpec, WorkerSpec
+from ..runtime.moe.expert_groups import ExpertSpec
+from ..runtime.state.flat_buffers import flatten
+from ..runtime.launch.packed_graphs import pack
+from ..runtime.launch.specs import RegionSpec, WorkerSpec
 from ..ir.tied import units_used
 from .tensor_units import layout_of, local_params, tensor_index
 

@@ -1,0 +1,106 @@
+"""The communication actions: point-to-point SEND/RECV and the collectives over a unit's group.
+
+Mixed into `Executor`. Each is issued asynchronously: its work handles wait in
+`pending` until an action that names it in its `waits` (or the step's end)
+calls `_wait`.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import tied_weights
+from ..launch.specs import RegionSpec
+
+
+class CommActions:
+    """`_send`, `_recv`, `_all_reduce`, `_reduce_scatter`, `_all_gather`, `_all_to_all`, and `_wait` for
+    any of them; `_settle_reductions` and `_grads_for` keep ZeRO-2/3's reduce-scatters and gradient
+    buffers in step. Needs the units, groups and step state (`values`, `grad_out`, `_accumulate`)."""
+
+    def _value_of(self, node) -> int:
+        producer = node.region if (node.op == "SEND") == (node.phase == "F") else node.peer
+        return self.by_value[(producer, node.value)]
+
+    def _send(self, action) -> None:
+        node = action.node
+        if node.phase == "T":                  # a tied weight's gradient (runtime/communication/tied_weights.py)
+            return tied_weights.send(self, action)
+        v = self._value_of(node)
+        if node.phase == "F":
+            tensor = self.values[(v, node.mb)].detach()
+        else:
+            tensor = self.grad_out.pop((v, node.mb, node.region))
+        self.sends.append(torch.distributed.isend(tensor.contiguous(), action.peer, tag=action.tag))
+
+    def _recv(self, action) -> None:
+        node = action.node
+        if node.phase == "T":
+            return tied_weights.recv(self, action)
+        v = self._value_of(node)
+        _, _, shape, dtype, _ = self.spec.values[v]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = torch.distributed.irecv(buf, action.peer, tag=action.tag)
+        key = (v, node.mb)
+        if node.phase == "F":
+            then = lambda: self.values.__setitem__(key, buf)  # noqa: E731
+        else:
+            then = lambda: self._accumulate(key, buf)  # noqa: E731
+        self.pending[action.key] = ([work], then)
+
+    def _all_reduce(self, action) -> None:
+        unit = self.units[action.node.region]
+        self.pending[action.key] = unit.reduce(self.groups[action.group])
+
+    def _reduce_scatter(self, action) -> None:
+        self.pending[action.key] = self.units[action.node.region].reduce(self.groups[action.group])
+        self._reducing[action.key] = (0, action.node.region)
+
+    def _settle_reductions(self, reads: frozenset) -> None:
+        """Before a compute that reads the units `reads`: finish the reduce-scatters issued
+        before the previous compute, and those of the units it reads.
+
+        Each overlaps at most one compute, and never one that uses its unit: with a region per
+        block the next block's backward hides it; with a region per stage the stage's next
+        forward would hold the gradients in flight next to its gathered parameters and new
+        activations, so those are finished first. Finishing one frees its gradient buffer now,
+        not at the update.
+        """
+        for key, (computes, unit) in list(self._reducing.items()):
+            if computes >= 1 or unit in reads:
+                del self._reducing[key]
+                self._wait(key)
+            else:
+                self._reducing[key] = (computes + 1, unit)
+
+    def _grads_for(self, region: RegionSpec) -> None:
+        """Before a backward: every unit it writes gradients into has a buffer (ZeRO-2/3 get a
+        new one after each reduce-scatter)."""
+        for u in region.units:
+            if self.units[u].zero >= 2:
+                self.units[u].attach_grads()
+
+    def _all_to_all(self, action) -> None:
+        """An exchange between the pieces of a cut pass (`moe.pieces`); else a marker: the compute
+        before it issued its all-to-alls from its graph (`piper.compiler.moe_exchanges.add_all_to_alls`)."""
+        if action.node.value is not None:
+            self.moe.exchange(self, action)
+
+    def _all_gather(self, action) -> None:
+        if not action.node.phase and self.clip is not None and self.clip.defer(action):
+            return                        # ZeRO-1/2's gather of updated shards follows its UPD
+        unit = self.units[action.node.region]
+        group = self.groups[action.group]
+        works = unit.gather(group) if action.node.phase else unit.gather_updated(group)
+        self.pending[action.key] = (works, None)
+
+    def _wait(self, key: str) -> None:
+        if key not in self.pending:       # a reduce-scatter `_settle_reductions` already finished
+            return
+        works, then = self.pending.pop(key)
+        for w in works:
+            w.wait()
+        self._done_at[key] = time.perf_counter()
+        if then is not None:
+            then()
