@@ -89,7 +89,7 @@ class LlamaTP(nn.Module):
                 for block in self.blocks[s * per:(s + 1) * per]:
                     x = block(x)
         logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
 def make_model(dtype=torch.float64, seed: int = 0, **sizes) -> LlamaTP:

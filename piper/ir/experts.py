@@ -131,10 +131,23 @@ def groups(ir: IR) -> tuple[tuple[int, ...], ...]:
     mesh = ir.mesh
     found = []
     for r in ir.regions:
-        ranks = tuple(sorted(ir.devices_of(r.index), key=lambda rank: mesh.coords(rank)[axis]))
-        if ranks not in found:
-            found.append(ranks)
+        for devices in _by_tensor_index(ir, ir.devices_of(r.index)):
+            ranks = tuple(sorted(devices, key=lambda rank: mesh.coords(rank)[axis]))
+            if ranks not in found:
+                found.append(ranks)
     return tuple(found)
+
+
+def _by_tensor_index(ir: IR, devices) -> list[tuple[int, ...]]:
+    """`devices` split by tp index (one part without tensor parallelism): the devices at one tp
+    index compute the same tokens, so each tp index has expert groups of its own."""
+    tensor = ir.tensor_axis()
+    if tensor is None:
+        return [tuple(devices)]
+    parts: dict[int, list[int]] = {}
+    for rank in devices:
+        parts.setdefault(ir.mesh.coords(rank)[tensor], []).append(rank)
+    return [tuple(parts[i]) for i in sorted(parts)]
 
 
 def holdings(program: Program, ir: IR, rank: int) -> dict[int, dict[str, tuple[int, int]]]:
@@ -148,6 +161,7 @@ def holdings(program: Program, ir: IR, rank: int) -> dict[int, dict[str, tuple[i
         devices = ir.devices_of(owner)
         if rank not in devices:
             continue
+        devices = next(part for part in _by_tensor_index(ir, devices) if rank in part)
         ranks = sorted(devices, key=lambda r: ir.mesh.coords(r)[axis])
         per = experts // len(ranks)
         i = ranks.index(rank)
@@ -172,7 +186,7 @@ def expert_state(ir: IR, program: Program, weights: dict[str, int], shards: dict
     axis = ir.sharded("experts")
     out = {}
     for name in weights:
-        devices = ir.devices_of(program.owner(name))
+        devices = _by_tensor_index(ir, ir.devices_of(program.owner(name)))[0]
         ranks = sorted(devices, key=lambda r: ir.mesh.coords(r)[axis])
         out[name] = torch.cat([shards[r]["experts"][name] for r in ranks])
     return out

@@ -60,3 +60,16 @@ def whole(tensor, pieces: list[dict]) -> dict:
         if dim is not None:
             out[name] = torch.cat([p[name] for p in pieces], dim)
     return out
+
+
+def tensor_spec(mesh, axis: str, lanes: int):
+    """The workers' `TensorSpec`: every rank's tp index and every tensor group of the mesh (the
+    ranks that differ only along `axis`, in tp order)."""
+    from ..runtime.communication.tensor_groups import TensorSpec
+
+    index_of = {r: mesh.coords(r)[axis] for r in range(mesh.world_size)}
+    groups: dict = {}
+    for r in range(mesh.world_size):
+        others = tuple((a, c) for a, c in mesh.coords(r).items() if a != axis)
+        groups.setdefault(others, []).append(r)
+    return TensorSpec(index_of, tuple(tuple(sorted(g, key=index_of.__getitem__)) for g in groups.values()), lanes)

@@ -11,7 +11,7 @@ from ..runtime.state.flat_buffers import flatten
 from ..runtime.launch.packed_graphs import pack
 from ..runtime.launch.specs import RegionSpec, WorkerSpec
 from ..ir.tied import units_used
-from .tensor_units import layout_of, local_params, tensor_index
+from .tensor_units import layout_of, local_params, tensor_index, tensor_spec
 
 
 class WorkerSpecs:
@@ -52,6 +52,8 @@ class WorkerSpecs:
                           {k: self._buffers[k] for k in needed}, groups, slots, self.concurrent)
         if self._expert_weights:
             spec.experts, init["experts"] = expert_spec(program, ir, rank, params, slots_lanes(self))
+        if tensor is not None:
+            spec.tensor = tensor_spec(self.mesh, tensor.axis, slots_lanes(self))
         spec.readers = self._readers(rank)      # data= / val_data=: what this rank reads of each batch
         self.training.configure(spec, ir, program)
         return spec, init

@@ -21,7 +21,7 @@ import torch
 
 from ..launch.packed_graphs import unpack
 from ..launch.specs import BATCH, BUFFER, PARAM, VALUE, RegionSpec, WorkerSpec
-from ..communication import collectives
+from ..communication import collectives, tensor_groups
 from ..communication.comm_actions import CommActions
 from ..state import optimizers
 from ..state.clip import GlobalNormClip
@@ -52,12 +52,18 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self.device = torch.device(device)
         for region in spec.regions.values():
             region.graph = unpack(region.graph, self.device)
-        self.groups = collectives.new_groups(spec.groups)
+        # Under tp a plan's collective over a region's devices runs over this tp index's part of them.
+        tensor = getattr(spec, "tensor", None)
+        self.groups = tensor_groups.mine(spec.groups, tensor, spec.rank,
+                                         collectives.new_groups(tensor_groups.split_groups(spec.groups, tensor)))
+        self.tensor_groups = tensor_groups.make_groups(tensor, spec.rank)     # what the TP ops reduce over
         from ..state.precision import make_unit, with_loss_scaling
 
         make = make_unit(spec.compute_dtype)
         self.units = {u: make(layout, spec.rank, spec.zero, init[u], spec.optimizer, self.device)
                       for u, layout in spec.units.items()}
+        for unit in self.units.values():
+            unit.tensor_groups = self.tensor_groups     # "summed" buckets are all-reduced over tp first
         self.experts = (Experts(spec.experts, spec.rank, init.get("experts", {}), spec.optimizer, self.device)
                         if spec.experts is not None else None)
         self.moe = cut_regions(spec, self.experts)        # regions run as pieces and exchanges (`moe.pieces`)

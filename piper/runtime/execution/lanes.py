@@ -8,6 +8,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from ...expert_context import lane_group
+from ...tensor_context import lane_group as tensor_lane
 from ...compiler.slots import exchanges, interleaved, spans
 from ..launch.specs import VALUE
 
@@ -39,7 +40,8 @@ class Lanes:
 
     def _run_lane(self, lane, number: int = 0) -> tuple[float, float]:
         """Run a lane's actions; (start of its first compute, end of its last)."""
-        with lane_group(self.experts and self.experts.lanes, number):   # its own expert all-to-all group
+        with lane_group(self.experts and self.experts.lanes, number), \
+                tensor_lane(getattr(self, "tensor_groups", None), number):   # its own expert and TP groups
             busy = [self._run(a) for a in lane]
         computes = [t for a, t in zip(lane, busy) if a.node.is_compute]
         return computes[0][0], computes[-1][1]

@@ -45,4 +45,5 @@ class WorkerSpec:
     loss_scaling: object = None                   # fp16's loss scaling (piper.FP16), else None
     skip_nonfinite: bool = False                  # skip updates whose gradients hold inf/NaN (`precision.py`)
     experts: object = None                        # runtime.moe.expert_groups.ExpertSpec under `shard experts`
+    tensor: object = None                         # communication.tensor_groups.TensorSpec under tensor parallelism
     readers: dict = field(default_factory=dict)   # "train"/"val" -> piper.data.Reader: the rows it reads

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..communication import collectives
+from ..communication.tensor_groups import sum_gradients
 
 
 class UnitGradients:
@@ -35,6 +36,7 @@ class UnitGradients:
         that reduces twice in a row has that), the shard is not final yet: the
         result goes to a new tensor, added once both are done.
         """
+        sum_gradients(self, getattr(self, "tensor_groups", ()))     # partial along tp: summed there first
         if self.zero <= 1:
             return [collectives.all_reduce(flat, group) for flat in self.flat_grad], None
         self.attach_grads()        # every member issues the collective, even with nothing new

@@ -117,12 +117,13 @@ class Worker(WorkerQueries):
 
         import torch.distributed as dist
 
-        from ... import expert_context
+        from ... import expert_context, tensor_context
 
         self.executor = None
         self.steps_done = 0
         self._store = None
         expert_context.forget()
+        tensor_context.forget()
         if dist.is_initialized():
             dist.destroy_process_group()      # every group of the job, the lanes' and experts' too
         gc.collect()
