@@ -8,7 +8,7 @@ nodes per second and the growth exponent (slope of log time against log
 nodes), then profiles the biggest point that ran.
 
     python -m benchmarks --suite compiler
-    python -m benchmarks.suite_compiler 16 512 8      # one point, as the profiler runs it
+    python -m benchmarks.suites.compiler 16 512 8      # one point, as the profiler runs it
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import piper
 
-from .harness import SuiteResult, Table, fit_exponent
-from .workloads import REPO, schedule_strategy
+from ..harness.results import SuiteResult, Table
+from ..harness.timing import fit_exponent
+from ..harness.workloads import REPO, schedule_strategy
 
 POINT_LIMIT_S = 60.0          # skip a point predicted (or seen) to take longer
 # The functions piper.job.plan calls, timed by name (whichever exist: the compiler is still changing).
@@ -142,7 +143,7 @@ def fresh_point(p: int, m: int, dp: int) -> dict:
     from the points before it (which made the biggest point about 25% slower in-process)."""
     import json
 
-    out = subprocess.run([sys.executable, "-m", "benchmarks.suite_compiler", str(p), str(m), str(dp), "--json"],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.suites.compiler", str(p), str(m), str(dp), "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=POINT_LIMIT_S, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -237,7 +238,7 @@ def run(ctx) -> SuiteResult:
         f"A point predicted (by the fitted growth from smaller points) to take over {POINT_LIMIT_S:.0f} s is "
         f"skipped; one that runs over is stopped at {POINT_LIMIT_S:.0f} s.",
         f"seconds: the median of 3 runs; points predicted to take {FRESH_OVER_S} s or more run each time in a "
-        "fresh process (python -m benchmarks.suite_compiler P M DP --json), as a user's one `piper check` "
+        "fresh process (python -m benchmarks.suites.compiler P M DP --json), as a user's one `piper check` "
         "would, smaller ones in this process after gc.collect().",
     ]
     result.tables += [table, exponents]
@@ -272,7 +273,7 @@ def _pyspy(pyspy: str, p: int, m: int, dp: int, top: int) -> Table | None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "profile.txt"
         cmd = [pyspy, "record", "--format", "raw", "--rate", "100", "--output", str(raw), "--",
-               sys.executable, "-m", "benchmarks.suite_compiler", str(p), str(m), str(dp)]
+               sys.executable, "-m", "benchmarks.suites.compiler", str(p), str(m), str(dp)]
         try:
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
         except subprocess.TimeoutExpired:
@@ -316,7 +317,7 @@ def _pyspy(pyspy: str, p: int, m: int, dp: int, top: int) -> Table | None:
     table.notes.append("self: the line a sample was executing; inclusive: samples with the function anywhere "
                        "on the stack (file:line is the function's first sampled line).")
     table.notes.append("Line numbers are those of the working tree when this ran (piper/ is still changing).")
-    table.notes.append(f"reproduce: py-spy record --format raw -o profile.txt -- python -m benchmarks.suite_compiler "
+    table.notes.append(f"reproduce: py-spy record --format raw -o profile.txt -- python -m benchmarks.suites.compiler "
                        f"{p} {m} {dp}")
     return table
 
@@ -372,7 +373,7 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
     `check` is what the compile does with that, and `verify` the replay's times,
     which only a caller that asks for them pays.
 
-        python -m benchmarks.suite_compiler --passes big.pps 64
+        python -m benchmarks.suites.compiler --passes big.pps 64
     """
     from piper.compiler import plans as compiler
     from piper.compiler.plan_waits import waits_by_number
@@ -433,7 +434,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--passes"]:
         print(f"{name:18s} {seconds:.3f} s CPU")
     print(f"{'sum':18s} {sum(times.values()):.3f} s CPU")
 elif __name__ == "__main__":
-    # One point, for the profiler or a fresh process: python -m benchmarks.suite_compiler P M DP [--json]
+    # One point, for the profiler or a fresh process: python -m benchmarks.suites.compiler P M DP [--json]
     p_, m_, dp_ = (int(x) for x in sys.argv[1:4])
     compiled_, secs, phases, src = compile_point(p_, m_, dp_)
     if "--json" in sys.argv:

@@ -33,9 +33,10 @@ import piper
 from piper.frontend.interop import overlapped_slots
 from piper.compiler.simulate import STEP
 
-from .harness import SuiteResult, Table, ms, ray_cluster, short_error
-from .suite_cost_model import Recorder, predict, run_steps
-from .workloads import GPTWorkload, gpt_batches, make_gpt, schedule_strategy, zero_strategy
+from ..harness.machine import ray_cluster
+from ..harness.measured_steps import Recorder, predict, run_steps
+from ..harness.results import SuiteResult, Table, ms, short_error
+from ..harness.workloads import GPTWorkload, gpt_batches, make_gpt, schedule_strategy, zero_strategy
 
 TARGET_ZERO3 = 1.15
 

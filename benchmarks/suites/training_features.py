@@ -11,12 +11,12 @@
     `precision="bf16"`, and torch.utils.checkpoint around every block against
     `recompute PP=*`. Step times A/B alternated; ratio = torch / Piper.
 (c), (d) The same two comparisons for a Hugging Face `LlamaForCausalLM` as the
-    library wrote it (tiny config, no download; `benchmarks.workloads.make_hf`,
+    library wrote it (tiny config, no download; `benchmarks.harness.workloads.make_hf`,
     cut into stages and blocks by `piper.annotate_modules`); (d) fp32 and bf16
     only, FSDP2 with one unit per decoder block. Skipped, with the reason in the
     table, where `transformers` is not installed.
 (e), (f) ZeRO-3 x 1F1B on dp=2 x pp=2 side by side with FSDP2 x torch pipelining
-    on the same 4 processes (`benchmarks/composed.py`: each stage `fully_shard`
+    on the same 4 processes (`benchmarks/baselines/composed.py`: each stage `fully_shard`
     over its dp group, `MixedPrecisionPolicy(bf16, reduce fp32)` for bf16,
     `checkpoint_wrapper` per block for recompute, `Schedule1F1B`), for the GPT
     and the Llama: step times A/B alternated, and peak bytes per device in one
@@ -43,10 +43,12 @@ import torch
 import piper
 from piper.dsl.script import load_strategy
 
-from . import probes
-from .baselines import set_up_group
-from .harness import SuiteResult, Table, alternate, head_to_head, mib, ms, ray_cluster, short_error
-from .workloads import GPTWorkload, HFWorkload, gpt_batches, make_gpt, make_hf
+from ..baselines.torch_group import set_up_group
+from ..harness import probes
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, mib, ms, short_error
+from ..harness.timing import alternate, head_to_head
+from ..harness.workloads import GPTWorkload, HFWorkload, gpt_batches, make_gpt, make_hf
 
 VARIANTS = (("fp32", "fp32", False), ("bf16", "bf16", False), ("fp32 + recompute", "fp32", True),
             ("bf16 + recompute", "bf16", True))
@@ -303,7 +305,7 @@ def _composed_table(ctx, result, tag, described, make_model, batches, warmup, st
         group.close()
     table.notes += [
         "ratio > 1: Piper's step is faster; peak torch/Piper > 1: Piper's device holds fewer bytes at its peak.",
-        "peak: the same probe on both sides (`benchmarks/probes.py::install_step_peak`): the bytes of "
+        "peak: the same probe on both sides (`benchmarks/harness/probes.py::install_step_peak`): the bytes of "
         "parameters, gradients and optimizer state a process holds between steps, plus how far its resident "
         "memory rose in one step (the kernel's VmHWM, reset just before, less the resident set after a "
         "collection and malloc_trim): saved activations, gathered parameters, communication buffers and "

@@ -21,10 +21,11 @@ import torch
 
 import piper
 
-from . import probes
-from .harness import SuiteResult, Table, ms, ray_cluster, short_error
-from .baselines import TorchGroup
-from .workloads import make_chain, pipeline
+from ..baselines.torch_group import TorchGroup
+from ..harness import probes
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, ms, short_error
+from ..harness.workloads import make_chain, pipeline
 
 REGIONS, WIDTH, ROWS = 8, 4, 2     # rows per microbatch
 
@@ -105,7 +106,7 @@ def run(ctx) -> SuiteResult:
                            "inside the end-to-end number once per step.")
     table.notes += [
         "compute = time inside the regions' forward graphs, torch.autograd.backward/grad and the optimizer "
-        "steps, measured in each worker (benchmarks/probes.py); everything else is runtime overhead: building "
+        "steps, measured in each worker (benchmarks/harness/probes.py); everything else is runtime overhead: building "
         "arguments, routing values and gradients, issuing and waiting on send/recv, the plan loop.",
         "Piper runs each region's backward as its own torch.autograd.backward call (one per B action), where "
         "the eager loop runs one backward per microbatch through all 8 layers; the fwd/bwd/opt split shows "

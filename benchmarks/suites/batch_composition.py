@@ -33,8 +33,9 @@ import torch
 import piper
 from piper.dsl import load_strategy
 
-from .harness import SuiteResult, Table, mib, ray_cluster, short_error
-from .workloads import GPTWorkload, gpt_batches, make_gpt, n_params
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, mib, short_error
+from ..harness.workloads import GPTWorkload, gpt_batches, make_gpt, n_params
 
 MESH = {"dp": 2, "pp": 2}
 MICROBATCHES = 4
