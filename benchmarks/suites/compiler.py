@@ -183,39 +183,61 @@ def run(ctx) -> SuiteResult:
             continue
         ctx.log(f"compiler: p={p} m={m} dp={dp}" + (f" (predicted {predicted:.1f} s)" if predicted else ""))
         try:
-            if predicted is not None and predicted >= FRESH_OVER_S:
-                runs = sorted((fresh_point(p, m, dp) for _ in range(3)), key=lambda r: r["seconds"])
-                run_ = runs[1]          # the median of three fresh processes
-                seconds, spent, source, nodes, actions = (run_[k] for k in ("seconds", "phases", "source", "nodes",
-                                                                            "actions"))
-            else:
-                with time_limit(POINT_LIMIT_S):
-                    runs = []
-                    for _ in range(3):         # median of 3 (one GC pause can double a small point)
-                        gc.collect()
-                        runs.append(compile_point(p, m, dp))
-                    compiled, seconds, spent, source = sorted(runs, key=lambda r: r[1])[1]
-                    nodes = len(compiled.ir.nodes)
-                    actions = sum(len(plan) for plan in compiled.plans.values())
-                    del compiled, runs
+            fresh = predicted is not None and predicted >= FRESH_OVER_S
+            seconds, spent, source, nodes, actions = _time_point(p, m, dp, fresh=fresh)
         except (_Timeout, subprocess.TimeoutExpired):
             table.add(p, m, dp, p * dp, None, None, f"stopped after {POINT_LIMIT_S:.0f} s", *[None] * 5)
             done.append({"p": p, "m": m, "dp": dp, "seconds": POINT_LIMIT_S, "nodes": None})
             continue
         sources.add(source)
-        total = sum(spent.values()) or seconds
-
-        def share(*names):
-            if not any(n in spent for n in names):
-                return None
-            return f"{100 * sum(spent.get(n, 0.0) for n in names) / total:.0f}%"
-
-        table.add(p, m, dp, p * dp, nodes, actions, seconds, nodes / seconds, share("build_strategy"),
-                  share("initial_ir", "apply_all"), share("compile_ir"), share("simulate", "check", "verify"))
+        table.add(p, m, dp, p * dp, nodes, actions, seconds, nodes / seconds, *_phase_shares(spent, seconds))
         done.append({"p": p, "m": m, "dp": dp, "seconds": seconds, "nodes": nodes, "actions": actions})
         result.metrics[f"p{p}.m{m}.dp{dp}.seconds"] = seconds
         result.metrics[f"p{p}.m{m}.dp{dp}.nodes_per_s"] = nodes / seconds
     ran = [d for d in done if d["nodes"]]
+    table.notes += _notes(sources)
+    result.tables += [table, _exponents(ran, result)]
+    if ran:
+        biggest = max(ran, key=lambda d: d["nodes"])
+        ctx.log(f"compiler: profiling p={biggest['p']} m={biggest['m']} dp={biggest['dp']}")
+        result.tables.append(profile_point(biggest["p"], biggest["m"], biggest["dp"], use_pyspy=not quick))
+    return result
+
+
+def _time_point(p: int, m: int, dp: int, *, fresh: bool) -> tuple[float, dict, str, int, int]:
+    """(seconds, per-phase seconds, strategy source, IR nodes, plan actions) of one point: the median of
+    three runs, each in a fresh process (`fresh`) or here after gc.collect()."""
+    if fresh:
+        runs = sorted((fresh_point(p, m, dp) for _ in range(3)), key=lambda r: r["seconds"])
+        run_ = runs[1]          # the median of three fresh processes
+        return tuple(run_[k] for k in ("seconds", "phases", "source", "nodes", "actions"))
+    with time_limit(POINT_LIMIT_S):
+        runs = []
+        for _ in range(3):         # median of 3 (one GC pause can double a small point)
+            gc.collect()
+            runs.append(compile_point(p, m, dp))
+        compiled, seconds, spent, source = sorted(runs, key=lambda r: r[1])[1]
+        nodes = len(compiled.ir.nodes)
+        actions = sum(len(plan) for plan in compiled.plans.values())
+        del compiled, runs
+    return seconds, spent, source, nodes, actions
+
+
+def _phase_shares(spent: dict[str, float], seconds: float) -> list[str | None]:
+    """The four phase columns: strategy, statements, compile_ir, verify, as shares of the planning time."""
+    total = sum(spent.values()) or seconds
+
+    def share(*names):
+        if not any(n in spent for n in names):
+            return None
+        return f"{100 * sum(spent.get(n, 0.0) for n in names) / total:.0f}%"
+
+    return [share("build_strategy"), share("initial_ir", "apply_all"), share("compile_ir"),
+            share("simulate", "check", "verify")]
+
+
+def _exponents(ran: list[dict], result: SuiteResult) -> Table:
+    """The growth exponent of seconds against IR nodes: over every point, dp=1, and the largest dp."""
     exponents = Table("Growth exponent: least-squares slope of log(seconds) against log(IR nodes)",
                       ["points", "exponent", "range of nodes"])
     for label, pts in (("all", ran), ("dp=1", [d for d in ran if d["dp"] == 1]),
@@ -228,7 +250,11 @@ def run(ctx) -> SuiteResult:
                           f"{min(d['nodes'] for d in pts):,} – {max(d['nodes'] for d in pts):,}")
             result.metrics[f"exponent.{label.replace('=', '')}"] = k
     exponents.notes.append("1.0 is linear; points under 20 ms are left out of the fit (timer noise).")
-    table.notes += [
+    return exponents
+
+
+def _notes(sources: set[str]) -> list[str]:
+    return [
         f"strategy source: {', '.join(sorted(sources)) or '—'}.",
         "IR nodes: the lowered global DAG (compute, SEND/RECV and collective nodes); plan actions: the sum of "
         "every device's plan length. The phase columns split the time of piper.job.plan: strategy = building "
@@ -241,12 +267,6 @@ def run(ctx) -> SuiteResult:
         "fresh process (python -m benchmarks.suites.compiler P M DP --json), as a user's one `piper check` "
         "would, smaller ones in this process after gc.collect().",
     ]
-    result.tables += [table, exponents]
-    if ran:
-        biggest = max(ran, key=lambda d: d["nodes"])
-        ctx.log(f"compiler: profiling p={biggest['p']} m={biggest['m']} dp={biggest['dp']}")
-        result.tables.append(profile_point(biggest["p"], biggest["m"], biggest["dp"], use_pyspy=not quick))
-    return result
 
 
 # -- profiling -------------------------------------------------------------------------------------
