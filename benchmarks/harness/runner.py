@@ -1,5 +1,8 @@
 """The benchmark runner: runs suites, prints rich tables, writes a markdown report.
 
+The suite list and the command line; the suites are loaded by name from `benchmarks/suites/`,
+their results shown by `report.py`.
+
     python -m benchmarks                                  # every suite; writes benchmarks/RESULTS.md
     python -m benchmarks --suite compiler overhead --quick --out /tmp/r.md
     python -m benchmarks --device cuda                    # the GPU suites on CUDA + NCCL (one GPU per process)
