@@ -1,4 +1,4 @@
-"""Piper's benchmark harness: Piper against PyTorch baselines on the same model,
+"""Piper's benchmarks: Piper against PyTorch baselines on the same model,
 batch, microbatches, dtype and process count, plus compiler and runtime costs.
 
     python -m benchmarks                          # every suite, writes benchmarks/RESULTS.md
@@ -8,4 +8,9 @@ batch, microbatches, dtype and process count, plus compiler and runtime costs.
 
 Each comparison alternates the two systems step by step (A B A B ...) and
 reports the median steady-state step time (after warm-up) and the ratio.
+
+`harness/` holds what the suites share (runner, timing, report, probes, workloads), `baselines/`
+the PyTorch side (DDP, FSDP2, pipelining), `suites/` one file per suite. The files here are
+tools run on their own: the `piper check` and prototype fuzzers (`fuzz_scripts`,
+`fuzz_prototype`), `tune_accuracy`, `recovery`, `data_reading`, `lanes_or_in_turn`.
 """

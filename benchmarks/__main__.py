@@ -1,6 +1,6 @@
-"""`python -m benchmarks`: see benchmarks/runner.py."""
+"""`python -m benchmarks`: see benchmarks/harness/runner.py."""
 import sys
 
-from .runner import main
+from .harness.runner import main
 
 sys.exit(main())

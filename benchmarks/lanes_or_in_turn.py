@@ -17,11 +17,12 @@ import torch
 
 import piper
 
-from .baselines import TorchGroup
-from .families import FAMILIES
-from .harness import alternate, ray_cluster
-from .suite_families import MICROBATCHES
-from .workloads import PIPELINE_SCHEDULES, schedule_strategy
+from .baselines.torch_group import TorchGroup
+from .harness.families import FAMILIES
+from .harness.machine import ray_cluster
+from .harness.timing import alternate
+from .harness.workloads import PIPELINE_SCHEDULES, schedule_strategy
+from .suites.families import MICROBATCHES
 
 
 def main(argv=None) -> None:

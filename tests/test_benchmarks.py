@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.harness import Table, fit_exponent, fmt
-from benchmarks.runner import SUITES, markdown
+from benchmarks.harness.results import Table, fmt
+from benchmarks.harness.timing import fit_exponent
+from benchmarks.harness.report import markdown
+from benchmarks.harness.runner import SUITES
 
 REPO = Path(__file__).resolve().parent.parent
 FULL = bool(os.environ.get("PIPER_FULL"))
@@ -84,7 +86,7 @@ def test_every_suite_is_implemented():
 
     assert [s.module for s in SUITES if s.module is None] == []
     for s in SUITES:
-        assert callable(importlib.import_module(f"benchmarks.{s.module}").run)
+        assert callable(importlib.import_module(f"benchmarks.suites.{s.module}").run)
 
 
 @pytest.mark.ray
@@ -118,7 +120,7 @@ def test_fit_exponent_and_formatting():
     assert fmt(None) == "—" and fmt(0.012345) == "0.0123" and fmt(123456.0) == "123,456" and fmt(3) == "3"
     t = Table("t", ["a", "b|c"])
     t.add(1.5, None)
-    from benchmarks.harness import SuiteResult
+    from benchmarks.harness.results import SuiteResult
 
     md = markdown([SuiteResult("x", 9, "X", "cmd", tables=[t])], command="cmd", started=__import__("datetime").datetime.now(),
                   info={"cores": "2"})
@@ -126,7 +128,7 @@ def test_fit_exponent_and_formatting():
 
 
 def test_a_report_keeps_the_other_devices_part():
-    from benchmarks.runner import GPU_HEADING, merged
+    from benchmarks.harness.report import GPU_HEADING, merged
 
     cpu_v1, cpu_v2 = "# Piper benchmark results\n\ncpu one\n", "# Piper benchmark results\n\ncpu two\n"
     gpu_v1, gpu_v2 = f"{GPU_HEADING}\n\ngpu one\n", f"{GPU_HEADING}\n\ngpu two\n"
@@ -150,15 +152,15 @@ def test_cuda_without_a_gpu_is_refused_with_the_fix():
 def test_cuda_rows_name_the_gpus_they_need(ray_cluster):
     # Each row of a GPU suite needs one GPU per process; rows the machine cannot host say so
     # instead of failing (a one-GPU machine can still run the others).
-    from benchmarks import suite_data_parallel
-    from benchmarks.runner import Context
+    from benchmarks.suites import data_parallel
+    from benchmarks.harness.runner import Context
     from rich.console import Console
 
     ctx = Context(quick=True, console=Console(quiet=True), device="cuda")
     ctx.gpus = 1
     assert ctx.cannot_host(1) is None and ctx.cannot_host(2) == "needs 2 GPUs, this machine has 1"
     assert ctx.command("data-parallel").endswith("--suite data-parallel --quick --device cuda")
-    result = suite_data_parallel.run(ctx)
+    result = data_parallel.run(ctx)
     rows = result.tables[0].rows
     assert [row[:5] for row in rows] == [["2", "dp", "DistributedDataParallel", *["needs 2 GPUs, this machine has 1"] * 2],
                                          ["2", "zero3", "FSDP2 fully_shard", *["needs 2 GPUs, this machine has 1"] * 2]]
@@ -168,7 +170,7 @@ def test_cuda_rows_name_the_gpus_they_need(ray_cluster):
 def test_head_to_head_reports_where_the_paired_ratios_fall():
     import re
 
-    from benchmarks.harness import Timings, head_to_head
+    from benchmarks.harness.timing import Timings, head_to_head
 
     timings = Timings({"torch": [2.0, 3.0, 4.0], "piper": [1.0, 3.0, 2.0]}, {})
     assert timings.paired_ratios("torch", "piper") == [2.0, 1.0, 2.0]
@@ -194,7 +196,7 @@ def test_head_to_head_reports_where_the_paired_ratios_fall():
 
 
 def test_alternation_keeps_one_order_so_each_step_follows_the_other_system():
-    from benchmarks.harness import alternate
+    from benchmarks.harness.timing import alternate
 
     calls = []
     systems = {name: (lambda x, y, name=name: calls.append((name, x)) or 1.0) for name in ("a", "b")}
@@ -205,9 +207,9 @@ def test_alternation_keeps_one_order_so_each_step_follows_the_other_system():
 
 HF_FSDP_CHECK = """
 import torch
-from benchmarks.baselines import TorchWorker
-from benchmarks.suite_training import hf_workload
-from benchmarks.workloads import make_hf
+from benchmarks.baselines.torch_group import TorchWorker
+from benchmarks.suites.training_features import hf_workload
+from benchmarks.harness.workloads import make_hf
 from examples.gpt import training_batches
 
 wl = hf_workload(True)
@@ -221,7 +223,7 @@ for precision, checkpoint in (("fp32", False), ("bf16", False), ("fp32", True)):
     worker.setup("fsdp2", model="hf", model_kw=kw, precision=precision, checkpoint=checkpoint)
     units = [m for m in worker.model.modules() if type(m).__name__.startswith("FSDP")]
     out[(precision, checkpoint)] = (worker.step(x, y)[0], len(units))
-# The FSDP2 x pipelining baseline (benchmarks/composed.py), one stage on this one process.
+# The FSDP2 x pipelining baseline (benchmarks/baselines/composed.py), one stage on this one process.
 composed = {}
 for precision, checkpoint in (("fp32", False), ("bf16", True)):
     worker.setup("fsdp2_pipeline", model="hf", model_kw={**kw, "stages": 1}, schedule="Schedule1F1B", microbatches=2,
@@ -254,12 +256,12 @@ def test_fsdp2_baseline_of_the_hf_llama_shards_each_block_and_starts_from_the_sa
 
 
 def test_llama_stages_of_the_composed_baseline_compute_the_library_forward():
-    """Suite 14's FSDP2 x pipelining Llama stages (benchmarks/composed.py) chained give the logits
+    """Suite 14's FSDP2 x pipelining Llama stages (benchmarks/baselines/composed.py) chained give the logits
     of the library's own LlamaForCausalLM forward (its rotary tables and causal mask)."""
     pytest.importorskip("transformers")
-    from benchmarks.composed import LlamaStage
-    from benchmarks.suite_training import hf_workload
-    from benchmarks.workloads import make_hf
+    from benchmarks.harness.llama_stage import LlamaStage
+    from benchmarks.suites.training_features import hf_workload
+    from benchmarks.harness.workloads import make_hf
     from examples.gpt import training_batches
 
     model = make_hf(hf_workload(True), 2)[0]

@@ -1,4 +1,4 @@
-"""The benchmark model families (benchmarks/families.py): torch's stage modules compute what
+"""The benchmark model families (benchmarks/harness/families.py): torch's stage modules compute what
 Piper captures, and the region-vs-eager probe runs the captured graph to the same loss.
 No timing assertions."""
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from benchmarks.families import FAMILIES
-from benchmarks.runner import BY_NAME
-from benchmarks.suite_families import region_vs_eager
+from benchmarks.harness.families import FAMILIES
+from benchmarks.harness.runner import BY_NAME
+from benchmarks.suites.families import region_vs_eager
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -34,4 +34,4 @@ def test_region_probe_runs_the_captured_graph_to_the_eager_loss(name):
 
 
 def test_families_suite_is_registered():
-    assert BY_NAME["families"].module == "suite_families"
+    assert BY_NAME["families"].module == "families"

@@ -283,7 +283,7 @@ def test_nested_tags_by_calling_again():
 
 
 def test_benchmark_workload_is_the_example_model_cut_into_stages():
-    from benchmarks.workloads import HFWorkload, make_hf
+    from benchmarks.harness.workloads import HFWorkload, make_hf
     from piper.frontend.modules import module_groups
 
     model, stream = make_hf(HFWorkload(family="gpt2", layers=4, hidden=16, heads=2, batch=2), 2)

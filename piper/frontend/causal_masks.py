@@ -5,7 +5,7 @@ batch without padding it skips the mask and calls
 `scaled_dot_product_attention(q, k, v, is_causal=True)`; under export it
 cannot tell, so the captured graph builds the mask from positions (aranges,
 comparisons, a packed-sequence check) and passes it to attention, which then
-computes the masked half too. On the tiny Llama of `benchmarks/families_more.py`
+computes the masked half too. On the tiny Llama of `benchmarks/harness/families_more.py`
 that cost the captured region 2-5% of its forward and backward against eager.
 
 A mask computed from no input's values (positions and shapes only) is a

@@ -22,8 +22,8 @@ from datetime import timedelta
 
 import torch
 
-from . import probes
-from .baseline_builds import BUILDS, make_model, stages_of
+from ..harness import probes
+from .builds import BUILDS, make_model, stages_of
 
 class _GroupMember:
     """Joins one torch.distributed process group (Gloo on CPU, NCCL on CUDA) over TCP."""
@@ -169,7 +169,7 @@ class TorchGroup:
         """What rank `rank` needs of the global batch: first/last pipeline stage, or its data-parallel shard."""
         if self.kind == "eager":
             return x, y
-        if self.kind == "fsdp2_pipeline":          # rank = dp index * pp + stage (benchmarks/composed.py)
+        if self.kind == "fsdp2_pipeline":          # rank = dp index * pp + stage (benchmarks/baselines/composed.py)
             pp = self.pp
             per = x.shape[0] // (self.world // pp)
             d, stage = divmod(rank, pp)
@@ -216,7 +216,7 @@ def set_up_group(ctx, group: TorchGroup | None, world: int, timeout: float, *arg
     fails, (None, the error for the table), the group closed so the next comparison starts afresh."""
     import traceback
 
-    from .harness import short_error
+    from ..harness.results import short_error
 
     try:
         if group is None:

@@ -1,4 +1,4 @@
-"""Model families that are not the example GPT, for `benchmarks/suite_families.py`.
+"""Model families that are not the example GPT, for `benchmarks/suites/families.py`.
 
 Each family builds a model whose forward is cut into `regions` `piper.annotate("PP")`
 scopes and returns the loss, the same computation as standalone stage modules

@@ -8,7 +8,7 @@ The model: transformers' Qwen3MoeForCausalLM (a tiny config made here, no downlo
     jobs alternating step by step on the same batches: step time, and each device's
     parameter bytes and expert bytes (`job.memory()[rank]["params"]`); beside them
     transformers' own expert parallelism on the same weights and batches
-    (`DistributedConfig(ep_size=2, fsdp_size=2)`, benchmarks/hf_own_ep.py), run after them.
+    (`DistributedConfig(ep_size=2, fsdp_size=2)`, benchmarks/baselines/hf_own_ep.py), run after them.
 (b) pp=2 x dp=2 with `expert_parallel`, 1F1B and DualPipeV (one job at a time): step time
     and parameter bytes per device, beside plain dp=4 with the experts replicated.
 
@@ -26,8 +26,9 @@ import torch.nn.functional as F
 import piper
 from piper.dsl import load_strategy
 
-from .harness import SuiteResult, Table, mib, ms, ray_cluster, short_error
-from .suite_experts import EP_AGAINST_DP, divided_and_replicated
+from ..harness.divided_experts import EP_AGAINST_DP, divided_and_replicated
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, mib, ms, short_error
 
 
 class _CausalLM(torch.nn.Module):
@@ -100,7 +101,7 @@ def _divided_vs_replicated(result, quick, optimizer, warmup, steps) -> Table:
         result.metrics[f"{key}.step_ms"] = ms(med)
         result.metrics[f"{key}.params_bytes"] = float(memory[name])
     result.metrics["ep_vs_dp.params_ratio"] = memory["dp + expert_parallel"] / memory["dp"]
-    from .hf_own_ep import measure
+    from ..baselines.hf_own_ep import measure
 
     own = measure(model.m, batches, world=2, warmup=warmup)
     name = "transformers' own EP (ep_size=2, fsdp_size=2)"

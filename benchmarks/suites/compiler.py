@@ -8,7 +8,7 @@ nodes per second and the growth exponent (slope of log time against log
 nodes), then profiles the biggest point that ran.
 
     python -m benchmarks --suite compiler
-    python -m benchmarks.suite_compiler 16 512 8      # one point, as the profiler runs it
+    python -m benchmarks.suites.compiler 16 512 8      # one point, as the profiler runs it
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import piper
 
-from .harness import SuiteResult, Table, fit_exponent
-from .workloads import REPO, schedule_strategy
+from ..harness.results import SuiteResult, Table
+from ..harness.timing import fit_exponent
+from ..harness.workloads import REPO, schedule_strategy
 
 POINT_LIMIT_S = 60.0          # skip a point predicted (or seen) to take longer
 # The functions piper.job.plan calls, timed by name (whichever exist: the compiler is still changing).
@@ -142,7 +143,7 @@ def fresh_point(p: int, m: int, dp: int) -> dict:
     from the points before it (which made the biggest point about 25% slower in-process)."""
     import json
 
-    out = subprocess.run([sys.executable, "-m", "benchmarks.suite_compiler", str(p), str(m), str(dp), "--json"],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.suites.compiler", str(p), str(m), str(dp), "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=POINT_LIMIT_S, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -182,39 +183,61 @@ def run(ctx) -> SuiteResult:
             continue
         ctx.log(f"compiler: p={p} m={m} dp={dp}" + (f" (predicted {predicted:.1f} s)" if predicted else ""))
         try:
-            if predicted is not None and predicted >= FRESH_OVER_S:
-                runs = sorted((fresh_point(p, m, dp) for _ in range(3)), key=lambda r: r["seconds"])
-                run_ = runs[1]          # the median of three fresh processes
-                seconds, spent, source, nodes, actions = (run_[k] for k in ("seconds", "phases", "source", "nodes",
-                                                                            "actions"))
-            else:
-                with time_limit(POINT_LIMIT_S):
-                    runs = []
-                    for _ in range(3):         # median of 3 (one GC pause can double a small point)
-                        gc.collect()
-                        runs.append(compile_point(p, m, dp))
-                    compiled, seconds, spent, source = sorted(runs, key=lambda r: r[1])[1]
-                    nodes = len(compiled.ir.nodes)
-                    actions = sum(len(plan) for plan in compiled.plans.values())
-                    del compiled, runs
+            fresh = predicted is not None and predicted >= FRESH_OVER_S
+            seconds, spent, source, nodes, actions = _time_point(p, m, dp, fresh=fresh)
         except (_Timeout, subprocess.TimeoutExpired):
             table.add(p, m, dp, p * dp, None, None, f"stopped after {POINT_LIMIT_S:.0f} s", *[None] * 5)
             done.append({"p": p, "m": m, "dp": dp, "seconds": POINT_LIMIT_S, "nodes": None})
             continue
         sources.add(source)
-        total = sum(spent.values()) or seconds
-
-        def share(*names):
-            if not any(n in spent for n in names):
-                return None
-            return f"{100 * sum(spent.get(n, 0.0) for n in names) / total:.0f}%"
-
-        table.add(p, m, dp, p * dp, nodes, actions, seconds, nodes / seconds, share("build_strategy"),
-                  share("initial_ir", "apply_all"), share("compile_ir"), share("simulate", "check", "verify"))
+        table.add(p, m, dp, p * dp, nodes, actions, seconds, nodes / seconds, *_phase_shares(spent, seconds))
         done.append({"p": p, "m": m, "dp": dp, "seconds": seconds, "nodes": nodes, "actions": actions})
         result.metrics[f"p{p}.m{m}.dp{dp}.seconds"] = seconds
         result.metrics[f"p{p}.m{m}.dp{dp}.nodes_per_s"] = nodes / seconds
     ran = [d for d in done if d["nodes"]]
+    table.notes += _notes(sources)
+    result.tables += [table, _exponents(ran, result)]
+    if ran:
+        biggest = max(ran, key=lambda d: d["nodes"])
+        ctx.log(f"compiler: profiling p={biggest['p']} m={biggest['m']} dp={biggest['dp']}")
+        result.tables.append(profile_point(biggest["p"], biggest["m"], biggest["dp"], use_pyspy=not quick))
+    return result
+
+
+def _time_point(p: int, m: int, dp: int, *, fresh: bool) -> tuple[float, dict, str, int, int]:
+    """(seconds, per-phase seconds, strategy source, IR nodes, plan actions) of one point: the median of
+    three runs, each in a fresh process (`fresh`) or here after gc.collect()."""
+    if fresh:
+        runs = sorted((fresh_point(p, m, dp) for _ in range(3)), key=lambda r: r["seconds"])
+        run_ = runs[1]          # the median of three fresh processes
+        return tuple(run_[k] for k in ("seconds", "phases", "source", "nodes", "actions"))
+    with time_limit(POINT_LIMIT_S):
+        runs = []
+        for _ in range(3):         # median of 3 (one GC pause can double a small point)
+            gc.collect()
+            runs.append(compile_point(p, m, dp))
+        compiled, seconds, spent, source = sorted(runs, key=lambda r: r[1])[1]
+        nodes = len(compiled.ir.nodes)
+        actions = sum(len(plan) for plan in compiled.plans.values())
+        del compiled, runs
+    return seconds, spent, source, nodes, actions
+
+
+def _phase_shares(spent: dict[str, float], seconds: float) -> list[str | None]:
+    """The four phase columns: strategy, statements, compile_ir, verify, as shares of the planning time."""
+    total = sum(spent.values()) or seconds
+
+    def share(*names):
+        if not any(n in spent for n in names):
+            return None
+        return f"{100 * sum(spent.get(n, 0.0) for n in names) / total:.0f}%"
+
+    return [share("build_strategy"), share("initial_ir", "apply_all"), share("compile_ir"),
+            share("simulate", "check", "verify")]
+
+
+def _exponents(ran: list[dict], result: SuiteResult) -> Table:
+    """The growth exponent of seconds against IR nodes: over every point, dp=1, and the largest dp."""
     exponents = Table("Growth exponent: least-squares slope of log(seconds) against log(IR nodes)",
                       ["points", "exponent", "range of nodes"])
     for label, pts in (("all", ran), ("dp=1", [d for d in ran if d["dp"] == 1]),
@@ -227,7 +250,11 @@ def run(ctx) -> SuiteResult:
                           f"{min(d['nodes'] for d in pts):,} – {max(d['nodes'] for d in pts):,}")
             result.metrics[f"exponent.{label.replace('=', '')}"] = k
     exponents.notes.append("1.0 is linear; points under 20 ms are left out of the fit (timer noise).")
-    table.notes += [
+    return exponents
+
+
+def _notes(sources: set[str]) -> list[str]:
+    return [
         f"strategy source: {', '.join(sorted(sources)) or '—'}.",
         "IR nodes: the lowered global DAG (compute, SEND/RECV and collective nodes); plan actions: the sum of "
         "every device's plan length. The phase columns split the time of piper.job.plan: strategy = building "
@@ -237,15 +264,9 @@ def run(ctx) -> SuiteResult:
         f"A point predicted (by the fitted growth from smaller points) to take over {POINT_LIMIT_S:.0f} s is "
         f"skipped; one that runs over is stopped at {POINT_LIMIT_S:.0f} s.",
         f"seconds: the median of 3 runs; points predicted to take {FRESH_OVER_S} s or more run each time in a "
-        "fresh process (python -m benchmarks.suite_compiler P M DP --json), as a user's one `piper check` "
+        "fresh process (python -m benchmarks.suites.compiler P M DP --json), as a user's one `piper check` "
         "would, smaller ones in this process after gc.collect().",
     ]
-    result.tables += [table, exponents]
-    if ran:
-        biggest = max(ran, key=lambda d: d["nodes"])
-        ctx.log(f"compiler: profiling p={biggest['p']} m={biggest['m']} dp={biggest['dp']}")
-        result.tables.append(profile_point(biggest["p"], biggest["m"], biggest["dp"], use_pyspy=not quick))
-    return result
 
 
 # -- profiling -------------------------------------------------------------------------------------
@@ -272,7 +293,7 @@ def _pyspy(pyspy: str, p: int, m: int, dp: int, top: int) -> Table | None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "profile.txt"
         cmd = [pyspy, "record", "--format", "raw", "--rate", "100", "--output", str(raw), "--",
-               sys.executable, "-m", "benchmarks.suite_compiler", str(p), str(m), str(dp)]
+               sys.executable, "-m", "benchmarks.suites.compiler", str(p), str(m), str(dp)]
         try:
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
         except subprocess.TimeoutExpired:
@@ -316,7 +337,7 @@ def _pyspy(pyspy: str, p: int, m: int, dp: int, top: int) -> Table | None:
     table.notes.append("self: the line a sample was executing; inclusive: samples with the function anywhere "
                        "on the stack (file:line is the function's first sampled line).")
     table.notes.append("Line numbers are those of the working tree when this ran (piper/ is still changing).")
-    table.notes.append(f"reproduce: py-spy record --format raw -o profile.txt -- python -m benchmarks.suite_compiler "
+    table.notes.append(f"reproduce: py-spy record --format raw -o profile.txt -- python -m benchmarks.suites.compiler "
                        f"{p} {m} {dp}")
     return table
 
@@ -372,7 +393,7 @@ def pass_times(script: str, regions: int, repeats: int = 5) -> dict[str, float]:
     `check` is what the compile does with that, and `verify` the replay's times,
     which only a caller that asks for them pays.
 
-        python -m benchmarks.suite_compiler --passes big.pps 64
+        python -m benchmarks.suites.compiler --passes big.pps 64
     """
     from piper.compiler import plans as compiler
     from piper.compiler.plan_waits import waits_by_number
@@ -433,7 +454,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--passes"]:
         print(f"{name:18s} {seconds:.3f} s CPU")
     print(f"{'sum':18s} {sum(times.values()):.3f} s CPU")
 elif __name__ == "__main__":
-    # One point, for the profiler or a fresh process: python -m benchmarks.suite_compiler P M DP [--json]
+    # One point, for the profiler or a fresh process: python -m benchmarks.suites.compiler P M DP [--json]
     p_, m_, dp_ = (int(x) for x in sys.argv[1:4])
     compiled_, secs, phases, src = compile_point(p_, m_, dp_)
     if "--json" in sys.argv:

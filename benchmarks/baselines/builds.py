@@ -59,17 +59,17 @@ class Built:
 
 def make_model(model: str, model_kw: dict, *, kind: str, schedule: str | None, world: int) -> Model:
     """model: 'gpt' (examples.gpt, `model_kw` for make_model), 'chain' (LinearChain, `model_kw` for
-    make_chain), 'family:NAME' (benchmarks/families.py, `model_kw` = {"cfg": ..., "regions": R}) or
-    'hf' (fsdp2 kinds only: `benchmarks.workloads.make_hf`, `model_kw` = HFWorkload's fields and
+    make_chain), 'family:NAME' (benchmarks/harness/families.py, `model_kw` = {"cfg": ..., "regions": R}) or
+    'hf' (fsdp2 kinds only: `benchmarks.harness.workloads.make_hf`, `model_kw` = HFWorkload's fields and
     "stages"; its forward returns the loss)."""
-    from .workloads import ChainStage, GPTStage, chain_loss, gpt_loss, make_chain, make_gpt
+    from ..harness.workloads import ChainStage, GPTStage, chain_loss, gpt_loss, make_chain, make_gpt
 
     if model == "chain":
         net = make_chain(**model_kw)
         n_stages = world * (2 if schedule in MULTI_STAGE else 1)
         return Model(model, net, n_stages, lambda s: ChainStage(net, s, n_stages), chain_loss)
     if model.startswith("family:"):
-        from .families import FAMILIES
+        from ..harness.families import FAMILIES
 
         family = FAMILIES[model.removeprefix("family:")]
         net = family.make(model_kw["cfg"], regions=model_kw["regions"])
@@ -77,8 +77,8 @@ def make_model(model: str, model_kw: dict, *, kind: str, schedule: str | None, w
     if model == "hf":
         if kind not in ("fsdp2", "fsdp2_pipeline"):
             raise ValueError("the Hugging Face baseline runs under fsdp2 and fsdp2_pipeline only")
-        from .composed import LlamaStage
-        from .workloads import HFWorkload, make_hf
+        from ..harness.llama_stage import LlamaStage
+        from ..harness.workloads import HFWorkload, make_hf
 
         kw = dict(model_kw)
         stages = kw.pop("stages", 1)
@@ -106,7 +106,7 @@ def pipeline(worker, m: Model, *, schedule: str, microbatches: int, **_) -> Buil
 def fsdp2_pipeline(worker, m: Model, *, schedule: str, microbatches: int, precision: str, checkpoint: bool,
                    pp: int) -> Built:
     """`pp` stages, each an FSDP2 module over its data-parallel group of world/pp ranks
-    (benchmarks/composed.py)."""
+    (benchmarks/baselines/composed.py)."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     from .composed import groups, shard_stage
@@ -145,7 +145,7 @@ def fsdp2(worker, m: Model, *, precision: str, checkpoint: bool, **_) -> Built:
     `checkpoint=True` wraps every block in torch.utils.checkpoint (non-reentrant)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .workloads import region_modules
+    from ..harness.workloads import region_modules
 
     net = m.net
     blocks = net.m.model.layers if m.name == "hf" else net.blocks

@@ -33,9 +33,10 @@ import piper
 from piper.frontend.interop import overlapped_slots
 from piper.compiler.simulate import STEP
 
-from .harness import SuiteResult, Table, ms, ray_cluster, short_error
-from .suite_cost_model import Recorder, predict, run_steps
-from .workloads import GPTWorkload, gpt_batches, make_gpt, schedule_strategy, zero_strategy
+from ..harness.machine import ray_cluster
+from ..harness.measured_steps import Recorder, predict, run_steps
+from ..harness.results import SuiteResult, Table, ms, short_error
+from ..harness.workloads import GPTWorkload, gpt_batches, make_gpt, schedule_strategy, zero_strategy
 
 TARGET_ZERO3 = 1.15
 
@@ -154,6 +155,30 @@ def _cpu(data) -> tuple[float, float]:
     return data.compute(cpu=True), process
 
 
+DUALPIPEV_NOTES = [
+    "lanes: the runtime's default — the two items of an overlapped slot [F, B] run at once in two threads "
+    "of the worker, each with the sends of its results; in turn: piper.compile(..., overlap=False), one "
+    "after the other. In both, a B item under 'split B' is one whole backward; DualPipeV still splits "
+    "the drain's backwards (BI now, BW later), which costs more than one B on this CPU runtime.",
+    "Each device is one single-threaded process and the machine has two cores, so two lanes of one "
+    "device compete for the core the other device is not using: lanes win where one item waits for a "
+    "message while the other can compute, not by doubling compute.",
+    "compute: the busiest device's sum of job.timings() per step (median over the timed steps), split into "
+    "forwards, backwards (B, or BI + BW where split) and optimizer steps. predicted: simulate(plans, "
+    "costs=the median per-action times of the timed steps), comm cost 0 (see suite 8); with lanes each "
+    "overlapped slot is one unit costing the span the runtime timed it at. 'halves concurrent, ideal': "
+    "each [F, B] slot costing max(F, B) of the in-turn run — an upper bound on what two streams could give.",
+    "max |Δloss|: the schedules train the same model (same weights and batches), so their losses "
+    "agree step by step up to float rounding.",
+    "CPU per step (in the notes below): job.timings(cpu=True), the busiest device's whole worker process "
+    "and its computes; idle = step - process CPU. DualPipeV's V crosses between the devices twice per "
+    "microbatch each way (regions 0->1 and 2->3), 1F1B's once, and every Gloo message costs CPU at both "
+    "ends; its split backwards cost more than whole ones too. The idle time DualPipeV saves must exceed "
+    "that extra CPU: on two shared cores it does at 4 microbatches, and barely if at all at 8, where "
+    "1F1B's own bubble is down to 1/(m+1).",
+]
+
+
 def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimizer) -> Table:
     batches = gpt_batches(wl, warmup + steps)
     p = 2
@@ -170,79 +195,72 @@ def _dualpipev_vs_1f1b(ctx, result, wl, microbatch_counts, warmup, steps, optimi
             table.add(m, unhosted, *[None] * 14)
             continue
         ctx.log(f"overlap: DualPipeV vs 1F1B on pp={p}, {m} microbatches")
-        jobs = {}
         try:
-            for name, kind, regions, overlap in (("1f1b", "1f1b", p, True), ("lanes", "dualpipev", 2 * p, True),
-                                                 ("turn", "dualpipev", 2 * p, False)):
-                strategy, source, note = schedule_strategy(kind, pp=p, microbatches=m)
-                if strategy is None:
-                    raise RuntimeError(f"{kind} is not available: {note}")
-                jobs[name] = piper.compile(make_gpt(wl.model_kw(regions))[0], batches[0], strategy=strategy,
-                                           mesh={"pp": p}, optimizer=optimizer, timeout=120, overlap=overlap,
-                                           device=ctx.device)
-            recs = {name: Recorder(job) for name, job in jobs.items()}
-            errors = run_steps(recs, batches, warmup=warmup, steps=steps)
-            if errors:
-                raise next(iter(errors.values()))
-            one, lanes, turn = (recs[k].data for k in ("1f1b", "lanes", "turn"))
-            sim_one = predict(jobs["1f1b"], one.costs())
-            sim_lanes = predict(jobs["lanes"], lanes.costs())          # each slot costs its measured span
-            sim_turn = predict(jobs["turn"], turn.costs())
-            slot_costs = _slot_costs(jobs["turn"], turn.costs())
-            sim_ideal = predict(jobs["turn"], {**turn.costs(), **slot_costs},
-                                overlap=overlapped_slots(jobs["turn"].compiled))
+            data, sims = _three_schedules(ctx, wl, batches, p, m, warmup, steps, optimizer)
         except Exception as exc:
             table.add(m, f"failed: {short_error(exc)}", *[None] * 14)
             ctx.log(traceback.format_exc())
             continue
-        finally:
-            _close(*jobs.values())
-        ratio, ratio_turn = one.step / lanes.step, one.step / turn.step
-        gap = max(abs(a - b) for x in (lanes, turn) for a, b in zip(one.losses, x.losses))
-        table.add(m, ms(one.step), ms(lanes.step), ms(turn.step), f"{ratio:.3f}", f"{ratio_turn:.3f}",
-                  _passes(one), _passes(lanes), ms(sim_one.step_time), ms(sim_lanes.step_time),
-                  ms(sim_turn.step_time), ms(sim_ideal.step_time),
-                  f"{sim_one.bubble_fraction:.3f}", f"{sim_lanes.bubble_fraction:.3f}", f"{gap:.1e}")
-        key = f"dualpipev_vs_1f1b.m{m}"
-        result.metrics.update({f"{key}.1f1b_ms": ms(one.step), f"{key}.dualpipev_ms": ms(lanes.step),
-                               f"{key}.dualpipev_in_turn_ms": ms(turn.step), f"{key}.ratio": ratio,
-                               f"{key}.ratio_in_turn": ratio_turn,
-                               f"{key}.predicted_ratio": sim_one.step_time / sim_lanes.step_time,
-                               f"{key}.predicted_ratio_concurrent": sim_one.step_time / sim_ideal.step_time})
-        result.notes.append(f"(b) {m} microbatches: 1F1B / DualPipeV = {ratio:.3f} measured with lanes, "
-                            f"{ratio_turn:.3f} in turn (target > 1); {sim_one.step_time / sim_lanes.step_time:.3f} "
-                            f"predicted from the measured costs, {sim_one.step_time / sim_ideal.step_time:.3f} "
-                            "if slot halves ran fully concurrently")
-        (one_c, one_p), (turn_c, turn_p) = _cpu(one), _cpu(turn)
-        result.metrics.update({f"{key}.1f1b_cpu_ms": ms(one_p), f"{key}.dualpipev_in_turn_cpu_ms": ms(turn_p)})
-        if ctx.device == "cpu":
-            result.notes.append(
-                f"(b) {m} microbatches, CPU per step on the busiest device: 1F1B {ms(one_p):.0f} ms "
-                f"({ms(one_c):.0f} in computes), DualPipeV in turn {ms(turn_p):.0f} ms ({ms(turn_c):.0f}); "
-                f"idle: 1F1B {ms(one.step - one_p):.0f} ms, DualPipeV {ms(turn.step - turn_p):.0f} ms")
-    table.notes += [
-        "lanes: the runtime's default — the two items of an overlapped slot [F, B] run at once in two threads "
-        "of the worker, each with the sends of its results; in turn: piper.compile(..., overlap=False), one "
-        "after the other. In both, a B item under 'split B' is one whole backward; DualPipeV still splits "
-        "the drain's backwards (BI now, BW later), which costs more than one B on this CPU runtime.",
-        "Each device is one single-threaded process and the machine has two cores, so two lanes of one "
-        "device compete for the core the other device is not using: lanes win where one item waits for a "
-        "message while the other can compute, not by doubling compute.",
-        "compute: the busiest device's sum of job.timings() per step (median over the timed steps), split into "
-        "forwards, backwards (B, or BI + BW where split) and optimizer steps. predicted: simulate(plans, "
-        "costs=the median per-action times of the timed steps), comm cost 0 (see suite 8); with lanes each "
-        "overlapped slot is one unit costing the span the runtime timed it at. 'halves concurrent, ideal': "
-        "each [F, B] slot costing max(F, B) of the in-turn run — an upper bound on what two streams could give.",
-        "max |Δloss|: the schedules train the same model (same weights and batches), so their losses "
-        "agree step by step up to float rounding.",
-        "CPU per step (in the notes below): job.timings(cpu=True), the busiest device's whole worker process "
-        "and its computes; idle = step - process CPU. DualPipeV's V crosses between the devices twice per "
-        "microbatch each way (regions 0->1 and 2->3), 1F1B's once, and every Gloo message costs CPU at both "
-        "ends; its split backwards cost more than whole ones too. The idle time DualPipeV saves must exceed "
-        "that extra CPU: on two shared cores it does at 4 microbatches, and barely if at all at 8, where "
-        "1F1B's own bubble is down to 1/(m+1).",
-    ]
+        _schedules_row(ctx, table, result, m, data, sims)
+    table.notes += DUALPIPEV_NOTES
     if ctx.device == "cuda":
         table.notes.append("On CUDA the runtime runs a slot's items in turn (NCCL matches messages by issue "
                            "order), so 'lanes' and 'in turn' are the same runtime there.")
     return table
+
+
+def _three_schedules(ctx, wl, batches, p: int, m: int, warmup: int, steps: int, optimizer):
+    """1F1B, DualPipeV with lanes and DualPipeV in turn on pp=`p` with `m` microbatches, stepped in turn:
+    ({name: Measured}, {name: the simulator's prediction}, names 1f1b, lanes, turn and ideal, the last
+    the in-turn run with each slot costing max(F, B))."""
+    jobs = {}
+    try:
+        for name, kind, regions, overlap in (("1f1b", "1f1b", p, True), ("lanes", "dualpipev", 2 * p, True),
+                                             ("turn", "dualpipev", 2 * p, False)):
+            strategy, source, note = schedule_strategy(kind, pp=p, microbatches=m)
+            if strategy is None:
+                raise RuntimeError(f"{kind} is not available: {note}")
+            jobs[name] = piper.compile(make_gpt(wl.model_kw(regions))[0], batches[0], strategy=strategy,
+                                       mesh={"pp": p}, optimizer=optimizer, timeout=120, overlap=overlap,
+                                       device=ctx.device)
+        recs = {name: Recorder(job) for name, job in jobs.items()}
+        errors = run_steps(recs, batches, warmup=warmup, steps=steps)
+        if errors:
+            raise next(iter(errors.values()))
+        data = {name: rec.data for name, rec in recs.items()}
+        sims = {name: predict(jobs[name], data[name].costs()) for name in jobs}   # a lanes slot: its measured span
+        turn = data["turn"].costs()
+        sims["ideal"] = predict(jobs["turn"], {**turn, **_slot_costs(jobs["turn"], turn)},
+                                overlap=overlapped_slots(jobs["turn"].compiled))
+        return data, sims
+    finally:
+        _close(*jobs.values())
+
+
+def _schedules_row(ctx, table: Table, result: SuiteResult, m: int, data: dict, sims: dict) -> None:
+    """The row, metrics and notes of one microbatch count of (b)."""
+    one, lanes, turn = (data[k] for k in ("1f1b", "lanes", "turn"))
+    sim_one, sim_lanes, sim_turn, sim_ideal = (sims[k] for k in ("1f1b", "lanes", "turn", "ideal"))
+    ratio, ratio_turn = one.step / lanes.step, one.step / turn.step
+    gap = max(abs(a - b) for x in (lanes, turn) for a, b in zip(one.losses, x.losses))
+    table.add(m, ms(one.step), ms(lanes.step), ms(turn.step), f"{ratio:.3f}", f"{ratio_turn:.3f}",
+              _passes(one), _passes(lanes), ms(sim_one.step_time), ms(sim_lanes.step_time),
+              ms(sim_turn.step_time), ms(sim_ideal.step_time),
+              f"{sim_one.bubble_fraction:.3f}", f"{sim_lanes.bubble_fraction:.3f}", f"{gap:.1e}")
+    key = f"dualpipev_vs_1f1b.m{m}"
+    result.metrics.update({f"{key}.1f1b_ms": ms(one.step), f"{key}.dualpipev_ms": ms(lanes.step),
+                           f"{key}.dualpipev_in_turn_ms": ms(turn.step), f"{key}.ratio": ratio,
+                           f"{key}.ratio_in_turn": ratio_turn,
+                           f"{key}.predicted_ratio": sim_one.step_time / sim_lanes.step_time,
+                           f"{key}.predicted_ratio_concurrent": sim_one.step_time / sim_ideal.step_time})
+    result.notes.append(f"(b) {m} microbatches: 1F1B / DualPipeV = {ratio:.3f} measured with lanes, "
+                        f"{ratio_turn:.3f} in turn (target > 1); {sim_one.step_time / sim_lanes.step_time:.3f} "
+                        f"predicted from the measured costs, {sim_one.step_time / sim_ideal.step_time:.3f} "
+                        "if slot halves ran fully concurrently")
+    (one_c, one_p), (turn_c, turn_p) = _cpu(one), _cpu(turn)
+    result.metrics.update({f"{key}.1f1b_cpu_ms": ms(one_p), f"{key}.dualpipev_in_turn_cpu_ms": ms(turn_p)})
+    if ctx.device == "cpu":
+        result.notes.append(
+            f"(b) {m} microbatches, CPU per step on the busiest device: 1F1B {ms(one_p):.0f} ms "
+            f"({ms(one_c):.0f} in computes), DualPipeV in turn {ms(turn_p):.0f} ms ({ms(turn_c):.0f}); "
+            f"idle: 1F1B {ms(one.step - one_p):.0f} ms, DualPipeV {ms(turn.step - turn_p):.0f} ms")

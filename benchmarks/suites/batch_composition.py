@@ -33,8 +33,9 @@ import torch
 import piper
 from piper.dsl import load_strategy
 
-from .harness import SuiteResult, Table, mib, ray_cluster, short_error
-from .workloads import GPTWorkload, gpt_batches, make_gpt, n_params
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, mib, short_error
+from ..harness.workloads import GPTWorkload, gpt_batches, make_gpt, n_params
 
 MESH = {"dp": 2, "pp": 2}
 MICROBATCHES = 4
@@ -142,6 +143,34 @@ def budget_for(headroom: float, state: int) -> int:
     return math.ceil(headroom * state / 2**16) * 2**16
 
 
+LARGEST_NOTES = [
+    f"B = {HEADROOM:.2f} x the model state (params + grads + AdamW moments) pp x dp keeps on its fullest "
+    "device, rounded up to 64 KiB: a device whose memory plain data parallelism fills to ~90% with "
+    "model state, leaving room for a small microbatch.",
+    "The budget is enforced by the runtime's byte accounting (job.memory(): storages held between steps, "
+    "plus activations_peak, the most bytes autograd saved for backward at once during the step, counted by "
+    "the runtime with saved_tensors_hooks), not by an out-of-memory failure: the devices are CPU "
+    "processes on a machine with plenty of RAM.",
+    "Each size is a real run (compile + two steps; the second is measured). The search starts at 1, "
+    "then tries the size the runs so far predict (saved activations grow linearly with the microbatch), "
+    "then the next size up to show it fails; without a usable prediction it doubles, then bisects. "
+    "'total at largest + 1' is the failing run.",
+    "The fullest device is pipeline stage 0: 1F1B keeps p = 2 microbatches in flight there (1 on stage 1).",
+]
+
+
+@dataclasses.dataclass
+class Search:
+    """Every strategy's searches: its probe, the largest microbatch within the budget on `job.memory()`'s
+    total (`found`) and on the in-step high-water mark (`found_in`), each with its runs, and failures."""
+
+    probes: dict[str, Probe] = dataclasses.field(default_factory=dict)
+    found: dict[str, tuple[int, list]] = dataclasses.field(default_factory=dict)
+    found_in: dict[str, tuple[int, list]] = dataclasses.field(default_factory=dict)
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    budget: int | None = None       # set from pp x dp's own state by its first run
+
+
 def run(ctx) -> SuiteResult:
     quick = ctx.quick
     wl = workload(quick)
@@ -152,51 +181,71 @@ def run(ctx) -> SuiteResult:
                          ctx.command("batch-composition"))
     desc = (f"GPT n_layer={wl.n_layer} n_embd={wl.n_embd} n_head={wl.n_head} T={wl.block_size}, "
             f"{MESH['pp']} stages, each block its own region, Ψ = {psi:,} parameters, fp32, AdamW")
-    probes: dict[str, Probe] = {}
-    found: dict[str, tuple[int, list]] = {}
-    found_in: dict[str, tuple[int, list]] = {}
-    errors: dict[str, str] = {}
-    budget = None
     with ray_cluster():
-        for level in (QUICK_LEVELS if quick else LEVELS):
-            probe = probes[level] = Probe(ctx, wl, level, optimizer)
-            try:
-                if budget is None:
-                    # The budget comes from pp x dp's own state: HEADROOM of it.
-                    first = probe.measure(1)
-                    budget = budget_for(HEADROOM, max(Probe.state(m) for m in first.values()))
-                found[level] = largest(probe, budget)
-                found_in[level] = largest(probe, budget, "in_step")
-            except Exception as exc:
-                errors[level] = f"failed: {short_error(exc)}"
-                ctx.log(traceback.format_exc())
-                if budget is None:
-                    break
-        if budget is not None and not quick:
-            # The same ZeRO-3 with one region per stage: the unit it gathers is the whole stage.
-            probe = probes[STAGE_ZERO3] = Probe(ctx, wl, "zero3", optimizer, layered=False)
-            try:
-                found_in[STAGE_ZERO3] = largest(probe, budget, "in_step")
-            except Exception as exc:
-                errors[STAGE_ZERO3] = f"failed: {short_error(exc)}"
-                ctx.log(traceback.format_exc())
-    if budget is None:
-        result.notes.append(f"pp x dp failed, so no budget could be set: {errors.get('dp')}")
+        search = _search(ctx, wl, optimizer, quick)
+    if search.budget is None:
+        result.notes.append(f"pp x dp failed, so no budget could be set: {search.errors.get('dp')}")
         return result
+    table, sizes = _largest_table(search, desc, result)
+    budget = search.budget
+    result.metrics["budget_bytes"] = budget
+    if sizes.get("dp") and "zero3" in sizes:
+        line = f"zero3 / dp largest microbatch: {sizes['zero3'] / sizes['dp']:.1f}x (target >= 3x)"
+        if "zero2" in sizes:
+            line += f"; zero2 / dp: {sizes['zero2'] / sizes['dp']:.1f}x"
+        result.notes.append(line + f"; budget B = {mib(budget):.1f} MiB per device.")
+    result.tables.append(table)
+    result.tables.append(_sensitivity(search.probes, sizes, budget))
+    result.tables.append(_in_step_table(search.probes, search.found_in, search.errors, budget, result))
+    return result
 
+
+def _search(ctx, wl: GPTWorkload, optimizer, quick: bool) -> Search:
+    """Each level's largest microbatches (pp x dp first: its state sets the budget), and, at full size,
+    ZeRO-3 with one region per stage on the in-step high-water mark."""
+    search = Search()
+    for level in (QUICK_LEVELS if quick else LEVELS):
+        probe = search.probes[level] = Probe(ctx, wl, level, optimizer)
+        try:
+            if search.budget is None:
+                # The budget comes from pp x dp's own state: HEADROOM of it.
+                first = probe.measure(1)
+                search.budget = budget_for(HEADROOM, max(Probe.state(m) for m in first.values()))
+            search.found[level] = largest(probe, search.budget)
+            search.found_in[level] = largest(probe, search.budget, "in_step")
+        except Exception as exc:
+            search.errors[level] = f"failed: {short_error(exc)}"
+            ctx.log(traceback.format_exc())
+            if search.budget is None:
+                return search
+    if not quick:
+        # The same ZeRO-3 with one region per stage: the unit it gathers is the whole stage.
+        probe = search.probes[STAGE_ZERO3] = Probe(ctx, wl, "zero3", optimizer, layered=False)
+        try:
+            search.found_in[STAGE_ZERO3] = largest(probe, search.budget, "in_step")
+        except Exception as exc:
+            search.errors[STAGE_ZERO3] = f"failed: {short_error(exc)}"
+            ctx.log(traceback.format_exc())
+    return search
+
+
+def _largest_table(search: Search, desc: str, result: SuiteResult) -> tuple[Table, dict[str, int]]:
+    """The largest microbatch of each layered strategy within the budget on `job.memory()`'s total,
+    and those sizes by level."""
+    budget = search.budget
     table = Table(f"Largest microbatch within a per-device budget B = {mib(budget):.1f} MiB "
                   f"({budget:,} bytes); dp=2 x pp=2, 1F1B with {MICROBATCHES} microbatches; {desc}",
                   ["strategy", "largest microbatch (seq)", "vs pp x dp", "state MiB (p+g+opt)",
                    "activations MiB at largest", "total MiB at largest", "total MiB at largest + 1",
                    "runs (size: fits?)"])
     sizes: dict[str, int] = {}
-    for level in [lv for lv in probes if probes[lv].layered]:
+    for level in [lv for lv in search.probes if search.probes[lv].layered]:
         name = f"pp x {level}"
-        if level not in found:
-            table.add(name, errors.get(level, "not run"), *[None] * 6)
+        if level not in search.found:
+            table.add(name, search.errors.get(level, "not run"), *[None] * 6)
             continue
-        b, tried = found[level]
-        probe = probes[level]
+        b, tried = search.found[level]
+        probe = search.probes[level]
         sizes[level] = b
         ratio = b / sizes["dp"] if sizes.get("dp") else None
         at = probe.runs.get(b)
@@ -211,30 +260,8 @@ def run(ctx) -> SuiteResult:
         if ratio is not None:
             result.metrics[f"{level}.ratio_vs_dp"] = ratio
         result.metrics[f"{level}.state_bytes"] = Probe.state(at[worst]) if at else 0
-    result.metrics["budget_bytes"] = budget
-    table.notes += [
-        f"B = {HEADROOM:.2f} x the model state (params + grads + AdamW moments) pp x dp keeps on its fullest "
-        "device, rounded up to 64 KiB: a device whose memory plain data parallelism fills to ~90% with "
-        "model state, leaving room for a small microbatch.",
-        "The budget is enforced by the runtime's byte accounting (job.memory(): storages held between steps, "
-        "plus activations_peak, the most bytes autograd saved for backward at once during the step, counted by "
-        "the runtime with saved_tensors_hooks), not by an out-of-memory failure: the devices are CPU "
-        "processes on a machine with plenty of RAM.",
-        "Each size is a real run (compile + two steps; the second is measured). The search starts at 1, "
-        "then tries the size the runs so far predict (saved activations grow linearly with the microbatch), "
-        "then the next size up to show it fails; without a usable prediction it doubles, then bisects. "
-        "'total at largest + 1' is the failing run.",
-        "The fullest device is pipeline stage 0: 1F1B keeps p = 2 microbatches in flight there (1 on stage 1).",
-    ]
-    if sizes.get("dp") and "zero3" in sizes:
-        line = f"zero3 / dp largest microbatch: {sizes['zero3'] / sizes['dp']:.1f}x (target >= 3x)"
-        if "zero2" in sizes:
-            line += f"; zero2 / dp: {sizes['zero2'] / sizes['dp']:.1f}x"
-        result.notes.append(line + f"; budget B = {mib(budget):.1f} MiB per device.")
-    result.tables.append(table)
-    result.tables.append(_sensitivity(probes, sizes, budget))
-    result.tables.append(_in_step_table(probes, found_in, errors, budget, result))
-    return result
+    table.notes += LARGEST_NOTES
+    return table, sizes
 
 
 def _sensitivity(probes: dict[str, Probe], sizes: dict[str, int], budget: int) -> Table:

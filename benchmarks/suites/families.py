@@ -1,4 +1,4 @@
-"""Suite 9, `families`: model families that are not the example GPT (benchmarks/families.py).
+"""Suite 9, `families`: model families that are not the example GPT (benchmarks/harness/families.py).
 
 For each family (the nn.MultiheadAttention GPT, an MLP-Mixer, and whatever
 `families.register` adds, such as a Hugging Face Llama or a MoE model):
@@ -17,7 +17,7 @@ For each family (the nn.MultiheadAttention GPT, an MLP-Mixer, and whatever
       with the per-action costs their workers recorded and the runtime's own
       costs (`piper.compiler.runtime_costs`) measured on the 1F1B job, against the
       slowest worker's measured `run_step` (target within 10%); the part alone:
-      `python -m benchmarks.suite_families --cost-model [--quick] [FAMILY ...]`;
+      `python -m benchmarks.suites.families --cost-model [--quick] [FAMILY ...]`;
   (d) `piper check` start-up from the command line: a script alone, and 64
       stages x 512 microbatches x dp 8 with ZeRO-3 (`--regions PP=64`).
 
@@ -38,10 +38,13 @@ import torch
 
 import piper
 
-from .baselines import set_up_group
-from .families import FAMILIES
-from .harness import SuiteResult, Table, compile_or_failure, head_to_head, ray_cluster, short_error
-from .workloads import PIPELINE_SCHEDULES, REPO, schedule_strategy
+from ..baselines.torch_group import set_up_group
+from ..harness.families import FAMILIES
+from ..harness.machine import ray_cluster
+from ..harness.measured_steps import CORES, Recorder, predict, run_steps
+from ..harness.results import SuiteResult, Table, compile_or_failure, short_error
+from ..harness.timing import head_to_head
+from ..harness.workloads import PIPELINE_SCHEDULES, REPO, schedule_strategy
 
 MICROBATCHES = 8
 TARGET_REGION = 0.03
@@ -132,8 +135,6 @@ def cost_model_point(job, batches, *, warmup: int, steps: int, reference=None) -
 
     `reference`: (wall, cpu) `RuntimeModel`s measured on another job (another schedule) to use instead
     of this job's own; the models used come back as `models`."""
-    from .suite_cost_model import CORES, Recorder, predict, run_steps
-
     rec = Recorder(job)
     errors = run_steps({"piper": rec}, batches, warmup=warmup, steps=steps)
     if errors:
@@ -362,10 +363,10 @@ def run(ctx) -> SuiteResult:
 
 
 if __name__ == "__main__":
-    # The cost-model part alone: python -m benchmarks.suite_families --cost-model [--quick] [FAMILY ...]
+    # The cost-model part alone: python -m benchmarks.suites.families --cost-model [--quick] [FAMILY ...]
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite_families")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suites.families")
     parser.add_argument("--cost-model", action="store_true", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("families", nargs="*", default=sorted(FAMILIES))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import piper
 from examples.strategies import one_f_one_b_order
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STDLIB = REPO / "stdlib"
 
 

@@ -1,4 +1,4 @@
-"""Two more model families for suite 9 (`benchmarks/families.py` registers them): a mixture of experts
+"""Two more model families for suite 9 (`benchmarks/harness/families.py` registers them): a mixture of experts
 in a GPT (`piper.nn.MoE` in place of the MLP), and a Hugging Face Llama as the library builds it
 (registered when `transformers`, the test extra, is installed)."""
 from __future__ import annotations
@@ -67,7 +67,7 @@ class HFLlama(nn.Module):
 
 
 def _llama_stage(model: HFLlama, r: int) -> nn.Module:
-    from .composed import LlamaStage
+    from .llama_stage import LlamaStage
 
     return LlamaStage(model.lm, r, model.n_regions)
 

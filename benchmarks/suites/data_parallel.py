@@ -14,9 +14,11 @@ import torch
 
 import piper
 
-from .baselines import set_up_group
-from .harness import SuiteResult, Table, compile_or_failure, head_to_head, ray_cluster
-from .workloads import GPTWorkload, gpt_batches, make_gpt, zero_strategy
+from ..baselines.torch_group import set_up_group
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, compile_or_failure
+from ..harness.timing import head_to_head
+from ..harness.workloads import GPTWorkload, gpt_batches, make_gpt, zero_strategy
 
 PAIRS = (("dp", "ddp", "DistributedDataParallel"), ("zero3", "fsdp2", "FSDP2 fully_shard"))
 

@@ -24,7 +24,9 @@ import torch
 import piper
 from piper.dsl import load_strategy
 
-from .harness import SuiteResult, Table, alternate, ms, mib, ray_cluster, short_error
+from ..harness.divided_experts import EP_AGAINST_DP, divided_and_replicated
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, ms, mib, short_error
 
 
 def _model(quick: bool, regions: int):
@@ -54,24 +56,6 @@ def run(ctx) -> SuiteResult:
         result.tables.append(_ep_vs_replicated(result, quick, batches, optimizer, warmup, steps))
         result.tables.append(_dualpipev_lanes(ctx, result, quick, batches, optimizer, warmup, steps))
     return result
-
-
-EP_AGAINST_DP = {"dp": "use dp() on dp\n", "dp + expert_parallel": "use dp() on dp\nuse expert_parallel() on dp\n"}
-
-
-def divided_and_replicated(model, batches, optimizer, warmup: int, steps: int, **compile_kw):
-    """`model` on dp=2 with its experts replicated and divided (EP_AGAINST_DP), the two jobs
-    alternating step by step: (their `Timings`, rank 0's parameter bytes in each)."""
-    jobs = {}
-    try:
-        for name, text in EP_AGAINST_DP.items():
-            jobs[name] = piper.compile(model, batches[0], strategy=load_strategy(text), mesh={"dp": 2},
-                                       optimizer=optimizer, **compile_kw)
-        timings = alternate({n: j.step for n, j in jobs.items()}, batches, warmup=warmup, steps=steps)
-        return timings, {n: j.memory()[0]["params"] for n, j in jobs.items()}
-    finally:
-        for j in jobs.values():
-            j.close()
 
 
 def _ep_vs_replicated(result, quick, batches, optimizer, warmup, steps) -> Table:

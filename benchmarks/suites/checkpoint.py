@@ -34,9 +34,10 @@ import torch
 
 import piper
 
-from .baselines import set_up_group
-from .harness import SuiteResult, Table, mib, ms, ray_cluster, short_error
-from .workloads import GPTWorkload, gpt_batches, make_gpt, n_params, zero_strategy
+from ..baselines.torch_group import set_up_group
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, mib, ms, short_error
+from ..harness.workloads import GPTWorkload, gpt_batches, make_gpt, n_params, zero_strategy
 
 
 def workload(quick: bool) -> tuple[GPTWorkload, int]:

@@ -11,12 +11,12 @@
     `precision="bf16"`, and torch.utils.checkpoint around every block against
     `recompute PP=*`. Step times A/B alternated; ratio = torch / Piper.
 (c), (d) The same two comparisons for a Hugging Face `LlamaForCausalLM` as the
-    library wrote it (tiny config, no download; `benchmarks.workloads.make_hf`,
+    library wrote it (tiny config, no download; `benchmarks.harness.workloads.make_hf`,
     cut into stages and blocks by `piper.annotate_modules`); (d) fp32 and bf16
     only, FSDP2 with one unit per decoder block. Skipped, with the reason in the
     table, where `transformers` is not installed.
 (e), (f) ZeRO-3 x 1F1B on dp=2 x pp=2 side by side with FSDP2 x torch pipelining
-    on the same 4 processes (`benchmarks/composed.py`: each stage `fully_shard`
+    on the same 4 processes (`benchmarks/baselines/composed.py`: each stage `fully_shard`
     over its dp group, `MixedPrecisionPolicy(bf16, reduce fp32)` for bf16,
     `checkpoint_wrapper` per block for recompute, `Schedule1F1B`), for the GPT
     and the Llama: step times A/B alternated, and peak bytes per device in one
@@ -43,10 +43,12 @@ import torch
 import piper
 from piper.dsl.script import load_strategy
 
-from . import probes
-from .baselines import set_up_group
-from .harness import SuiteResult, Table, alternate, head_to_head, mib, ms, ray_cluster, short_error
-from .workloads import GPTWorkload, HFWorkload, gpt_batches, make_gpt, make_hf
+from ..baselines.torch_group import set_up_group
+from ..harness import probes
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, compile_or_failure, mib, ms, short_error
+from ..harness.timing import Timings, alternate, head_to_head
+from ..harness.workloads import GPTWorkload, HFWorkload, gpt_batches, make_gpt, make_hf
 
 VARIANTS = (("fp32", "fp32", False), ("bf16", "bf16", False), ("fp32 + recompute", "fp32", True),
             ("bf16 + recompute", "bf16", True))
@@ -217,6 +219,19 @@ def _fsdp_table(ctx, result, tag, described, make_model, batches, warmup, steps,
 
 
 COMPOSED_TORCH = {False: "fully_shard per block + stage", True: "+ checkpoint_wrapper per block"}
+COMPOSED_NOTES = [
+    "ratio > 1: Piper's step is faster; peak torch/Piper > 1: Piper's device holds fewer bytes at its peak.",
+    "peak: the same probe on both sides (`benchmarks/harness/probes.py::install_step_peak`): the bytes of "
+    "parameters, gradients and optimizer state a process holds between steps, plus how far its resident "
+    "memory rose in one step (the kernel's VmHWM, reset just before, less the resident set after a "
+    "collection and malloc_trim): saved activations, gathered parameters, communication buffers and "
+    "autograd's temporaries alike. Piper step_peak: Piper's own accounting (job.memory(), sampled between "
+    "actions, so without temporaries inside an op).",
+    "torch: FSDP2 reshard_after_forward=False (torchtitan's default under pipelining: parameters stay "
+    "gathered over a step's microbatches); Piper's zero3 gathers a region's parameters before a run of "
+    "computes that use them and frees them after the run (stdlib/zero3.pps). Both reduce gradients in "
+    "float32 under bf16.",
+]
 
 
 def _composed_table(ctx, result, tag, described, make_model, batches, warmup, steps, prefix, torch_kw) -> Table:
@@ -243,46 +258,53 @@ def _composed_table(ctx, result, tag, described, make_model, batches, warmup, st
         group, torch_error = set_up_group(ctx, group, 4, 180.0, "fsdp2_pipeline", schedule="Schedule1F1B",
                                           microbatches=microbatches, pp=2, precision=precision,
                                           checkpoint=recompute, **torch_kw)
-        job = piper_error = None
-        try:
-            job = piper.compile(model, batches[0], strategy=_strategy(text, recompute), mesh={"dp": 2, "pp": 2},
-                                optimizer=optimizer, timeout=180, precision=precision, device=ctx.device)
-        except Exception as exc:
-            ctx.log(traceback.format_exc())
-            piper_error = f"failed: {short_error(exc)}"
-        systems = {}
-        if group is not None:
-            systems["torch"] = group.step
-        if job is not None:
-            systems["piper"] = job.step
-        peaks = {"torch": None, "piper": None}
-        own = timings = None
-        try:
-            timings = alternate(systems, batches[:warmup + steps], warmup=warmup, steps=steps)
-            if "torch" in systems and "torch" not in timings.errors:
-                peaks["torch"] = _torch_peak(group, batches[-1])
-            if "piper" in systems and "piper" not in timings.errors:
-                probes.in_workers(job, probes.install_step_peak)
-                job.step(*batches[-1])
-                peaks["piper"] = max(p for p in probes.in_workers(job, probes.read_step_peak) if p is not None)
-                job.step(*batches[-1])                    # untracked: Piper's own accounting of the same step
-                own = max(m["step_peak"] for m in job.memory().values())
-        except Exception as exc:
-            ctx.log(traceback.format_exc())
-            piper_error = piper_error or f"peak step failed: {short_error(exc)}"
-        finally:
-            if job is not None:
-                job.close()
-        if peaks["torch"] is not None and not isinstance(peaks["torch"], int):     # the torch peak step failed
-            torch_error, peaks["torch"] = f"peak step failed: {short_error(peaks['torch'])}", None
+        job, piper_error = compile_or_failure(ctx, lambda: piper.compile(
+            model, batches[0], strategy=_strategy(text, recompute), mesh={"dp": 2, "pp": 2}, optimizer=optimizer,
+            timeout=180, precision=precision, device=ctx.device))
+        run = _composed_run(ctx, group, job, batches, warmup, steps)
+        group, torch_error = run.torch_outcome(group, torch_error)
+        piper_error = run.piper_outcome(piper_error)
+        cells, metrics = run.row(torch_error, piper_error)
+        table.add(label, torch_label, *cells)
+        key = label.replace(" + ", "_")
+        result.metrics.update({f"{prefix}_{key}_{name}": value for name, value in metrics.items()})
+    if group is not None:
+        group.close()
+    table.notes += COMPOSED_NOTES
+    return table
+
+
+@dataclasses.dataclass
+class _ComposedRun:
+    """One variant of (e)/(f): the alternated steps, then one peak step on each side."""
+
+    timings: Timings | None = None
+    peaks: dict = dataclasses.field(default_factory=lambda: {"torch": None, "piper": None})
+    own: int | None = None              # Piper's own step_peak accounting of one more step
+    peak_error: str | None = None       # Piper's side failed after its timed steps
+
+    def torch_outcome(self, group, torch_error):
+        """(the group, torch's error): a group whose step or peak step failed is closed (None)."""
+        if self.peaks["torch"] is not None and not isinstance(self.peaks["torch"], int):   # the peak step failed
+            torch_error, self.peaks["torch"] = f"peak step failed: {short_error(self.peaks['torch'])}", None
             group.close()
             group = None
-        if timings is not None and "torch" in timings.errors and group is not None:
-            torch_error = f"step failed: {short_error(timings.errors['torch'])}"
+        if self.timings is not None and "torch" in self.timings.errors and group is not None:
+            torch_error = f"step failed: {short_error(self.timings.errors['torch'])}"
             group.close()
             group = None
-        if timings is not None and "piper" in timings.errors:
-            piper_error = f"step failed: {short_error(timings.errors['piper'])}"
+        return group, torch_error
+
+    def piper_outcome(self, piper_error):
+        """Piper's error: its compile's, else its peak step's, replaced by a timed step's."""
+        piper_error = piper_error or self.peak_error
+        if self.timings is not None and "piper" in self.timings.errors:
+            piper_error = f"step failed: {short_error(self.timings.errors['piper'])}"
+        return piper_error
+
+    def row(self, torch_error, piper_error) -> tuple[list, dict[str, float]]:
+        """The row's cells after its labels, and its metrics."""
+        timings, peaks = self.timings, self.peaks
         t_ms = ms(timings.median("torch")) if timings is not None else None
         p_ms = ms(timings.median("piper")) if timings is not None else None
         paired = timings.paired_ratios("torch", "piper") if timings is not None else []
@@ -290,31 +312,42 @@ def _composed_table(ctx, result, tag, described, make_model, batches, warmup, st
         gap = timings.max_loss_gap("torch", "piper") if timings is not None else None
         ratio = t_ms / p_ms if t_ms and p_ms else None
         peak_ratio = peaks["torch"] / peaks["piper"] if peaks["torch"] and peaks["piper"] else None
-        table.add(label, torch_label, t_ms if torch_error is None else torch_error,
-                  p_ms if piper_error is None else piper_error, None if ratio is None else f"{ratio:.2f}x",
-                  None if q is None else f"{q[0]:.2f} – {q[2]:.2f}", None if gap is None else f"{gap:.1e}",
-                  mib(peaks["torch"]), mib(peaks["piper"]), None if peak_ratio is None else f"{peak_ratio:.2f}x",
-                  mib(own))
-        key = label.replace(" + ", "_")
-        result.metrics.update({f"{prefix}_{key}_{name}": float(value) for name, value in (
+        cells = [t_ms if torch_error is None else torch_error, p_ms if piper_error is None else piper_error,
+                 None if ratio is None else f"{ratio:.2f}x", None if q is None else f"{q[0]:.2f} – {q[2]:.2f}",
+                 None if gap is None else f"{gap:.1e}", mib(peaks["torch"]), mib(peaks["piper"]),
+                 None if peak_ratio is None else f"{peak_ratio:.2f}x", mib(self.own)]
+        metrics = {name: float(value) for name, value in (
             ("torch_ms", t_ms), ("piper_ms", p_ms), ("ratio", ratio), ("torch_peak", peaks["torch"]),
-            ("piper_peak", peaks["piper"]), ("peak_ratio", peak_ratio)) if value is not None})
+            ("piper_peak", peaks["piper"]), ("peak_ratio", peak_ratio)) if value is not None}
+        return cells, metrics
+
+
+def _composed_run(ctx, group, job, batches, warmup, steps) -> _ComposedRun:
+    """Alternate torch's and Piper's steps, then one peak step on each side (Piper's own accounting
+    of one more); closes the job."""
+    systems = {}
     if group is not None:
-        group.close()
-    table.notes += [
-        "ratio > 1: Piper's step is faster; peak torch/Piper > 1: Piper's device holds fewer bytes at its peak.",
-        "peak: the same probe on both sides (`benchmarks/probes.py::install_step_peak`): the bytes of "
-        "parameters, gradients and optimizer state a process holds between steps, plus how far its resident "
-        "memory rose in one step (the kernel's VmHWM, reset just before, less the resident set after a "
-        "collection and malloc_trim): saved activations, gathered parameters, communication buffers and "
-        "autograd's temporaries alike. Piper step_peak: Piper's own accounting (job.memory(), sampled between "
-        "actions, so without temporaries inside an op).",
-        "torch: FSDP2 reshard_after_forward=False (torchtitan's default under pipelining: parameters stay "
-        "gathered over a step's microbatches); Piper's zero3 gathers a region's parameters before a run of "
-        "computes that use them and frees them after the run (stdlib/zero3.pps). Both reduce gradients in "
-        "float32 under bf16.",
-    ]
-    return table
+        systems["torch"] = group.step
+    if job is not None:
+        systems["piper"] = job.step
+    run = _ComposedRun()
+    try:
+        run.timings = alternate(systems, batches[:warmup + steps], warmup=warmup, steps=steps)
+        if "torch" in systems and "torch" not in run.timings.errors:
+            run.peaks["torch"] = _torch_peak(group, batches[-1])
+        if "piper" in systems and "piper" not in run.timings.errors:
+            probes.in_workers(job, probes.install_step_peak)
+            job.step(*batches[-1])
+            run.peaks["piper"] = max(p for p in probes.in_workers(job, probes.read_step_peak) if p is not None)
+            job.step(*batches[-1])                    # untracked: Piper's own accounting of the same step
+            run.own = max(m["step_peak"] for m in job.memory().values())
+    except Exception as exc:
+        ctx.log(traceback.format_exc())
+        run.peak_error = f"peak step failed: {short_error(exc)}"
+    finally:
+        if job is not None:
+            job.close()
+    return run
 
 
 def _torch_peak(group, batch):

@@ -1,96 +1,14 @@
-"""What every suite shares: results as data, the A/B alternation, the Ray
-cluster, and a description of the machine.
-
-A suite returns a `SuiteResult`: tables of formatted cells (what a reader
-sees) and `metrics`, a flat dict of the raw numbers (what tests and scripts
-read).
+"""Timing systems against each other: the A/B alternation (`alternate`), one torch-vs-Piper
+row (`head_to_head`), and the growth exponent of a scaling curve (`fit_exponent`).
 """
 from __future__ import annotations
 
 import math
-import os
-import platform
 import statistics
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
-
-
-# -- results --------------------------------------------------------------------------------------
-
-@dataclass
-class Table:
-    title: str
-    columns: list[str]
-    rows: list[list[str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def add(self, *cells) -> None:
-        self.rows.append([fmt(c) for c in cells])
-
-
-@dataclass
-class SuiteResult:
-    name: str
-    number: int
-    title: str
-    command: str
-    tables: list[Table] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    implemented: bool = True
-
-
-def fmt(value) -> str:
-    """Cells: floats to 3 significant digits, None to an em dash, the rest as str."""
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return "—"
-        if value == 0:
-            return "0"
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        return f"{value:.3g}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-def short_error(exc: BaseException) -> str:
-    """One line for a table cell: a PiperError's first line (its message), else the exception's last line."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    from piper.diagnostics import PiperError
-
-    text = (lines[0] if isinstance(exc, PiperError) else lines[-1]) if lines else ""
-    return f"{type(exc).__name__}: {text}"[:200]
-
-
-def compile_or_failure(ctx, build):
-    """`build()` (Piper's side of a comparison: a compiled job), or None and the failure for the
-    table cell, its traceback in the log: one side failing leaves the other's numbers standing."""
-    import traceback
-
-    try:
-        return build(), None
-    except Exception as exc:
-        ctx.log(traceback.format_exc())
-        return None, f"failed: {short_error(exc)}"
-
-
-def ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
-
-
-def mib(nbytes: float | None) -> float | None:
-    return None if nbytes is None else nbytes / 2**20
+from .results import ms, short_error
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -230,75 +148,3 @@ def fit_exponent(xs: list[float], ys: list[float]) -> float | None:
     my = sum(p[1] for p in pts) / len(pts)
     sxx = sum((p[0] - mx) ** 2 for p in pts)
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
-
-
-# -- the Ray cluster ---------------------------------------------------------------------------------
-
-@contextmanager
-def ray_cluster():
-    """A local Ray cluster for the suites that start workers; reuses one already running.
-
-    Workers take a sliver of CPU each (as Piper's do), so a 4-device mesh and a
-    4-process baseline can both be alive on a 2-core machine.
-    """
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    owned = False
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=False)
-        owned = True
-    try:
-        yield
-    finally:
-        if owned:
-            ray.shutdown()
-
-
-# -- the machine -------------------------------------------------------------------------------------
-
-def machine(device: str = "cpu") -> dict[str, str]:
-    """Cores, memory, CPU model and library versions (and the GPUs on CUDA), for the results header."""
-    info = {"python": platform.python_version(), "platform": platform.platform(),
-            "cores": str(os.cpu_count()), "torch": torch.__version__}
-    try:
-        import ray
-
-        info["ray"] = ray.__version__
-    except ImportError:
-        info["ray"] = "not installed"
-    try:
-        with open("/proc/meminfo") as f:
-            kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
-        info["memory"] = f"{kb / 2**20:.1f} GiB"
-    except (OSError, StopIteration, ValueError):
-        info["memory"] = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        info["cpu"] = platform.processor() or "unknown"
-    try:
-        info["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        pass
-    if device == "cuda":
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        info["gpus"] = f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
-        info["cuda"] = str(torch.version.cuda)
-        try:
-            version = torch.cuda.nccl.version()
-            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except (AttributeError, RuntimeError):
-            info["nccl"] = "unknown"
-    else:
-        info["threads per worker"] = ("1 (Ray sets OMP_NUM_THREADS=1 in actors; baselines call "
-                                      "torch.set_num_threads(1))")
-    return info
-
-
-def python_command(args: list[str]) -> str:
-    """The shell command that reruns the harness with `args`."""
-    exe = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
-    return " ".join([exe, "-m", "benchmarks", *args])

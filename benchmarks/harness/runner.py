@@ -1,5 +1,8 @@
 """The benchmark runner: runs suites, prints rich tables, writes a markdown report.
 
+The suite list and the command line; the suites are loaded by name from `benchmarks/suites/`,
+their results shown by `report.py`.
+
     python -m benchmarks                                  # every suite; writes benchmarks/RESULTS.md
     python -m benchmarks --suite compiler overhead --quick --out /tmp/r.md
     python -m benchmarks --device cuda                    # the GPU suites on CUDA + NCCL (one GPU per process)
@@ -22,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table as RichTable
 
-from .harness import SuiteResult, machine, python_command
+from .machine import machine, python_command
+from .report import markdown, merged, print_result
+from .results import SuiteResult
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = Path(__file__).resolve().parent.parent / "RESULTS.md"
 
 
 @dataclass(frozen=True)
@@ -34,29 +38,28 @@ class Suite:
     number: int
     name: str
     title: str
-    module: str | None       # benchmarks.<module> with run(ctx) -> SuiteResult; None: not implemented yet
+    module: str | None       # benchmarks.suites.<module> with run(ctx) -> SuiteResult; None: not implemented yet
     cuda: bool = False       # also runs with --device cuda (the others measure CPU processes or the compiler)
 
 
 SUITES = (
-    Suite(1, "pipelines", "Pipeline schedules vs torch.distributed.pipelining", "suite_pipelines", cuda=True),
-    Suite(2, "data-parallel", "dp vs DDP, zero3 vs FSDP2", "suite_data_parallel", cuda=True),
-    Suite(3, "memory", "Per-device memory vs the ZeRO formulas; saved activations", "suite_memory"),
-    Suite(4, "batch-composition", "Bigger batches by composition", "suite_batches"),
-    Suite(5, "overlap", "Communication/computation overlap", "suite_overlap", cuda=True),
-    Suite(6, "compiler", "Compile + verify time and scaling", "suite_compiler"),
-    Suite(7, "overhead", "Per-action dispatch cost", "suite_overhead"),
-    Suite(8, "cost-model", "Cost-model accuracy", "suite_cost_model"),
-    Suite(9, "families", "Model families beyond the example GPT", "suite_families"),
-    Suite(10, "experts", "Expert parallelism: divided vs replicated experts; DualPipeV x EP lanes", "suite_experts"),
-    Suite(11, "memory-model", "Predicted vs measured peak memory", "suite_memory_model"),
-    Suite(12, "tune", "piper tune: search time, tuned vs hand-picked", "suite_tune"),
-    Suite(13, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "suite_checkpoint"),
-    Suite(14, "training-features", "Mixed precision and recomputation vs fp32 and FSDP2", "suite_training"),
-    Suite(15, "hf-moe", "Hugging Face Qwen3-MoE: experts divided vs replicated; EP under pipelines", "suite_hf_moe"),
+    Suite(1, "pipelines", "Pipeline schedules vs torch.distributed.pipelining", "pipelines", cuda=True),
+    Suite(2, "data-parallel", "dp vs DDP, zero3 vs FSDP2", "data_parallel", cuda=True),
+    Suite(3, "memory", "Per-device memory vs the ZeRO formulas; saved activations", "memory"),
+    Suite(4, "batch-composition", "Bigger batches by composition", "batch_composition"),
+    Suite(5, "overlap", "Communication/computation overlap", "overlap", cuda=True),
+    Suite(6, "compiler", "Compile + verify time and scaling", "compiler"),
+    Suite(7, "overhead", "Per-action dispatch cost", "overhead"),
+    Suite(8, "cost-model", "Cost-model accuracy", "cost_model"),
+    Suite(9, "families", "Model families beyond the example GPT", "families"),
+    Suite(10, "experts", "Expert parallelism: divided vs replicated experts; DualPipeV x EP lanes", "experts"),
+    Suite(11, "memory-model", "Predicted vs measured peak memory", "memory_model"),
+    Suite(12, "tune", "piper tune: search time, tuned vs hand-picked", "tune"),
+    Suite(13, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "checkpoint"),
+    Suite(14, "training-features", "Mixed precision and recomputation vs fp32 and FSDP2", "training_features"),
+    Suite(15, "hf-moe", "Hugging Face Qwen3-MoE: experts divided vs replicated; EP under pipelines", "hf_moe"),
 )
 BY_NAME = {s.name: s for s in SUITES}
-GPU_HEADING = "# Measured on GPU (CUDA, NCCL)"
 
 
 class Context:
@@ -95,7 +98,7 @@ def run_suite(suite: Suite, ctx: Context) -> SuiteResult:
         ctx.console.print(f"[yellow]suite {suite.number} `{suite.name}`: not implemented yet[/yellow]")
         return SuiteResult(suite.name, suite.number, suite.title, ctx.command(suite.name),
                            notes=["not implemented yet"], implemented=False)
-    module = importlib.import_module(f"benchmarks.{suite.module}")
+    module = importlib.import_module(f"benchmarks.suites.{suite.module}")
     t0 = time.perf_counter()
     try:
         result = module.run(ctx)
@@ -105,82 +108,6 @@ def run_suite(suite: Suite, ctx: Context) -> SuiteResult:
                              notes=[f"the suite failed: {type(exc).__name__}: {exc}"])
     result.seconds = time.perf_counter() - t0
     return result
-
-
-# -- showing --------------------------------------------------------------------------------------
-
-def print_result(result: SuiteResult, console: Console) -> None:
-    console.rule(f"[bold]{result.number}. {result.name}[/bold] — {result.title}")
-    console.print(f"reproduce: [cyan]{result.command}[/cyan]", highlight=False)
-    for table in result.tables:
-        rich = RichTable(title=table.title, title_justify="left", show_lines=False)
-        for col in table.columns:
-            rich.add_column(col, overflow="fold")
-        for row in table.rows:
-            rich.add_row(*row)
-        console.print(rich)
-        for note in table.notes:
-            console.print(f"[dim]  - {note}[/dim]", highlight=False)
-    for note in result.notes:
-        console.print(f"  {note}", highlight=False)
-    if result.implemented:
-        console.print(f"[dim]  ({result.seconds:.0f} s)[/dim]")
-
-
-def _cell(text: str) -> str:
-    """A markdown table cell: pipes and angle brackets escaped (`<string>` is not an HTML tag)."""
-    return text.replace("|", "\\|").replace("<", "\\<").replace(">", "\\>").replace("\n", " ")
-
-
-def markdown(results: list[SuiteResult], *, command: str, started: datetime.datetime, info: dict,
-             device: str = "cpu") -> str:
-    gpu = device == "cuda"
-    lines = [GPU_HEADING if gpu else "# Piper benchmark results", "",
-             "Generated by the benchmark harness (`benchmarks/`); do not edit by hand.", "",
-             f"- command: `{command}`",
-             f"- date: {started.strftime('%Y-%m-%d %H:%M:%S %Z').strip()} (took "
-             f"{sum(r.seconds for r in results):.0f} s)"]
-    lines += [f"- {k}: {v}" for k, v in info.items()]
-    lines += ["",
-              "> Each device is one GPU and its own process; NCCL carries the communication on both sides. "
-              "Compare ratios from one run (the two systems alternate step by step)." if gpu else
-              "> Numbers are noisy: this is a shared machine with few cores, every \"device\" is a CPU "
-              "process on it, and other work may run at the same time. Compare ratios from one run "
-              "(the two systems alternate step by step), not absolute times across runs.", ""]
-    for r in results:
-        lines += [f"## {'GPU ' if gpu else ''}{r.number}. `{r.name}` — {r.title}", "", f"Reproduce: `{r.command}`", ""]
-        if not r.implemented:
-            lines += ["Not implemented yet.", ""]
-            continue
-        for table in r.tables:
-            lines += [f"**{table.title}**", "",
-                      "| " + " | ".join(_cell(c) for c in table.columns) + " |",
-                      "|" + "|".join("---" for _ in table.columns) + "|"]
-            lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in table.rows]
-            lines.append("")
-            lines += [f"- {n}" for n in table.notes]
-            if table.notes:
-                lines.append("")
-        lines += [f"{n}" if n.startswith(("```", "    ")) else f"- {n}" for n in r.notes]
-        lines += ["", f"_Suite time: {r.seconds:.0f} s._", ""]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def merged(existing: str, report: str, device: str) -> str:
-    """`report` (one device's part) in place of that part of `existing`, the other part kept.
-
-    A report file holds the CPU results first, then, under `GPU_HEADING`, the
-    GPU ones: the two are measured on different machines, so a run on one must
-    not erase the other.
-    """
-    cpu_part, sep, gpu_part = existing.partition(GPU_HEADING)
-    gpu_part = sep + gpu_part
-    if device == "cuda":
-        gpu_part = report
-    else:
-        cpu_part = report
-    cpu_part, gpu_part = cpu_part.strip(), gpu_part.strip()
-    return "\n\n".join(part for part in (cpu_part, gpu_part) if part) + "\n"
 
 
 # -- the command line -------------------------------------------------------------------------------

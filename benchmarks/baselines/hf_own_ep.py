@@ -3,7 +3,7 @@ with `from_pretrained(..., distributed_config=DistributedConfig(ep_size=N, fsdp_
 divided over N ranks, the rest sharded by FSDP2), trained with AdamW on N Gloo processes, each taking its
 1/N of every global batch, as Piper's dp=N does.
 
-    python -m benchmarks.hf_own_ep        # a self-check on a tiny model: prints step times
+    python -m benchmarks.baselines.hf_own_ep        # a self-check on a tiny model: prints step times
 
 Needs `accelerate` (transformers asks for it to place a distributed model): the `bench` extra.
 """

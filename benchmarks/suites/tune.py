@@ -22,7 +22,8 @@ from piper.dsl import load_strategy
 from piper.compiler.memory_model import format_bytes
 from piper.compiler.tune import Candidate, Search, measure_steps
 
-from .harness import SuiteResult, Table, ray_cluster, short_error
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, short_error
 
 MODEL = "examples/gpt.py:small_gpt"
 HAND_PICKED = [Candidate(4, 1, None, 1, None, "dp"), Candidate(4, 1, None, 1, None, "zero2"),
@@ -127,7 +128,7 @@ def _tuned_vs_hand(ctx, result, quick) -> Table:
 
 def _accuracy(ctx, result, quick) -> Table:
     """(c) tune's predicted step against the measured one for its top candidates (`tune_accuracy`)."""
-    from .tune_accuracy import MODELS, run_model
+    from ..tune_accuracy import MODELS, run_model
 
     rows = []
     for model in MODELS:

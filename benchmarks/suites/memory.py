@@ -23,10 +23,11 @@ import torch
 
 import piper
 
-from . import probes
-from .baselines import TorchGroup
-from .harness import SuiteResult, Table, mib, ray_cluster, short_error
-from .workloads import GPTWorkload, gpt_batches, make_gpt, n_params, schedule_strategy, zero_strategy
+from ..baselines.torch_group import TorchGroup
+from ..harness import probes
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, mib, short_error
+from ..harness.workloads import GPTWorkload, gpt_batches, make_gpt, n_params, schedule_strategy, zero_strategy
 
 LEVELS = ("dp", "zero1", "zero2", "zero3")
 
@@ -158,7 +159,7 @@ def _process_table(ctx, result, quick, optimizer) -> Table:
             result.metrics[f"process.{level}.resident_fixed_mmap_over_counted_saving"] = ratio_fixed
     table.notes += [
         "counted: job.memory()'s params + grads + optimizer; live tensors: every CPU tensor storage the worker "
-        "still references after gc.collect(), each once (benchmarks/probes.py); resident: /proc/self/statm "
+        "still references after gc.collect(), each once (benchmarks/harness/probes.py); resident: /proc/self/statm "
         "after gc.collect() and malloc_trim(0). Each the largest over the ranks.",
         "live / counted = 1 means the runtime's count is every tensor byte the worker holds between steps. "
         "Resident memory also holds the interpreter, torch and the region graphs (alike for every strategy), so "
@@ -225,7 +226,7 @@ def _activation_table(ctx, result, quick, optimizer) -> Table:
         "The same measurement for both systems: a torch.autograd.graph.saved_tensors_hooks pair around each "
         "region's forward counts the bytes of every storage autograd saves for backward (parameter storages "
         "excluded) from pack until autograd frees it; the peak over the step is reported. It is installed in "
-        "Piper's workers through Ray's actor.__ray_call__ (benchmarks/probes.py), and around each torch stage "
+        "Piper's workers through Ray's actor.__ray_call__ (benchmarks/harness/probes.py), and around each torch stage "
         "module's forward. (Piper's runtime counts the same way on its own: job.memory()['activations_peak'].)",
         "The expected ratio is the number of microbatches each stage keeps in flight: 1F1B holds p - rank, "
         "GPipe all m. Activation tensors differ slightly between the two systems (Piper runs the exported "

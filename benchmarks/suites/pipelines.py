@@ -14,9 +14,11 @@ import torch
 
 import piper
 
-from .baselines import set_up_group
-from .harness import SuiteResult, Table, compile_or_failure, head_to_head, ray_cluster
-from .workloads import PIPELINE_SCHEDULES, GPTWorkload, gpt_batches, make_gpt, schedule_strategy
+from ..baselines.torch_group import set_up_group
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, compile_or_failure
+from ..harness.timing import head_to_head
+from ..harness.workloads import PIPELINE_SCHEDULES, GPTWorkload, gpt_batches, make_gpt, schedule_strategy
 
 MICROBATCHES = 8
 

@@ -17,8 +17,9 @@ import piper
 from piper.dsl import load_strategy
 from piper.compiler.memory_model import predict_job
 
-from .harness import SuiteResult, Table, mib, ray_cluster, short_error
-from .workloads import GPTWorkload, gpt_batches, make_gpt
+from ..harness.machine import ray_cluster
+from ..harness.results import SuiteResult, Table, mib, short_error
+from ..harness.workloads import GPTWorkload, gpt_batches, make_gpt
 
 PIPELINES = {"gpipe": 1, "one_f_one_b": 1, "zero_bubble": 1, "interleaved_1f1b": 2,
              "interleaved_zero_bubble": 2, "zbv": 2, "dualpipev": 2}
