@@ -101,6 +101,12 @@ class Program:
     undivided_experts: tuple[str, ...] = ()   # Hugging Face experts modules capture left as they are, and why
     tensor: object = None                # a `tensor_parallel.TensorLayout` when divided over tp
 
+    def whole_shape(self, param: str) -> tuple[int, ...]:
+        """A parameter's shape in the model (`params` holds one device's under tensor parallelism)."""
+        if self.tensor is not None and param in self.tensor.shapes:
+            return tuple(self.tensor.shapes[param])
+        return tuple(self.params[param].shape)
+
     def owner(self, param: str) -> int:
         """The region that owns a parameter: the first one that uses it."""
         for region in self.regions:

@@ -508,7 +508,7 @@ def to_torch_save(path, file) -> str:
 
 def _check_model(job, md, path: str, info: dict) -> None:
     """Same names and shapes as this job's model, or a `checkpoint-mismatch` error."""
-    shapes = {k: tuple(v.shape) for k, v in job.program.params.items()}
+    shapes = {k: job.program.whole_shape(k) for k in job.program.params}
     shapes.update({k: tuple(job._buffers[k].shape) for k in _persistent_buffers(job)})
     saved = {k[len("model."):]: v for k, v in md.state_dict_metadata.items()
              if k.startswith("model.") and k[len("model."):] not in job.aliases}

@@ -135,9 +135,11 @@ class LoadPlanner(checkpoint_files.LoadPlanner):
         return super().lookup_tensor(index) if box is None else box
 
 
-def _chunks(bucket, flat: torch.Tensor, base: int, lo: int, hi: int) -> dict[str, Chunks]:
+def _chunks(bucket, flat: torch.Tensor, base: int, lo: int, hi: int, layout=None) -> dict[str, Chunks]:
     """Per parameter of `bucket`, the part of flat elements [lo, hi) it covers, as views of
-    `flat`, whose element 0 is the bucket's element `base`."""
+    `flat`, whose element 0 is the bucket's element `base`. Under tensor parallelism an entry
+    is this device's shard of the parameter: its boxes are placed in the whole parameter
+    (`UnitLayout.global_offset`), so the checkpoint holds the whole shape whatever the tp size."""
     out = {}
     for e in bucket.entries:
         start, stop = max(lo, e.offset), min(hi, e.offset + e.numel)
@@ -146,9 +148,10 @@ def _chunks(bucket, flat: torch.Tensor, base: int, lo: int, hi: int) -> dict[str
         views, at = [], start - base
         for offsets, sizes in boxes(e.shape, start - e.offset, stop - e.offset):
             n = math.prod(sizes)
-            views.append((offsets, flat[at:at + n].view(sizes)))
+            where = layout.global_offset(e, offsets) if layout is not None else offsets
+            views.append((where, flat[at:at + n].view(sizes)))
             at += n
-        out[e.name] = Chunks(e.shape, views)
+        out[e.name] = Chunks(layout.global_shape(e) if layout is not None else e.shape, views)
     return out
 
 
@@ -160,19 +163,22 @@ def unit_state(unit, *, saving: bool) -> tuple[dict, dict]:
     parameters or optimizer state are replicated).
     """
     params, optim = {}, {}
-    for b, bucket in enumerate(unit.layout.buckets):
+    layout = unit.layout
+    for b, bucket in enumerate(layout.buckets):
+        if saving and bucket.tensor in ("whole", "summed") and layout.tensor_index > 0:
+            continue          # the same on every tp index: tp index 0 writes it
         lo, hi = bucket.bounds(unit.index)
         whole = (0, bucket.padded)
         if unit.zero == 3:
-            params.update(_chunks(bucket, unit.shard[b].detach(), lo, lo, hi))
+            params.update(_chunks(bucket, unit.shard[b].detach(), lo, lo, hi, layout))
         else:
-            params.update(_chunks(bucket, unit.full[b], 0, *((lo, hi) if saving else whole)))
+            params.update(_chunks(bucket, unit.full[b], 0, *((lo, hi) if saving else whole), layout))
         shard = unit.shard[b]
         base = 0 if unit.zero == 0 else lo          # the optimizer steps the whole unit under plain dp
         span = (lo, hi) if saving or unit.zero else whole
         for key, value in unit.optimizer.state.get(shard, {}).items():
             if torch.is_tensor(value) and value.shape == shard.shape:
-                for name, chunks in _chunks(bucket, value, base, *span).items():
+                for name, chunks in _chunks(bucket, value, base, *span, layout).items():
                     optim.setdefault(name, {})[key] = chunks
             else:          # a step count: the same for every parameter of the shard
                 for e in bucket.entries:
@@ -180,7 +186,7 @@ def unit_state(unit, *, saving: bool) -> tuple[dict, dict]:
     return params, optim
 
 
-def expert_state(executor) -> tuple[dict, dict]:
+def expert_state(executor, saving: bool = False) -> tuple[dict, dict]:
     """(parameters, optimizer state) of the expert rows this device holds under `shard
     experts`, nested as DCP keys them: each leaf (and each optimizer tensor of its shape) is
     one chunk of the whole weight at its first row. The same for saving and loading."""
@@ -188,6 +194,9 @@ def expert_state(executor) -> tuple[dict, dict]:
     experts = getattr(executor, "experts", None)
     if experts is None:
         return params, optim
+    tensor = getattr(executor, "tensor_groups", None)
+    if saving and tensor and tensor[0].index > 0:
+        return params, optim          # every tp index holds the same expert rows: index 0 writes them
     for unit, name, leaf, row, shape in experts.rows():
         offsets = (row,) + (0,) * (leaf.dim() - 1)
         params[name] = Chunks(shape, [(offsets, leaf.detach())])
@@ -260,7 +269,7 @@ def save(executor, path: str, extra: dict, aliases: dict[str, str], skip=(), che
         # `skip`: the names of a parameter tied across stages that another stage's copy writes.
         model.update({k: v for k, v in params.items() if (u, k) not in skip})
         optim.update({k: v for k, v in state.items() if (u, k) not in skip})
-    params, state = expert_state(executor)
+    params, state = expert_state(executor, saving=True)
     model.update(params)
     optim.update(state)
     model.update({alias: model[name] for alias, name in aliases.items() if name in model})
