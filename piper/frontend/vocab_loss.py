@@ -81,10 +81,37 @@ def _loss_options(node: fx.Node) -> dict | None:
     return {"ignore_index": given.get("ignore_index", -100), "reduction": given.get("reduction", 1)}
 
 
-def rewrite(gm: fx.GraphModule) -> int:
-    """Compute each gathered-logits cross entropy on the shards; returns how many were rewritten."""
+def _inline_loss(gm: fx.GraphModule, loss: fx.Node, options: dict) -> fx.Node:
+    """`tensor_ops.vocab_cross_entropy` traced to ATen and TP ops and inlined where `loss` is, so the
+    graph names each of its collectives (for the plans, the costs and the gradient walk)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     from .. import tensor_ops
 
+    logits, target = loss.args[0], loss.args[1]
+    examples = [torch.empty(_shape(n), dtype=n.meta["val"].dtype, device="meta") for n in (logits, target)]
+
+    def fn(x, t):
+        return tensor_ops.vocab_cross_entropy(x, t, options["ignore_index"], options["reduction"])
+    traced = make_fx(fn)(*examples)
+    env: dict = {}
+    holders = iter((logits, target))
+    out = None
+    with gm.graph.inserting_before(loss):
+        for node in traced.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(holders)
+            elif node.op == "output":
+                out = env[node.args[0][0] if isinstance(node.args[0], (tuple, list)) else node.args[0]]
+            else:
+                new = gm.graph.node_copy(node, lambda n: env[n])
+                new.meta = {**dict(loss.meta), "val": node.meta.get("val")}   # the loss's region and stack
+                env[node] = new
+    return out
+
+
+def rewrite(gm: fx.GraphModule) -> int:
+    """Compute each gathered-logits cross entropy on the shards; returns how many were rewritten."""
     done = 0
     for collect in [n for n in gm.graph.nodes if _is_collect(n)]:
         local, dim, size = collect.args
@@ -109,10 +136,7 @@ def rewrite(gm: fx.GraphModule) -> int:
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 node.meta["val"] = torch.empty((*val.shape[:-1], per), dtype=val.dtype, device="meta")
-        with gm.graph.inserting_after(loss):
-            new = gm.graph.call_function(tensor_ops.vocab_cross_entropy,
-                                         (loss.args[0], loss.args[1], options["ignore_index"], options["reduction"]))
-        new.meta = dict(loss.meta)
+        new = _inline_loss(gm, loss, options)
         loss.replace_all_uses_with(new)
         gm.graph.erase_node(loss)
         gm.graph.erase_node(collect)
