@@ -30,6 +30,10 @@ def compile_directives(program, mesh, directives) -> Compiled:
             from .moe_exchanges import add_all_to_alls
 
             compiled = add_all_to_alls(compiled, program)
+        if ir.tensor_axis() is not None:            # tensor parallelism: its collectives as TP nodes
+            from .tensor_exchanges import add_tp_collectives
+
+            compiled = add_tp_collectives(compiled, program)
         check(compiled)       # raises on deadlock before anything runs
     compiled.warnings = at_use_sites(compiled.warnings, directives)   # at the user's `use` lines
     return compiled

@@ -138,8 +138,8 @@ def replay(table: Table, order: list[int], waits_at: list[tuple], shard_of: dict
         else:
             # A collective on the lane's own group: with one member simulated, it completes
             # when issued, after the group's previous one on its stream.
-            exchange = op == "ALL_TO_ALL"
-            marker = exchange and nodes[k][4] is None      # the exchanges a compute runs inside
+            exchange = op in ("ALL_TO_ALL", "TP")             # on the expert or tensor group, not the unit's
+            marker = exchange and nodes[k][4] is None      # the collectives a compute runs inside
             finished, stream = done[lane], streams[lane]
             if not marker or k not in finished:
                 clock, previous = now[lane], stream[exchange]

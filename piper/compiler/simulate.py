@@ -19,6 +19,7 @@ from ..diagnostics import error
 
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0, "UPD": 0.0}
 _COMPUTE = frozenset(COMPUTE)
+_OWN_STREAM = {"ALL_TO_ALL": "ep", "TP": "tp"}      # collectives on process groups of their own
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ class _Collectives:
             members[rank] = now
             if len(members) != len(members_simulated):
                 return
-        stream = (group, "ep") if node.op == "ALL_TO_ALL" else group   # own process groups
+        stream = (group, _OWN_STREAM[node.op]) if node.op in _OWN_STREAM else group   # own process groups
         group_last = self.group_last
         finish = max(max(members.values()), group_last[stream]) + (
             0.0 if self.comm_cost is None else self.comm_cost(node))
@@ -299,7 +300,7 @@ class _Run(_Collectives):
                     line.append((t, t + cost, node.key))
                 now = t + cost
                 spent += cost
-            elif op == "ALL_TO_ALL" and node.value is None:
+            elif op == "TP" or op == "ALL_TO_ALL" and node.value is None:
                 t = self.all_to_alls_inside(rank, a, now)
                 if t is None:
                     break             # until every member of the expert group is there

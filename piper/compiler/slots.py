@@ -43,7 +43,7 @@ class Span:
 
 def _pass_of(node) -> tuple[int, int, str]:
     """The item an action belongs to: (region, microbatch, F or B); BI and BW are parts of B."""
-    if node.op in ("SEND", "RECV", "ALL_TO_ALL"):
+    if node.op in ("SEND", "RECV", "ALL_TO_ALL", "TP"):
         return node.region, node.mb, "F" if node.phase == "F" else "B"
     return node.region, node.mb, "F" if node.op == "F" else "B"
 
@@ -54,7 +54,8 @@ def _member(node, members: set[str]) -> bool:
     (an exchange on that lane's own expert group)."""
     if node.is_compute:
         return node_key(node.op, node.region, node.mb) in members
-    return node.op == "ALL_TO_ALL" and node.phase is not None and node_key(node.phase, node.region, node.mb) in members
+    return (node.op in ("ALL_TO_ALL", "TP") and node.phase is not None
+            and node_key(node.phase, node.region, node.mb) in members)
 
 
 def whole_backwards(plan, slots) -> tuple[frozenset, frozenset]:

@@ -84,8 +84,14 @@ def comm_cost(compiled, program, *, bandwidth: float, precision=None, value_scal
                        next((program.params[p].dtype for p in r.owned), torch.float32))
              for r in compiled.ir.regions}
     values = {(v.producer, v.index): (v.spec.nbytes * value_scale, v.spec.dtype) for v in program.values}
+    from ..ir.tensor_comm import traffic
+
+    tensor = traffic(program)      # (region, F | B) -> (bytes, collectives) of its TP collectives
 
     def cost(node) -> float:
+        if node.op == "TP":
+            size, _ = tensor.get((node.region, "F" if node.phase == "F" else "B"), (0.0, 0))
+            return size * value_scale / bandwidth
         if node.op in ("SEND", "RECV"):
             producer = node.region if (node.op == "SEND") == (node.phase == "F") else node.peer
             size, dtype = values.get((producer, node.value), (0.0, None))

@@ -32,10 +32,10 @@ from ..mesh import Mesh
 
 COMPUTE = ("F", "B", "BI", "BW", "UPD")
 P2P = ("SEND", "RECV")
-COLLECTIVES = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL")
+COLLECTIVES = ("ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL", "TP")
 DEFAULT_STREAM = {"F": "compute", "B": "compute", "BI": "compute", "BW": "compute", "UPD": "compute",
                   "SEND": "pp", "RECV": "pp", "ALL_REDUCE": "dp", "ALL_GATHER": "dp",
-                  "REDUCE_SCATTER": "dp", "ALL_TO_ALL": "ep"}
+                  "REDUCE_SCATTER": "dp", "ALL_TO_ALL": "ep", "TP": "tp"}
 
 
 def node_key(op: str, region: int, mb: int | None = None, phase: str | None = None,
@@ -153,7 +153,7 @@ _KEY = re.compile(
     r"(?P<cop>BI|BW|F|B)(?P<cmb>\d+)(?:\.(?P<piece>\d+))?"
     r"|(?P<upd>UPD)"
     r"|(?P<pop>SEND|RECV)_(?P<pph>F|B)(?P<pmb>\d+)[<>](?P<peer>\d+)\.(?P<val>\d+)"
-    r"|(?P<col>ALL_REDUCE|ALL_GATHER|REDUCE_SCATTER|ALL_TO_ALL)(?:_(?P<cph>BI|BW|F|B)(?P<colmb>\d+)(?:\.(?P<part>\d+))?)?"
+    r"|(?P<col>ALL_REDUCE|ALL_GATHER|REDUCE_SCATTER|ALL_TO_ALL|TP)(?:_(?P<cph>BI|BW|F|B)(?P<colmb>\d+)(?:\.(?P<part>\d+))?)?"
     r")$")
 
 

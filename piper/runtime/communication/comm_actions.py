@@ -87,6 +87,11 @@ class CommActions:
         if action.node.value is not None:
             self.moe.exchange(self, action)
 
+    def _tp(self, action) -> None:
+        """A marker: the compute before it issued its tensor-parallel collectives from its graph
+        (`piper.compiler.tensor_exchanges`); their seconds are its timing (`step_loop`)."""
+        self.timings[action.key] = self._tp_seconds.pop(action.key, 0.0)
+
     def _all_gather(self, action) -> None:
         if not action.node.phase and self.clip is not None and self.clip.defer(action):
             return                        # ZeRO-1/2's gather of updated shards follows its UPD

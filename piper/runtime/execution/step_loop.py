@@ -12,6 +12,8 @@ from collections import deque
 
 import torch
 
+from ... import tensor_context
+from ...ir.dag import node_key
 from .overheads import StepMarks
 from .step_state import StepState
 
@@ -24,6 +26,7 @@ class StepLoop(StepState):
 
     def _init_step_loop(self) -> None:
         self.timings: dict[str, float] = {}       # compute seconds per action, last step
+        self._tp_seconds: dict[str, float] = {}   # TP collectives' seconds of passes whose TP node is to come
         # On a GPU the host only queues kernels, so a compute's host time says nothing of
         # its cost: CUDA events around it time it on the device, read once the step is over.
         self._events: dict[str, tuple] | None = {} if self.device.type == "cuda" else None
@@ -86,6 +89,8 @@ class StepLoop(StepState):
             begin.record()
         if compute and self.experts is not None:
             self.experts.exchanged()          # count only this compute's all-to-alls
+        if compute and self.tensor_groups:
+            tensor_context.take_seconds()     # and only its tensor-parallel collectives
         getattr(self, "_" + action.node.op.lower())(action)
         end = time.perf_counter()
         self._spans_now.append((action.key, start, end, threading.get_ident()))
@@ -93,6 +98,8 @@ class StepLoop(StepState):
             self.timings[action.key] = end - start
             if self.experts is not None:      # its all-to-alls go to their ALL_TO_ALL node
                 self.experts.account(action.node, self.timings)
+            if self.tensor_groups:            # its TP collectives to its pass's TP node
+                _account_tensor(action.node, self.timings, self._tp_seconds)
             if self._events is not None:
                 done = torch.cuda.Event(enable_timing=True)
                 done.record()
@@ -101,3 +108,14 @@ class StepLoop(StepState):
             # also holds whatever other processes sharing the core took meanwhile.
             self.cpu_timings[action.key] = time.thread_time() - cpu
         return start, end
+
+
+def _account_tensor(node, timings: dict, pending: dict) -> None:
+    """Move the seconds the compute `node` spent in TP collectives out of its own time, to its
+    pass's `TP` node (`0TP_F3`, whose action files them: a cut pass's pieces add up first), so
+    a simulation priced from `job.timings()` counts them once."""
+    seconds = tensor_context.take_seconds()
+    if seconds and node.op in ("F", "B", "BI"):
+        key = node_key("TP", node.region, node.mb, node.op)
+        pending[key] = pending.get(key, 0.0) + seconds
+        timings[node.key] = max(0.0, timings[node.key] - seconds)
