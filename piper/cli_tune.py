@@ -24,7 +24,8 @@ def calibrate(search: Search, *, log=None, again: bool = False):
     (`tune_calibration.Calibration`): a short run of two candidates side by side
     (`tune_calibration.choose`, `pair`), cached (`$PIPER_CACHE`) by machine, model, batch and
     devices (`again`: measure anew); None where they do not run."""
-    from .compiler.tune_calibration import choose, pair
+    from .compiler.runtime_costs import RuntimeModel
+    from .compiler.tune_calibration import Calibration, choose, pair
 
     path, _, factory = search.model_spec.rpartition(":")
     key = {"what": "calibration", "model": os.path.abspath(path), "factory": factory, "batch": search.batch,
@@ -42,7 +43,7 @@ def calibrate(search: Search, *, log=None, again: bool = False):
             log(f"calibrating on {chosen[0].label()} failed ({err}): steps are predicted from the computes alone")
             return None
 
-    return _cached(key, make, again=again)
+    return _cached(key, make, again=again, types=(Calibration, RuntimeModel), log=log)
 
 
 def _calibrate_on(search: Search, chosen: list[Candidate], log):

@@ -45,10 +45,7 @@ they are indistinguishable rather than ranking them.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
-import pickle
 import socket
 import statistics
 import threading
@@ -119,39 +116,12 @@ class Result:
 # ---- measuring this machine ---------------------------------------------------------------------
 
 
-def _cache_dir() -> str:
-    from ..cache_dir import cache_dir
+def _cached(key: dict, make, *, again: bool = False, types=(), log=None):
+    """The value stored on disk under `key` (and this machine and torch: `tune_cache.cached`, JSON
+    holding only the dataclasses in `types`), else (or with `again`) `make()`, stored there."""
+    from .tune_cache import cached
 
-    path = cache_dir()
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _cached(key: dict, make, *, again: bool = False):
-    """A pickled value on disk under a hash of `key` (and this machine and torch), else (or with
-    `again`) `make()`, stored there."""
-    import torch
-
-    full = {**key, "host": socket.gethostname(), "torch": torch.__version__, "version": 2}
-    digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    path = os.path.join(_cache_dir(), f"tune-{digest}.pkl")
-    try:
-        if not again:
-            with open(path, "rb") as f:
-                return pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ModuleNotFoundError):
-        pass
-    value = make()
-    if value is None:          # nothing made: try again next time
-        return value
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            pickle.dump(value, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return value
+    return cached(key, make, again=again, types=types, log=log)
 
 
 @dataclass
@@ -173,7 +143,15 @@ def _graphless(program):
     return Program(regions, program.values, program.params, program.buffers, program.batch)
 
 
-def profile(model_spec: str, microbatch: int, *, repeats: int = 3) -> Profile:
+def profile_types() -> tuple:
+    """The dataclasses a cached `Profile` holds."""
+    from ..frontend.captured import Program, Region, RegionInput, TensorSpec, Value
+    from .memory_model import RegionBytes
+
+    return (Profile, Program, Region, RegionInput, TensorSpec, Value, RegionBytes)
+
+
+def profile(model_spec: str, microbatch: int, *, repeats: int = 3, log=None) -> Profile:
     """Capture the model at `microbatch` sequences and time each region (cached on disk)."""
     path, _, factory = model_spec.rpartition(":")
     key = {"model": os.path.abspath(path), "mtime": os.path.getmtime(path) if os.path.exists(path) else 0,
@@ -199,7 +177,7 @@ def profile(model_spec: str, microbatch: int, *, repeats: int = 3) -> Profile:
         bwd = {r: min(v) for (r, p), v in times.items() if p == "B"}
         return Profile(microbatch, _graphless(program), fwd, bwd, saved)
 
-    return _cached(key, make)
+    return _cached(key, make, types=profile_types(), log=log)
 
 
 def _loopback_bytes_per_s(size: int = 16 << 20) -> float:
@@ -246,11 +224,11 @@ def _update_s_per_element(optimizer=None) -> float:
     return best / (1 << 20)
 
 
-def machine() -> dict:
+def machine(log=None) -> dict:
     """Measured (cached): loopback throughput and the optimizer's update cost per element."""
     return _cached({"what": "machine"}, lambda: {"bandwidth": _loopback_bytes_per_s(),
                                                  "update": _update_s_per_element(),
-                                                 "cores": os.cpu_count() or 1})
+                                                 "cores": os.cpu_count() or 1}, log=log)
 
 
 # ---- the search ----------------------------------------------------------------------------------
@@ -303,8 +281,8 @@ class Search:
         self.batch = batch
         self.optimizer = optimizer
         self.log = log or (lambda msg: None)
-        self.machine = machine()
-        self.reference = profile(model_spec, max(1, batch // max(devices, 1)))
+        self.machine = machine(self.log)
+        self.reference = profile(model_spec, max(1, batch // max(devices, 1)), log=self.log)
         self.regions = pp_regions(self.reference.program)
         self.skipped: list[tuple[Candidate, str]] = []
         # The runtime's costs on this machine (`tune_calibration.Calibration`, from `calibrate`); None
@@ -441,7 +419,7 @@ class Search:
                     r.exact = True
                     continue
                 self.log(f"measuring the model at {b} sequence(s) per microbatch")
-                exact = self.evaluate(r.candidate, profile(self.model_spec, b))
+                exact = self.evaluate(r.candidate, profile(self.model_spec, b, log=self.log))
                 if exact is None:
                     del every[i]
                     break
