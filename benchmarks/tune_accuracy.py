@@ -3,26 +3,37 @@
 For each model (the example GPT, the example MoE) on 4 devices and two per-device budgets (every
 candidate fits; the median predicted peak), a fresh cost cache: the search measures the regions,
 calibrates the runtime's costs by one short run (`piper.cli_tune.calibrate`), and ranks. Its
-top candidates for both budgets then run two at a time on the same batch, a step of each in turn
-(A B A B ...), so a change in the machine's load falls on both alike; the table gives
-each one's predicted step, the median measured step, the error, and the group tune puts it in;
-and, apart from the load's drift since the calibration, the step predicted for the other load
-measured during the candidate's own steps.
+top candidates for both budgets then run two at a time on the same batch beside the calibration's
+own candidate (the reference), a step of each in turn (R A B R A B ...), so a change in the
+machine's load falls on all alike. The table gives each one's predicted step (what `tune` prints),
+the median measured step, the error, the cores other processes kept busy meanwhile and the load
+average (`/proc/loadavg` before and after); and the prediction of a calibration made again from
+the reference's steps in the same rounds (`piper.cli_tune.calibration_from`): the model apart from
+the load's drift since the calibration.
 
-    python -m benchmarks.tune_accuracy [--top 3] [--steps 6] [--models examples/gpt.py:small_gpt ...]
+    python -m benchmarks.tune_accuracy [--top 3] [--steps 8] [--models examples/gpt.py:small_gpt ...]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+from dataclasses import replace
 import os
 import statistics
 import tempfile
-import time
 
 MODELS = ("examples/gpt.py:small_gpt", "examples/moe.py:moe_four_regions")
 DEVICES, BATCH = 4, 16
-TOGETHER = 2       # jobs alive at once, as in the calibration (each job's idle workers still hold memory)
+TOGETHER = 2       # candidates alive at once beside the reference (each job's idle workers still hold memory)
+
+
+def loadavg() -> float:
+    """The 1-minute load average (`/proc/loadavg`), 0 where it cannot be read."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _budgets(every) -> list[int]:
@@ -31,36 +42,35 @@ def _budgets(every) -> list[int]:
     return [peaks[-1], peaks[len(peaks) // 2]]
 
 
-def _measure_together(model_spec: str, candidates, *, steps: int, warmup: int, log) -> dict:
-    """Each candidate's driver step seconds, stepping them in turn on one batch, and the cores other
-    processes kept busy during each of its steps."""
-    import piper
+def _measure_beside(search, reference, candidates, *, steps: int, warmup: int, log):
+    """Step `reference` and then each of `candidates` in turn, round after round, on one batch
+    (`tune_calibration.measure_together`): per candidate its record (driver step seconds, the
+    cores other processes took during each step, ...), the reference's too, the calibration its
+    record makes (`cli_tune.calibration_from`), and the load average before and after."""
+    from piper.cli_tune import calibration_from, start_jobs
+    from piper.compiler.tune_calibration import measure_together
 
-    from piper.dsl import load_strategy
-    from piper.frontend.models import example_batch, load_model
-
-    from piper.compiler.tune_calibration import LoadMeter
-
-    times: dict = {c: [] for c in candidates}
-    loads: dict = {c: [] for c in candidates}
+    order = [reference] + [c for c in candidates if c != reference]
     with contextlib.ExitStack() as stack:
-        jobs = {}
-        for c in candidates:
+        for c in order:
             log(f"tune accuracy: starting {c.label()}")
-            model, module = load_model(model_spec)
-            data = example_batch(module, BATCH)
-            jobs[c] = stack.enter_context(piper.compile(model, data, strategy=load_strategy(c.script(), file="<tune>"),
-                                                        timeout=300))
-        for i in range(warmup + steps):
-            for c, job in jobs.items():
-                meter = LoadMeter()
-                start = time.perf_counter()
-                job.step(*data)
-                if i >= warmup:
-                    times[c].append(time.perf_counter() - start)
-                    workers = sum(r.get("step", 0.0) for r in job.timings(cpu=True).values())
-                    loads[c].append(meter.cores(less=workers))
-    return times, loads
+        jobs, data = start_jobs(search.model_spec, order, search.batch, stack)
+        before = loadavg()
+        runs = measure_together(jobs, data, steps=steps, warmup=warmup)
+        after = loadavg()
+        compiled = jobs[0].compiled
+    again = calibration_from(search, [reference], runs[:1], compiled)
+    # the calls' costs on group sizes the reference lacks: as the calibration measured them
+    again = replace(again, collectives={**search.calibration.collectives, **again.collectives})
+    return dict(zip(order, runs)), again, (before, after)
+
+
+def reference_of(search, cal):
+    """The candidate the calibration ran on (`cal.candidate`, its label)."""
+    from piper.compiler.tune import candidates
+
+    every = candidates(search.devices, search.batch, search.regions)
+    return next(c for c in every if c.label() == cal.candidate)
 
 
 def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) -> list[dict]:
@@ -73,6 +83,7 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
         os.environ["PIPER_CACHE"] = cache
         try:
             search = Search(model_spec, DEVICES, 2**40, BATCH, log=log)
+            calibrated_at = loadavg()
             cal = calibrate(search, log=log)
             search = search.with_calibration(cal)
             _, every = search.run()
@@ -83,18 +94,17 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                 numbers = groups(fits, search.tolerance)
                 picks += [(budget, r, n) for r, n in zip(fits[:top], numbers)]
             distinct = list(dict.fromkeys(r.candidate for _, r, _ in picks))
-            measured, loads = {}, {}
+            reference = reference_of(search, cal)
+            measured, beside = {}, {}
             for i in range(0, len(distinct), TOGETHER):
-                t, lo = _measure_together(model_spec, distinct[i:i + TOGETHER], steps=steps, warmup=warmup, log=log)
-                measured.update(t)
-                loads.update(lo)
-            # each again for the load its own steps ran under: the model apart from the load's drift
-            again = {}
-            for c in distinct:
-                b = BATCH // (c.dp * c.microbatches)
-                exact = profile(model_spec, b) if b != search.reference.microbatch else None
-                r = search.with_calibration(cal, external=statistics.median(loads[c])).evaluate(c, exact)
-                again[c] = r.step_s if r is not None else float("nan")
+                group = distinct[i:i + TOGETHER]
+                runs, again, loads = _measure_beside(search, reference, group, steps=steps, warmup=warmup, log=log)
+                for c in group:
+                    b = BATCH // (c.dp * c.microbatches)
+                    exact = profile(model_spec, b) if b != search.reference.microbatch else None
+                    r = search.with_calibration(again).evaluate(c, exact)
+                    beside[c] = {"run": runs[c], "reference": runs[reference], "calibration": again, "loadavg": loads,
+                                 "predicted": r.step_s if r is not None else float("nan")}
         finally:
             if old is None:
                 os.environ.pop("PIPER_CACHE", None)
@@ -102,14 +112,19 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                 os.environ["PIPER_CACHE"] = old
     rows = []
     for budget, r, n in picks:
-        m = statistics.median(measured[r.candidate])
+        got = beside[r.candidate]
+        times, again = got["run"]["times"], got["predicted"]
+        m = statistics.median(times)
         rows.append({"model": model_spec, "budget": budget, "strategy": r.candidate.label(), "group": n,
                      "predicted_ms": r.step_s * 1e3, "measured_ms": m * 1e3, "error": r.step_s / m - 1,
-                     "spread": (max(measured[r.candidate]) - min(measured[r.candidate])) / m,
-                     "load": statistics.median(loads[r.candidate]), "at_load_ms": again[r.candidate] * 1e3,
-                     "error_at_load": again[r.candidate] / m - 1,
+                     "spread": (max(times) - min(times)) / m, "steps": len(times),
+                     "load": statistics.median(got["run"]["external"]), "loadavg": got["loadavg"],
+                     "reference_ms": statistics.median(got["reference"]["times"]) * 1e3,
+                     "reference_load": got["calibration"].external,
+                     "recalibrated_ms": again * 1e3, "error_recalibrated": again / m - 1,
                      "tolerance": search.tolerance, "calibrated_on": cal.candidate,
-                     "calibration_error": cal.error, "other_load": cal.external, "check": cal.check,
+                     "calibration_error": cal.error, "other_load": cal.external, "calibration_loadavg": calibrated_at,
+                     "calibration_ms": cal.measured * 1e3, "check": cal.check,
                      "check_error": cal.check_error, "scale": cal.scale})
     return rows
 
@@ -118,27 +133,30 @@ def table(rows) -> str:
     from piper.compiler.memory_model import format_bytes
 
     lines = ["| model | budget / device | # | group | strategy | predicted ms | measured ms | error | spread | "
-             "other load (cores) | predicted at that load ms | error at that load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "other load (cores) | load avg | reference ms (calibration / beside) | recalibrated beside ms | "
+             "error recalibrated |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     index: dict = {}
     for r in rows:
         i = index[(r["model"], r["budget"])] = index.get((r["model"], r["budget"]), 0) + 1
         lines.append(f"| {r['model'].rpartition(':')[2]} | {format_bytes(r['budget'])} | {i} | ≈{r['group']} | "
                      f"{r['strategy']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['error']:+.1%} | "
-                     f"{r['spread']:.2f} | {r['load']:.2f} | {r['at_load_ms']:.1f} | {r['error_at_load']:+.1%} |")
+                     f"{r['spread']:.2f} | {r['load']:.2f} | {r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f} | "
+                     f"{r['calibration_ms']:.1f} / {r['reference_ms']:.1f} | {r['recalibrated_ms']:.1f} | "
+                     f"{r['error_recalibrated']:+.1%} |")
     seen = {}
     for r in rows:
         seen.setdefault(r["model"], r)
     for model, r in seen.items():
         check = f"{r['check_error']:+.1%}" if r["check_error"] is not None else "none"
-        lines.append(f"\n- {model}: calibrated on {r['calibrated_on']} "
-                     f"(the measured costs alone predicted it {r['calibration_error']:+.1%}, so scale "
-                     f"{r['scale']:.2f}; {r['other_load']:.2f} cores of other load then); checked on {r['check']}: "
-                     f"{check}; tolerance ±{r['tolerance']:.0%}")
+        lines.append(f"\n- {model}: calibrated on {r['calibrated_on']} ({r['calibration_ms']:.1f} ms; "
+                     f"the measured costs alone predicted it {r['calibration_error']:+.1%}, so scale "
+                     f"{r['scale']:.2f}; {r['other_load']:.2f} cores of other load, load average "
+                     f"{r['calibration_loadavg']:.1f}); checked on {r['check']}: {check}; tolerance ±{r['tolerance']:.0%}")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
-    at_load = sum(1 for r in rows if abs(r["error_at_load"]) <= 0.15)
-    lines.append(f"- {within} of {len(rows)} predictions within ±15% of the measured median step; {at_load} of "
-                 f"{len(rows)} when predicted for the other load measured during the candidate's own steps")
+    again = sum(1 for r in rows if abs(r["error_recalibrated"]) <= 0.15)
+    lines.append(f"- {within} of {len(rows)} predictions within ±15% of the measured median step; {again} of "
+                 f"{len(rows)} recalibrated on the calibration's candidate stepped in the same rounds")
     return "\n".join(lines)
 
 
@@ -146,7 +164,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--top", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
     import ray

@@ -24,7 +24,8 @@ def calibrate(search: Search, *, log=None, again: bool = False):
     (`tune_calibration.Calibration`): a short run of two candidates side by side
     (`tune_calibration.choose`, `pair`), cached (`$PIPER_CACHE`) by machine, model, batch and
     devices (`again`: measure anew); None where they do not run."""
-    from .compiler.tune_calibration import choose, pair
+    from .compiler.runtime_costs import RuntimeModel
+    from .compiler.tune_calibration import Calibration, choose, pair
 
     path, _, factory = search.model_spec.rpartition(":")
     key = {"what": "calibration", "model": os.path.abspath(path), "factory": factory, "batch": search.batch,
@@ -42,7 +43,7 @@ def calibrate(search: Search, *, log=None, again: bool = False):
             log(f"calibrating on {chosen[0].label()} failed ({err}): steps are predicted from the computes alone")
             return None
 
-    return _cached(key, make, again=again)
+    return _cached(key, make, again=again, types=(Calibration, RuntimeModel), log=log)
 
 
 def _calibrate_on(search: Search, chosen: list[Candidate], log):
@@ -50,13 +51,9 @@ def _calibrate_on(search: Search, chosen: list[Candidate], log):
     (where there is one) checks what it predicts for another candidate."""
     import contextlib
 
-    import piper
     import ray
 
-    from .dsl import load_strategy
-    from .frontend.models import example_batch, load_model
-    from .compiler.step_costs import comm_cost
-    from .compiler.tune_calibration import from_run, measure_together
+    from .compiler.tune_calibration import measure_together
 
     log(f"calibrating the runtime's costs on {' and '.join(c.label() for c in chosen)} "
         f"({search.devices} devices; cached)")
@@ -66,18 +63,40 @@ def _calibrate_on(search: Search, chosen: list[Candidate], log):
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         with contextlib.ExitStack() as stack:
-            jobs = []
-            for c in chosen:
-                model, module = load_model(search.model_spec)
-                data = example_batch(module, search.batch)
-                jobs.append(stack.enter_context(piper.compile(
-                    model, data, strategy=load_strategy(c.script(), file="<tune>"), timeout=300,
-                    progress=lambda m: log(f"calibration: {m}"))))
+            jobs, data = start_jobs(search.model_spec, chosen, search.batch, stack,
+                                    progress=lambda m: log(f"calibration: {m}"))
             runs = measure_together(jobs, data)
             compiled = jobs[0].compiled
     finally:
         if owned:
             ray.shutdown()
+    return calibration_from(search, chosen, runs, compiled)
+
+
+def start_jobs(model_spec: str, chosen: list[Candidate], batch: int, stack, *, progress=None, timeout: float = 300):
+    """A job per candidate of `chosen` (entered into the `contextlib.ExitStack` `stack`, which
+    closes them), and the example batch they step on: (jobs, batch)."""
+    import piper
+
+    from .dsl import load_strategy
+    from .frontend.models import example_batch, load_model
+
+    jobs, data = [], None
+    for c in chosen:
+        model, module = load_model(model_spec)
+        data = example_batch(module, batch)
+        jobs.append(stack.enter_context(piper.compile(
+            model, data, strategy=load_strategy(c.script(), file="<tune>"), timeout=timeout, progress=progress)))
+    return jobs, data
+
+
+def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], compiled):
+    """The `Calibration` that `runs` (`tune_calibration.measure_together`'s records of the `chosen`
+    candidates' jobs, stepped in turn) make: the first candidate's (`compiled`: its job's
+    plan) priced by the search's profile, and checked on the second where there is one."""
+    from .compiler.step_costs import comm_cost
+    from .compiler.tune_calibration import from_run
+
     c = chosen[0]
     b = search.batch // (c.dp * c.microbatches)
     exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
@@ -85,8 +104,12 @@ def _calibrate_on(search: Search, chosen: list[Candidate], log):
     comm = comm_cost(compiled, program, bandwidth=search.machine["bandwidth"],
                      value_scale=b / (exact or search.reference).microbatch)
     fwd, bwd, _ = search._scaled(b, exact)
+    collectives = {}             # the calls' costs on every group size the runs had (the first's first)
+    for run in reversed(runs):
+        collectives.update(run.get("collectives", {}))
     cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=compiled.plans.representatives(),
-                   candidate=c.label(), estimated=search.compute_costs(compiled, program, c, fwd, bwd))
+                   candidate=c.label(), estimated=search.compute_costs(compiled, program, c, fwd, bwd),
+                   collectives=collectives)
     own = search.with_calibration(cal).evaluate(c, exact)
     cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
     if len(chosen) > 1:

@@ -114,3 +114,23 @@ def test_a_budget_that_only_recompute_fits_picks_recompute(tmp_path, capsys):
     assert without.peak_bytes > budget and recomputing.peak_bytes < without.peak_bytes
     # and costs less: recomputing adds each region's forward (about a third of F + B) to its backward
     assert without.step_s < recomputing.step_s < 1.5 * without.step_s
+
+
+@pytest.mark.usefixtures("cache")
+def test_an_update_costs_its_call_and_its_elements():
+    from piper.compiler import tune
+    from piper.compiler.planning import plan
+    from piper.dsl import load_strategy
+
+    call, per_element = tune._update_seconds(elements=1 << 16)
+    assert call > 0 and per_element > 0
+    search = tune.Search("examples/gpt.py:small_gpt", 4, 2**40, 16)
+    search.machine = {**search.machine, "update": 1e-9, "update_call": 0.01}
+    program = search.reference.program
+    for data, shards in (("dp", 1), ("zero3", 4)):
+        c = tune.Candidate(4, 1, None, 1, None, data)
+        compiled = plan(load_strategy(c.script(), file="<t>"), program=program)
+        costs = search.compute_costs(compiled, program, c, {}, {})
+        first = next(r for r in compiled.ir.regions if r.index == 0)
+        elements = sum(program.params[p].nbytes for p in first.owned) / 4       # float32
+        assert costs["0UPD"] == pytest.approx(0.01 + elements / shards * 1e-9)

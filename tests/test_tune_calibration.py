@@ -103,7 +103,11 @@ def test_the_runtime_work_per_action_lands_on_the_path(search):
 
 def test_the_computes_scale_and_other_load_takes_cores(search):
     base = search.with_calibration(_cal()).evaluate(PIPE).step_s
-    assert search.with_calibration(_cal(compute=2.0)).evaluate(PIPE).step_s == pytest.approx(2 * base)
+    assert search.with_calibration(_cal(compute=2.0, update=2.0)).evaluate(PIPE).step_s == pytest.approx(2 * base)
+    # the updates have a ratio of their own: doubling the computes' leaves the updates as they were
+    computes = search.with_calibration(_cal(compute=2.0)).evaluate(PIPE).step_s
+    updates = search.with_calibration(_cal(update=2.0)).evaluate(PIPE).step_s
+    assert base < updates < computes < 2 * base and computes + updates == pytest.approx(3 * base)
     # four data-parallel devices compute at once: two cores left run them slower than 64
     dp = Candidate(4, 1, None, 1, None, "dp")
     free = search.with_calibration(_cal(cores=2), external=0.0).evaluate(dp).step_s
@@ -185,3 +189,50 @@ def test_verify_measures_the_other_load_and_predicts_for_it(search):
     r = calibrated.evaluate(dp)
     assert at_load(search, r, 1.0) is None              # no calibration: nothing to predict again
     assert at_load(calibrated, r, 0.0) < at_load(calibrated, r, 1.0)
+
+
+def test_a_collective_call_costs_what_was_measured_for_its_op_and_group_size():
+    from piper.compiler.tune_calibration import call_cost
+
+    measured = {("ALL_GATHER", 2): (0.002, 0.0004), ("REDUCE_SCATTER", 4): (0.009, 0.0012)}
+    assert call_cost(measured, "ALL_GATHER", 2) == (0.002, 0.0004)
+    # another group size: the nearest measured one, scaled by the ring's steps (n - 1) / (m - 1)
+    assert call_cost(measured, "ALL_GATHER", 4) == pytest.approx((0.006, 0.0012))
+    assert call_cost(measured, "REDUCE_SCATTER", 2) == pytest.approx((0.003, 0.0004))
+    assert call_cost(measured, "ALL_REDUCE", 4) == (0.0, 0.0)          # never measured: its bytes alone
+    assert call_cost(measured, "ALL_GATHER", 1) == (0.0, 0.0)
+
+
+def test_zero3_pays_each_collective_call_on_the_path_and_on_the_cores(search):
+    from piper.compiler.tune_calibration import calls_seconds
+
+    zero3 = Candidate(4, 1, None, 1, None, "zero3")        # per device: 4 gathers forward, 3 backward, 4 reduce-scatters
+    dp = Candidate(4, 1, None, 1, None, "dp")              # 4 all-reduces
+    calls = {("ALL_GATHER", 4): (0.003, 0.001), ("REDUCE_SCATTER", 4): (0.004, 0.001), ("ALL_REDUCE", 4): (0.0, 0.0)}
+    roomy = {"cores": 64}
+    for c in (zero3, dp):
+        base = search.with_calibration(_cal(**roomy)).evaluate(c).step_s
+        priced = search.with_calibration(_cal(collectives=calls, **roomy)).evaluate(c).step_s
+        if c is dp:
+            assert priced == pytest.approx(base)
+        else:
+            # the first forward waits for its gather, every backward after the first for one more;
+            # the last reduce-scatter ends the step
+            assert priced > base + 0.003 + 0.004
+    from piper.compiler.planning import plan
+    from piper.dsl import load_strategy
+
+    plans = {0: plan(load_strategy(zero3.script(), file="<t>"), program=search.reference.program).plans[0]}
+    # per device: 7 gathers and 4 reduce-scatters at 1 ms of CPU each, less the runtime's 0.2 ms issuing each
+    issuing = RuntimeModel({"ALL_GATHER": 0.0002, "REDUCE_SCATTER": 0.0002})
+    assert calls_seconds(plans, calls, issuing) == pytest.approx(11 * 0.0008)
+
+
+def test_the_update_ratio_and_the_collectives_come_from_the_run():
+    from piper.compiler.tune_calibration import compute_ratio, is_update
+
+    step = {0: {"0F0": 0.004, "0B0": 0.006, "0UPD": 0.001, "step": 0.02}}
+    estimated = {"0F0": 0.002, "0B0": 0.003, "0UPD": 0.002}
+    assert compute_ratio([step], estimated, lambda k: not is_update(k)) == 2.0
+    assert compute_ratio([step], estimated, is_update) == 0.5
+    assert is_update("12UPD") and not is_update("1F0") and not is_update("0ALL_GATHER_F0")

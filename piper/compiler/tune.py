@@ -19,7 +19,8 @@ device is predicted (`piper.compiler.memory_model`), and its step time simulated
   as are its saved activations; a split backward's halves cost 0.6 of the
   whole each (a split backward costs 1.2x on CPU); a recomputed region's B
   (or BI) also costs its forward (`piper.compiler.step_costs`);
-- the optimizer's update per parameter element (AdamW's step, timed);
+- the optimizer's update per call and per parameter element (AdamW's step on one flat
+  parameter, timed at two sizes: a ZeRO shard's small update costs mostly its call);
 - communication by its bytes over a measured loopback TCP throughput (what
   Gloo moves between processes on one machine);
 - devices that outnumber the CPU cores share them (`simulate(cores=...)`);
@@ -45,10 +46,7 @@ they are indistinguishable rather than ranking them.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
-import pickle
 import socket
 import statistics
 import threading
@@ -119,39 +117,12 @@ class Result:
 # ---- measuring this machine ---------------------------------------------------------------------
 
 
-def _cache_dir() -> str:
-    from ..cache_dir import cache_dir
+def _cached(key: dict, make, *, again: bool = False, types=(), log=None):
+    """The value stored on disk under `key` (and this machine and torch: `tune_cache.cached`, JSON
+    holding only the dataclasses in `types`), else (or with `again`) `make()`, stored there."""
+    from .tune_cache import cached
 
-    path = cache_dir()
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _cached(key: dict, make, *, again: bool = False):
-    """A pickled value on disk under a hash of `key` (and this machine and torch), else (or with
-    `again`) `make()`, stored there."""
-    import torch
-
-    full = {**key, "host": socket.gethostname(), "torch": torch.__version__, "version": 2}
-    digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    path = os.path.join(_cache_dir(), f"tune-{digest}.pkl")
-    try:
-        if not again:
-            with open(path, "rb") as f:
-                return pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ModuleNotFoundError):
-        pass
-    value = make()
-    if value is None:          # nothing made: try again next time
-        return value
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            pickle.dump(value, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return value
+    return cached(key, make, again=again, types=types, log=log)
 
 
 @dataclass
@@ -173,7 +144,15 @@ def _graphless(program):
     return Program(regions, program.values, program.params, program.buffers, program.batch)
 
 
-def profile(model_spec: str, microbatch: int, *, repeats: int = 3) -> Profile:
+def profile_types() -> tuple:
+    """The dataclasses a cached `Profile` holds."""
+    from ..frontend.captured import Program, Region, RegionInput, TensorSpec, Value
+    from .memory_model import RegionBytes
+
+    return (Profile, Program, Region, RegionInput, TensorSpec, Value, RegionBytes)
+
+
+def profile(model_spec: str, microbatch: int, *, repeats: int = 3, log=None) -> Profile:
     """Capture the model at `microbatch` sequences and time each region (cached on disk)."""
     path, _, factory = model_spec.rpartition(":")
     key = {"model": os.path.abspath(path), "mtime": os.path.getmtime(path) if os.path.exists(path) else 0,
@@ -199,7 +178,7 @@ def profile(model_spec: str, microbatch: int, *, repeats: int = 3) -> Profile:
         bwd = {r: min(v) for (r, p), v in times.items() if p == "B"}
         return Profile(microbatch, _graphless(program), fwd, bwd, saved)
 
-    return _cached(key, make)
+    return _cached(key, make, types=profile_types(), log=log)
 
 
 def _loopback_bytes_per_s(size: int = 16 << 20) -> float:
@@ -230,27 +209,38 @@ def _loopback_bytes_per_s(size: int = 16 << 20) -> float:
     return size / max(elapsed, 1e-6)
 
 
-def _update_s_per_element(optimizer=None) -> float:
+def _update_seconds(optimizer=None, elements: int = 1 << 20) -> tuple[float, float]:
+    """(seconds per call, seconds per element) of the optimizer's step on one flat parameter, from
+    the best of a few steps on one element and on `elements`: a small shard's update (ZeRO's, over
+    many devices) costs mostly its call."""
     import torch
 
     optimizer = optimizer or functools.partial(torch.optim.AdamW, lr=1e-3)
-    p = torch.nn.Parameter(torch.zeros(1 << 20))
-    opt = optimizer([p])
-    p.grad = torch.ones_like(p)
-    opt.step()
-    best = float("inf")
-    for _ in range(3):
-        start = time.thread_time()
+
+    def best(n: int) -> float:
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = optimizer([p])
+        p.grad = torch.ones_like(p)
         opt.step()
-        best = min(best, time.thread_time() - start)
-    return best / (1 << 20)
+        out = float("inf")
+        for _ in range(5):
+            start = time.thread_time()
+            opt.step()
+            out = min(out, time.thread_time() - start)
+        return out
+
+    call = best(1)
+    return call, max(0.0, best(elements) - call) / elements
 
 
-def machine() -> dict:
-    """Measured (cached): loopback throughput and the optimizer's update cost per element."""
-    return _cached({"what": "machine"}, lambda: {"bandwidth": _loopback_bytes_per_s(),
-                                                 "update": _update_s_per_element(),
-                                                 "cores": os.cpu_count() or 1})
+def machine(log=None) -> dict:
+    """Measured (cached): loopback throughput and the optimizer's update cost per call and element."""
+    def make():
+        call, per_element = _update_seconds()
+        return {"bandwidth": _loopback_bytes_per_s(), "update": per_element, "update_call": call,
+                "cores": os.cpu_count() or 1}
+
+    return _cached({"what": "machine", "update": "per call and element"}, make, log=log)
 
 
 # ---- the search ----------------------------------------------------------------------------------
@@ -303,8 +293,8 @@ class Search:
         self.batch = batch
         self.optimizer = optimizer
         self.log = log or (lambda msg: None)
-        self.machine = machine()
-        self.reference = profile(model_spec, max(1, batch // max(devices, 1)))
+        self.machine = machine(self.log)
+        self.reference = profile(model_spec, max(1, batch // max(devices, 1)), log=self.log)
         self.regions = pp_regions(self.reference.program)
         self.skipped: list[tuple[Candidate, str]] = []
         # The runtime's costs on this machine (`tune_calibration.Calibration`, from `calibrate`); None
@@ -364,11 +354,11 @@ class Search:
     def compute_costs(self, compiled, program, c: Candidate, fwd: dict, bwd: dict) -> dict[str, float]:
         """Seconds per compute key of `compiled`: each region's forward and backward (`fwd`, `bwd`:
         region -> seconds at the candidate's microbatch size), a split backward's halves, the
-        update of the shard each device owns, and recomputed regions' reruns."""
+        update of the shard each device owns (a call and its elements), and recomputed regions' reruns."""
         from .step_costs import recompute_costs
 
         costs = {}
-        per_element = self.machine["update"]
+        per_element, per_call = self.machine["update"], self.machine.get("update_call", 0.0)
         owned = {r.index: sum(program.params[p].nbytes for p in r.owned) for r in compiled.ir.regions}
         for n in compiled.ir.nodes:
             if n.op == "F":
@@ -379,36 +369,44 @@ class Search:
                 costs[n.key] = SPLIT_HALF * bwd.get(n.region, 0.0)
             elif n.op == "UPD":
                 shard = owned.get(n.region, 0) / 4 / (c.dp if c.data in ("zero1", "zero2", "zero3") else 1)
-                costs[n.key] = shard * per_element
+                costs[n.key] = per_call + shard * per_element
         return recompute_costs(compiled, costs, measured=())      # B/BI of `recompute` regions: + their F
 
     def step(self, plans, costs: dict, comm, overlap=()) -> tuple[float, float]:
         """(predicted step seconds, bubble fraction) of `plans` (one replica per shard) with compute
-        `costs` per key and `comm(node)` the seconds of each communication's bytes.
+        `costs` per key and `comm(node)` the seconds of each communication's bytes (`simulation`)."""
+        sim, seconds = self.simulation(plans, costs, comm, overlap)
+        return seconds, sim.bubble_fraction
+
+    def simulation(self, plans, costs: dict, comm, overlap=()):
+        """(the `Simulation` of `plans`, the step it predicts in seconds): see `step`.
 
         Without a calibration: the computes on the machine's cores, communication by its bytes.
         With one (`tune_calibration.Calibration`): the runtime's measured costs laid onto the plans
         (`RuntimeModel.apply`: its work per action and per step, each device's start skew), a
         receive costing the measured message latency, the computes scaled by what they measured in
-        the calibration's workers over what the profile says (`Calibration.compute`), each device's
-        other threads (Gloo's copies of its bytes, `comm_seconds`, and the rest measured) competing
+        the calibration's workers over what the profile says (`Calibration.compute`, `update` for the
+        optimizer's), a collective costing its measured wall time per call beyond its bytes
+        (`Calibration.collectives`), each device's other threads (Gloo's copies of its bytes,
+        `comm_seconds`, its work per collective call, `calls_seconds`, and the rest measured) competing
         for the cores other processes leave, and the driver's own part of a step added; all of it
         times what the calibration's run measured over what this predicts for it (`scale`).
         """
         from .simulate import simulate
-        from .tune_calibration import comm_seconds, cores_left
+        from .tune_calibration import call_latency, calls_seconds, comm_seconds, cores_left, is_update
 
         cal = self.calibration
         if cal is None:
             sim = simulate(plans, costs=costs, comm_cost=comm, overlap=overlap, cores=self.machine["cores"],
                            devices=self.devices)
-            return sim.step_time, sim.bubble_fraction
-        costs = {k: v * cal.compute for k, v in costs.items()}
+            return sim, sim.step_time
+        costs = {k: v * (cal.update if is_update(k) else cal.compute) for k, v in costs.items()}
         led, full = cal.runtime.apply(plans, costs, overlap)
-        sim = simulate(led, costs=full, comm_cost=cal.runtime.comm_cost(comm), overlap=overlap,
-                       cores=cores_left(cal.cores, self.external or 0.0), devices=self.devices,
-                       background=cal.background + comm_seconds(plans, comm))
-        return (sim.step_time + cal.driver) * cal.scale, sim.bubble_fraction
+        sim = simulate(led, costs=full, comm_cost=cal.runtime.comm_cost(call_latency(cal.collectives, comm)),
+                       overlap=overlap, cores=cores_left(cal.cores, self.external or 0.0), devices=self.devices,
+                       background=cal.background + comm_seconds(plans, comm)
+                       + calls_seconds(plans, cal.collectives, cal.runtime))
+        return sim, (sim.step_time + cal.driver) * cal.scale
 
     def run(self, *, refine: int = 3) -> tuple[list[Result], list[Result]]:
         """(the results that fit, best first; every result) for every candidate."""
@@ -441,7 +439,7 @@ class Search:
                     r.exact = True
                     continue
                 self.log(f"measuring the model at {b} sequence(s) per microbatch")
-                exact = self.evaluate(r.candidate, profile(self.model_spec, b))
+                exact = self.evaluate(r.candidate, profile(self.model_spec, b, log=self.log))
                 if exact is None:
                     del every[i]
                     break

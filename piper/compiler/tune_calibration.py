@@ -12,7 +12,11 @@ processes take of the cores. A `Calibration` holds each as it was measured:
 - `background`: CPU seconds per device and step on threads other than the step's, beyond what
   the device's bytes cost at the loopback throughput (`background_seconds` adds those);
 - `compute`: the computes' CPU seconds in the workers over what tune's profile (one process,
-  one thread) says for the same actions;
+  one thread) says for the same actions, and `update` the same for the optimizer's updates
+  (a forward's or backward's ratio is not an update's: 1.6-2.2 against 0.9-1.6 measured);
+- `collectives`: per (op, group size) a small collective's wall and CPU seconds per call
+  (`job.collective_costs()`): on Gloo a call costs 0.2-1.5 ms of CPU and more of wall time
+  beyond its bytes, which ZeRO-3 pays several times per region and step (`call_cost`);
 - `driver`: the driver's step less the devices' span (the Ray call, the batch in, losses out);
 - `scale`: the run's measured step over what all of the above predicts for it (what they leave
   out on this machine, mostly the load's effect), carried to every candidate;
@@ -57,6 +61,8 @@ class Calibration:
     external: float = 0.0           # cores other processes kept busy during it
     steps: tuple[float, ...] = field(default_factory=tuple)
     compute: float = 1.0            # the workers' compute CPU seconds over the profile's, same actions
+    update: float = 1.0             # the same for the optimizer's updates (UPD)
+    collectives: dict = field(default_factory=dict)   # (op, group size) -> (wall s, CPU s) per call
     check: str = ""                 # the label of another candidate run beside it
     check_measured: float = 0.0     # its median step (s)
     check_predicted: float = 0.0    # what this calibration predicts for it, `scale` included (s)
@@ -123,6 +129,55 @@ def cores_left(cores: int, external: float) -> float:
     return max(0.25, cores - external)
 
 
+def call_cost(collectives: dict, op: str, n: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of one `op` call over `n` devices beyond its bytes: as measured for
+    (op, n), else the nearest measured group size of `op` scaled by the ring's steps,
+    (n - 1) / (m - 1), else (0, 0).
+
+        call_cost({("ALL_GATHER", 2): (0.002, 0.0004)}, "ALL_GATHER", 4) == (0.006, 0.0012)
+    """
+    if n < 2:
+        return 0.0, 0.0
+    if (op, n) in collectives:
+        wall, cpu = collectives[(op, n)]
+        return wall, cpu
+    sizes = sorted((abs(m - n), m) for o, m in collectives if o == op and m >= 2)
+    if not sizes:
+        return 0.0, 0.0
+    m = sizes[0][1]
+    wall, cpu = collectives[(op, m)]
+    k = (n - 1) / (m - 1)
+    return wall * k, cpu * k
+
+
+def calls_seconds(plans, collectives: dict, runtime=None) -> float:
+    """Per device (the mean over `plans`), the CPU seconds its collective calls cost beyond their
+    bytes (`call_cost`), less what the runtime's thread spends issuing each (`runtime.per_action`,
+    already in the plan's costs): the rest runs on Gloo's threads."""
+    total = []
+    for plan in plans.values():
+        sec = 0.0
+        for a in plan:
+            node = getattr(a, "node", None)
+            if node is None or node.is_compute or node.op in ("SEND", "RECV", "ALL_TO_ALL"):
+                continue
+            _, cpu = call_cost(collectives, node.op, len(node.devices or ()))
+            sec += max(0.0, cpu - (runtime.per_action(node.op) if runtime is not None else 0.0))
+        total.append(sec)
+    return statistics.fmean(total) if total else 0.0
+
+
+def call_latency(collectives: dict, comm):
+    """`comm(node)` (the seconds of a node's bytes) plus, for a collective, its measured wall
+    seconds per call (`call_cost`)."""
+    def cost(node) -> float:
+        extra = 0.0
+        if node.op not in ("SEND", "RECV", "ALL_TO_ALL"):
+            extra = call_cost(collectives, node.op, len(node.devices or ()))[0]
+        return comm(node) + extra
+    return cost
+
+
 def comm_seconds(plans, comm) -> float:
     """Per device (the mean over `plans`), the seconds `comm(node)` gives its sends, receives and
     collectives: what Gloo's threads spend copying the device's bytes at that throughput."""
@@ -171,6 +226,8 @@ def measure_together(jobs, data, *, steps: int = STEPS, warmup: int = WARMUP) ->
             out["cpu_overheads"].append(job.overheads(cpu=True))
             out["traced"].append({"recorded": [{**r, "steps": r["steps"][-1:]} for r in job.traced()],
                                   "plans": job.compiled.plans})
+    for job, out in zip(jobs, runs):     # after the steps: a call's own cost on each job's groups
+        out["collectives"] = job.collective_costs() if hasattr(job, "collective_costs") else {}
     return runs
 
 
@@ -198,26 +255,37 @@ def relative_spread(times) -> float:
     return statistics.median(abs(t - mid) for t in times) / mid if mid else 0.0
 
 
-def compute_ratio(cpu_timings, estimated: dict[str, float]) -> float:
+def is_update(key: str) -> bool:
+    """Whether a compute key is an optimizer update (`0UPD`)."""
+    return key.lstrip("0123456789").startswith("UPD")
+
+
+def compute_ratio(cpu_timings, estimated: dict[str, float], keep=None) -> float:
     """The workers' compute CPU seconds over `estimated`'s for the same keys (each key's median over
-    the timed steps, summed over the keys both have); 1 where none match."""
+    the timed steps, summed over the keys both have, those `keep(key)` admits); 1 where none match."""
     samples: dict[str, list[float]] = {}
     for step in cpu_timings:
         for per_rank in step.values():
             for key, sec in per_rank.items():
-                if key in estimated:
+                if key in estimated and (keep is None or keep(key)):
                     samples.setdefault(key, []).append(sec)
     guess = sum(estimated[k] for k in samples)
     return sum(statistics.median(v) for v in samples.values()) / guess if guess > 0 else 1.0
 
 
-def from_run(run: dict, *, cores: int, comm, plans, candidate: str = "", estimated=None) -> Calibration:
+def from_run(run: dict, *, cores: int, comm, plans, candidate: str = "", estimated=None,
+             collectives: dict | None = None) -> Calibration:
     """A `Calibration` from `measure`'s record of one job (`comm`: the job's `comm_cost` by bytes,
-    `plans`: its representatives' plans; `estimated`: tune's compute costs per key for it), before
+    `plans`: its representatives' plans; `estimated`: tune's compute costs per key for it;
+    `collectives`: the calls' costs, default the run's own, `job.collective_costs()`), before
     its own prediction is known."""
     runtime = RuntimeModel.measured(run["cpu_overheads"], run["traced"])
-    background = max(0.0, other_threads(run["cpu_timings"], run["cpu_overheads"]) - comm_seconds(plans, comm))
+    collectives = dict(collectives if collectives is not None else run.get("collectives", {}))
+    background = max(0.0, other_threads(run["cpu_timings"], run["cpu_overheads"]) - comm_seconds(plans, comm)
+                     - calls_seconds(plans, collectives, runtime))
+    estimated = estimated or {}
     return Calibration(runtime, background, driver_seconds(run["times"], run["traced"]), cores, candidate,
                        statistics.median(run["times"]), 0.0, relative_spread(run["times"]),
                        statistics.median(run["external"]) if run["external"] else 0.0, tuple(run["times"]),
-                       compute_ratio(run["cpu_timings"], estimated) if estimated else 1.0)
+                       compute_ratio(run["cpu_timings"], estimated, lambda k: not is_update(k)),
+                       compute_ratio(run["cpu_timings"], estimated, is_update), collectives)

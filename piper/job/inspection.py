@@ -40,6 +40,20 @@ class JobInspection:
         return dict(enumerate(self._get([a.__ray_call__.remote(read_overheads, cpu) for a in self.actors],
                                         "overheads")))
 
+    def collective_costs(self) -> dict[tuple[str, int], tuple[float, float]]:
+        """Per (op, group size) of the job's groups: a small collective's wall and CPU seconds per
+        call (every thread of the process), the median over the ranks; run between steps
+        (`piper.runtime.collective_timing`, which `piper tune`'s calibration prices calls by)."""
+        self._check_open()
+        import statistics
+
+        from ..runtime.collective_timing import time_collectives
+
+        per_rank = self._get([a.__ray_call__.remote(time_collectives) for a in self.actors], "collective_costs")
+        keys = sorted({k for r in per_rank for k in r})
+        return {k: (statistics.median(r[k][0] for r in per_rank if k in r),
+                    statistics.median(r[k][1] for r in per_rank if k in r)) for k in keys}
+
     def traced(self) -> list[dict]:
         """Per rank, the last steps' action spans, communication completions and the worker's clocks
         (what `trace` draws), as data: `piper.compiler.runtime_costs.start_skews` and `receive_latencies` read it."""

@@ -1,0 +1,161 @@
+"""`piper tune`'s measurement cache on disk: JSON files with a format version, read back only into the
+dataclasses a caller names. Nothing in a cache file runs when it is read (a pickle would run what it names).
+
+    value = cached({"what": "machine"}, measure, types=())     # read tune-<hash>.json, else measure and store
+
+A file that does not parse, has another version or key, or names a type the caller did not allow
+is ignored (one line through `log`, no traceback) and the value measured again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+
+FORMAT = "piper-tune-cache"
+VERSION = 3        # 2: pickles (`tune-*.pkl`, never read now); 3: this JSON form
+
+
+class CacheFormatError(ValueError):
+    """A cache file that is not one this version wrote."""
+
+
+def encode(value):
+    """`value` as JSON-ready data: scalars as they are, tuples, lists, dicts (any hashable keys),
+    torch dtypes and dataclasses tagged with what they were.
+
+        encode((1, {2: 0.5})) == {"tuple": [1, {"dict": [[2, 0.5]]}]}
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"tuple": [encode(v) for v in value]}
+    if isinstance(value, list):
+        return {"list": [encode(v) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": [[encode(k), encode(v)] for k, v in value.items()]}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return {"dataclass": type(value).__name__, "fields": fields}
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return {"dtype": str(value).removeprefix("torch.")}
+    raise TypeError(f"tune's cache cannot store a {type(value).__name__}")
+
+
+def decode(data, types=()):
+    """The value `encode` made `data` from; a dataclass only if it is one of `types` (by name).
+    Raises `CacheFormatError` for anything else."""
+    allowed = {t.__name__: t for t in types}
+
+    def walk(x):
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if not isinstance(x, dict) or len(x) not in (1, 2):
+            raise CacheFormatError(f"unexpected {type(x).__name__} in the file")
+        if "tuple" in x and len(x) == 1:
+            return tuple(walk(v) for v in _array(x["tuple"]))
+        if "list" in x and len(x) == 1:
+            return [walk(v) for v in _array(x["list"])]
+        if "dict" in x and len(x) == 1:
+            pairs = [_array(p) for p in _array(x["dict"])]
+            if any(len(p) != 2 for p in pairs):
+                raise CacheFormatError("a dict entry that is not a [key, value] pair")
+            return {walk(k): walk(v) for k, v in pairs}
+        if "dtype" in x and len(x) == 1:
+            import torch
+
+            dtype = getattr(torch, str(x["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise CacheFormatError(f"unknown dtype {x['dtype']!r}")
+            return dtype
+        if set(x) == {"dataclass", "fields"}:
+            cls = allowed.get(x["dataclass"])
+            if cls is None or not isinstance(x["fields"], dict):
+                raise CacheFormatError(f"a {x['dataclass']!r}, which this cache does not hold")
+            names = {f.name for f in dataclasses.fields(cls) if f.init}
+            if not set(x["fields"]) <= names:
+                raise CacheFormatError(f"fields {sorted(set(x['fields']) - names)} that {cls.__name__} lacks")
+            return cls(**{k: walk(v) for k, v in x["fields"].items()})
+        raise CacheFormatError(f"an entry tagged {sorted(x)}")
+
+    return walk(data)
+
+
+def _array(x) -> list:
+    if not isinstance(x, list):
+        raise CacheFormatError(f"a {type(x).__name__} where a list belongs")
+    return x
+
+
+def cache_key(key: dict) -> dict:
+    """`key` with what else makes a measurement invalid: this machine, torch, the cache's version."""
+    import torch
+
+    return {**key, "host": socket.gethostname(), "torch": torch.__version__, "version": VERSION}
+
+
+def cache_path(full: dict) -> str:
+    """The file for a full key (`cache_key`) in the cache folder (`piper.cache_dir`), which is made."""
+    from ..cache_dir import cache_dir
+
+    folder = cache_dir()
+    os.makedirs(folder, exist_ok=True)
+    digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return os.path.join(folder, f"tune-{digest}.json")
+
+
+def read(path: str, full: dict, types=()):
+    """The value stored at `path` for `full`; `CacheFormatError` if the file is not one this version
+    wrote for that key, `FileNotFoundError` if there is none."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise CacheFormatError(f"not JSON ({err})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CacheFormatError("not a tune cache file")
+    if data.get("version") != VERSION:
+        raise CacheFormatError(f"version {data.get('version')!r}, not {VERSION}")
+    if data.get("key") != json.loads(json.dumps(full, sort_keys=True, default=str)):
+        raise CacheFormatError("stored for another key")
+    try:
+        return decode(data.get("value"), types)
+    except (TypeError, ValueError, RecursionError) as err:     # a dataclass refusing its fields, too
+        raise CacheFormatError(str(err)) from None
+
+
+def write(path: str, full: dict, value) -> None:
+    """Store `value` for `full` at `path` (atomically: a reader sees the old file or the new)."""
+    text = json.dumps({"format": FORMAT, "version": VERSION, "key": json.loads(json.dumps(full, default=str)),
+                       "value": encode(value)})
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def cached(key: dict, make, *, types=(), again: bool = False, log=None):
+    """The value stored under `key` (and this machine, torch and version), else (or with `again`)
+    `make()`, stored there unless it is None. `types`: the dataclasses the value may hold; a file
+    that holds anything else, or is not this version's, is ignored with a line through `log`."""
+    full = cache_key(key)
+    path = cache_path(full)
+    if not again:
+        try:
+            return read(path, full, types)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            (log or (lambda m: None))(f"cannot read the cache file {path} ({err.strerror}): measuring again")
+        except CacheFormatError as err:
+            (log or (lambda m: None))(f"ignoring the cache file {path}: {err}; measuring again")
+    value = make()
+    if value is None:          # nothing made: try again next time
+        return value
+    try:
+        write(path, full, value)
+    except OSError:
+        pass
+    return value
