@@ -167,7 +167,8 @@ def main(args) -> int:
     log = (lambda msg: err_console.print(f"[dim]piper tune: {msg}[/]")) if args.format != "json" else None
     batch = args.batch_size or 16
     start = time.perf_counter()
-    search = Search(args.model, args.devices, budget, batch, log=log)
+    search = Search(args.model, args.devices, budget, batch, log=log,
+                    tensor=getattr(args, "tensor_parallel", None))
     if getattr(args, "calibrate", True):
         calibration = calibrate(search, log=log, again=getattr(args, "recalibrate", False))
         if calibration is not None:

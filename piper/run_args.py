@@ -106,6 +106,9 @@ def add_tune_parser(commands) -> None:
     tune.add_argument("-o", "--output", metavar="BEST.pps", help="write the best strategy, with its mesh")
     tune.add_argument("--format", choices=("text", "json"), default="text")
     tune.add_argument("--top", type=int, default=15, metavar="N", help="rows to show (default 15)")
+    tune.add_argument("--tensor-parallel", metavar="STRATEGY", dest="tensor_parallel",
+                      help="also search tp sizes, dividing the model as STRATEGY says (a strategy used on tp, "
+                           "e.g. llama_tensor_parallel)")
     tune.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                       help="predict from the computes alone: no short run to measure the runtime's costs")
     tune.add_argument("--recalibrate", action="store_true",

@@ -57,3 +57,37 @@ def lane_group(groups, lane: int):
         yield
     finally:
         _thread.group = previous
+
+
+class Alone:
+    """A stand-in group of `size` devices for running a graph divided over tp in one process
+    (measuring its regions' compute and saved bytes: `memory_model.run_regions`): the shapes of
+    every collective, none of its data (all-reduces leave their input, gathers repeat it)."""
+
+    def __init__(self, size: int):
+        self.size, self.index = size, 0
+
+    def all_reduce(self, t, op: str = "sum") -> None:
+        pass
+
+    def all_gather(self, x, dim: int):
+        import torch
+
+        return torch.cat([x] * self.size, dim)
+
+    def reduce_scatter(self, x, dim: int):
+        return x.chunk(self.size, dim)[0].contiguous()
+
+
+@contextlib.contextmanager
+def alone(size: int):
+    """Run the body with `Alone(size)` as the calling thread's group (nothing without tp)."""
+    if size <= 1:
+        yield
+        return
+    previous = getattr(_thread, "group", None)
+    _thread.group = Alone(size)
+    try:
+        yield
+    finally:
+        _thread.group = previous

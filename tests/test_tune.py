@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from piper.dsl import load_strategy
 from piper.job import plan
 from piper.compiler.memory_model import parse_bytes, predict_memory
 from piper.compiler.tune import Candidate, candidates
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = "examples/gpt.py:small_gpt"          # 4 PP regions
 
@@ -134,3 +137,37 @@ def test_an_update_costs_its_call_and_its_elements():
         first = next(r for r in compiled.ir.regions if r.index == 0)
         elements = sum(program.params[p].nbytes for p in first.owned) / 4       # float32
         assert costs["0UPD"] == pytest.approx(0.01 + elements / shards * 1e-9)
+
+
+def test_tune_searches_tensor_parallel_sizes(tmp_path, monkeypatch):
+    """With a tensor-parallel plan, tune's candidates include dp x pp x tp meshes; each is priced
+    from the model measured at its own shards (the parameters predicted per device shrink), and
+    a size the plan cannot divide is skipped with the capture's reason."""
+    from piper.compiler.tune import Search, candidates
+
+    monkeypatch.setenv("PIPER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.py").write_text(
+        "import sys\nsys.path.insert(0, %r)\n" % str(ROOT) +
+        "from examples.llama_tp import LlamaTP, batches\nimport torch\n"
+        "def small():\n    torch.manual_seed(0)\n    return LlamaTP(stages=2)\n"
+        "def example_batch(b):\n    return batches(count=1, batch=b)[0]\n")
+    (tmp_path / "plan.pps").write_text(
+        'strategy llama_tp(axis = tp):\n    """The example model\'s plan."""\n'
+        '    shard columns of "blocks.*.attn.q", "blocks.*.attn.k", "blocks.*.attn.v", "blocks.*.mlp.gate", '
+        '"blocks.*.mlp.up" over axis\n'
+        '    shard rows of "blocks.*.attn.o", "blocks.*.mlp.down" over axis\n'
+        '    shard vocab of "embed", "head" over axis\n')
+    search = Search(f"{tmp_path / 'model.py'}:small", 4, 64 << 20, 8, tensor="plan.pps:llama_tp")
+    found = candidates(4, 8, search.regions, tensor=search.tensor)
+    assert {c.tp for c in found} == {1, 2, 4}
+    plain = next(c for c in found if c.tp == 1 and c.dp == 2 and c.pp == 2 and c.schedule == "one_f_one_b"
+                 and c.data == "dp")
+    divided = next(c for c in found if c.tp == 2 and c.pp == 2 and c.schedule == "one_f_one_b"
+                   and c.microbatches == plain.microbatches)       # dp=1: the batch whole on each device
+    assert "use llama_tp() on tp" in divided.script() and "tp=2" in divided.script()
+    one, two = search.evaluate(plain), search.evaluate(divided)
+    assert one is not None and two is not None
+    assert two.memory["params"] < one.memory["params"]
+    assert search.evaluate(next(c for c in found if c.tp == 4)) is None
+    assert "does not divide" in search.skipped[-1][1]

@@ -155,10 +155,14 @@ def run_regions(program: Program, *, backward: bool = False, timer=None, dtype=N
     """
     import time
 
+    from ..tensor_context import alone
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    tensor = getattr(program, "tensor", None)
     try:
-        return _run_regions(program, backward, timer, time.thread_time, dtype, pieces)
+        with alone(tensor.size if tensor is not None else 1):     # one device's shards, collectives' shapes only
+            return _run_regions(program, backward, timer, time.thread_time, dtype, pieces)
     finally:
         torch.set_num_threads(threads)
 

@@ -84,7 +84,7 @@ def comm_cost(compiled, program, *, bandwidth: float, precision=None, value_scal
                        next((program.params[p].dtype for p in r.owned), torch.float32))
              for r in compiled.ir.regions}
     values = {(v.producer, v.index): (v.spec.nbytes * value_scale, v.spec.dtype) for v in program.values}
-    from ..ir.tensor_comm import traffic
+    from ..frontend.tensor_traffic import traffic
 
     tensor = traffic(program)      # (region, F | B) -> (bytes, collectives) of its TP collectives
 

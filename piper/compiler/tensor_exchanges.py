@@ -10,7 +10,7 @@ A region under `shard columns/rows/vocab` computes with its TP ops inside its gr
 all-reduces of Megatron-LM's f and g (the all-gathers and reduce-scatters along the sequence
 under `shard sequence`, the vocab loss's three small all-reduces) run on the device's tensor
 group as the compute reaches them. `0TP_F3` stands for those of one pass (how many and the
-bytes: `piper.ir.tensor_comm.traffic`): every device of the region issues the same ones in the
+bytes: `piper.frontend.tensor_traffic.traffic`): every device of the region issues the same ones in the
 same order, which `piper check`'s collective-order check verifies, and `job.timings()` holds
 their seconds under this key (moved out of the compute's own), which `simulate(...,
 comm_cost=...)` prices. After a pass cut at its expert all-to-alls it follows the pass's last piece.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..ir.dag import Edge, Node, node_key
-from ..ir.tensor_comm import traffic
+from ..frontend.tensor_traffic import traffic
 from .plans import Compiled, project
 
 if TYPE_CHECKING:

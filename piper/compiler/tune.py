@@ -69,9 +69,11 @@ class Candidate:
     virtual: int | None = None
     data: str | None = None
     recompute: bool = False        # `recompute PP=*`: every PP region keeps only its inputs
+    tp: int = 1                    # tensor parallelism's size (with `tensor`, its plan: a strategy used on tp)
+    tensor: str | None = None
 
     def script(self) -> str:
-        axes = [f"{a}={n}" for a, n in (("dp", self.dp), ("pp", self.pp)) if n > 1]
+        axes = [f"{a}={n}" for a, n in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if n > 1]
         lines = [f"mesh {', '.join(axes)}"] if axes else []
         if self.schedule:
             extra = f", virtual={self.virtual}" if self.virtual else ""
@@ -82,10 +84,12 @@ class Candidate:
             lines.append(f"split MB into {self.microbatches}")
         if self.recompute:
             lines.append("recompute PP=*")
+        if self.tp > 1:
+            lines = tensor_lines(self.tensor, lines)
         return "\n".join(lines) + "\n"
 
     def label(self) -> str:
-        parts = [f"dp={self.dp} pp={self.pp}"]
+        parts = [f"dp={self.dp} pp={self.pp}" + (f" tp={self.tp}" if self.tp > 1 else "")]
         if self.schedule:
             parts.append(f"{self.schedule}" + (f" v={self.virtual}" if self.virtual else ""))
         parts.append(f"m={self.microbatches}")
@@ -108,7 +112,7 @@ class Result:
     def as_dict(self) -> dict:
         c = self.candidate
         return {"script": c.script(), "step_s": self.step_s, "peak_bytes": self.peak_bytes,
-                "label": c.label(), "mesh": {"dp": c.dp, "pp": c.pp}, "schedule": c.schedule,
+                "label": c.label(), "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp}, "schedule": c.schedule,
                 "microbatches": c.microbatches, "virtual": c.virtual, "data_parallel": c.data,
                 "recompute": c.recompute, "bubble": self.bubble, "memory": self.memory,
                 "exact_activations": self.exact}
@@ -141,22 +145,30 @@ def _graphless(program):
     from ..frontend.capture import Program
 
     regions = tuple(replace(r, graph=None) for r in program.regions)
-    return Program(regions, program.values, program.params, program.buffers, program.batch)
+    tensor = program.tensor
+    if tensor is not None:          # the cache holds tuples, not sets
+        tensor = replace(tensor, summed=tuple(sorted(tensor.summed)))
+    return Program(regions, program.values, program.params, program.buffers, program.batch, tensor=tensor)
 
 
 def profile_types() -> tuple:
     """The dataclasses a cached `Profile` holds."""
     from ..frontend.captured import Program, Region, RegionInput, TensorSpec, Value
+    from ..frontend.tensor_parallel import TensorLayout
     from .memory_model import RegionBytes
 
-    return (Profile, Program, Region, RegionInput, TensorSpec, Value, RegionBytes)
+    return (Profile, Program, Region, RegionInput, TensorSpec, Value, RegionBytes, TensorLayout)
 
 
-def profile(model_spec: str, microbatch: int, *, repeats: int = 3, log=None) -> Profile:
-    """Capture the model at `microbatch` sequences and time each region (cached on disk)."""
+def profile(model_spec: str, microbatch: int, *, repeats: int = 3, log=None, tp: int = 1,
+            tensor: str | None = None) -> Profile:
+    """Capture the model at `microbatch` sequences and time each region (cached on disk); with
+    `tp > 1`, divided over tp by the strategy `tensor` (one device's shards and collectives' shapes)."""
     path, _, factory = model_spec.rpartition(":")
     key = {"model": os.path.abspath(path), "mtime": os.path.getmtime(path) if os.path.exists(path) else 0,
            "factory": factory, "microbatch": microbatch, "repeats": repeats, "clock": "thread"}
+    if tp > 1:
+        key.update(tp=tp, tensor=tensor)
 
     def make():
         import torch
@@ -167,7 +179,7 @@ def profile(model_spec: str, microbatch: int, *, repeats: int = 3, log=None) -> 
 
         model, module = load_model(model_spec)
         inputs = example_batch(module, microbatch)
-        program = capture(model, inputs)
+        program = capture(model, inputs, tensor=_tensor_plan(tp, tensor))
         times: dict[tuple, list] = {}
         saved = {}
         with torch.random.fork_rng(devices=[]):
@@ -179,6 +191,28 @@ def profile(model_spec: str, microbatch: int, *, repeats: int = 3, log=None) -> 
         return Profile(microbatch, _graphless(program), fwd, bwd, saved)
 
     return _cached(key, make, types=profile_types(), log=log)
+
+
+def tensor_lines(tensor: str, lines: list[str]) -> list[str]:
+    """`lines` using the tensor-parallel plan `tensor` on tp: a standard strategy's name, or
+    `FILE.pps:NAME` (imported by its path from the working directory, as a script there would)."""
+    path, _, name = tensor.rpartition(":")
+    if path.endswith(".pps"):
+        return [f'import "{os.path.relpath(path)}"', *lines, f"use {name}() on tp"]
+    return [*lines, f"use {tensor}() on tp"]
+
+
+def _tensor_plan(tp: int, tensor: str | None):
+    """The `TensorPlan` of `use TENSOR() on tp` on a mesh with tp devices (None for tp 1)."""
+    if tp <= 1:
+        return None
+    from ..dsl import load_strategy
+    from ..frontend.tensor_parallel import plan_of
+    from .planning import build_strategy
+
+    text = "\n".join(tensor_lines(tensor, [f"mesh tp={tp}"])) + "\n"
+    mesh, directives = build_strategy(load_strategy(text, file="<tune>"), None)
+    return plan_of(directives, mesh)
 
 
 def _loopback_bytes_per_s(size: int = 16 << 20) -> float:
@@ -250,8 +284,19 @@ def pp_regions(program) -> int:
     return len({dict(r.tags).get("PP") for r in program.regions if "PP" in dict(r.tags)}) or 1
 
 
-def candidates(devices: int, batch: int, regions: int, *, max_microbatches: int = 64) -> list[Candidate]:
-    """Every composition to try: meshes dp x pp = devices, schedules the regions allow, microbatches, dp/ZeRO."""
+def candidates(devices: int, batch: int, regions: int, *, max_microbatches: int = 64,
+               tensor: str | None = None) -> list[Candidate]:
+    """Every composition to try: meshes dp x pp (x tp, with a tensor-parallel plan `tensor`) = devices,
+    schedules the regions allow, microbatches, dp/ZeRO."""
+    out = []
+    for tp in range(1, devices + 1) if tensor else (1,):
+        if devices % tp == 0:
+            out += [replace(c, tp=tp, tensor=tensor if tp > 1 else None)
+                    for c in _dp_pp(devices // tp, batch, regions, max_microbatches)]
+    return out
+
+
+def _dp_pp(devices: int, batch: int, regions: int, max_microbatches: int) -> list[Candidate]:
     out = []
     for pp in range(1, devices + 1):
         if devices % pp:
@@ -286,7 +331,7 @@ class Search:
     """The state of one search: the model's measured profiles, the machine, the budget."""
 
     def __init__(self, model_spec: str, devices: int, memory: int, batch: int, *, optimizer=None, log=None,
-                 calibration=None, external: float | None = None):
+                 calibration=None, external: float | None = None, tensor: str | None = None):
         self.model_spec = model_spec
         self.devices = devices
         self.memory = memory
@@ -295,6 +340,8 @@ class Search:
         self.log = log or (lambda msg: None)
         self.machine = machine(self.log)
         self.reference = profile(model_spec, max(1, batch // max(devices, 1)), log=self.log)
+        self.tensor = tensor          # a tensor-parallel plan (a strategy used on tp): tp sizes are searched too
+        self._by_tp = {1: self.reference}
         self.regions = pp_regions(self.reference.program)
         self.skipped: list[tuple[Candidate, str]] = []
         # The runtime's costs on this machine (`tune_calibration.Calibration`, from `calibrate`); None
@@ -319,8 +366,24 @@ class Search:
         other.external = external if external is not None else calibration.external
         return other
 
-    def _scaled(self, b: int, exact: Profile | None = None):
-        ref = exact or self.reference
+    def reference_for(self, tp: int) -> Profile:
+        """The profile at the reference microbatch size, divided over `tp` devices (measured once)."""
+        from ..diagnostics import PiperError
+
+        found = self._by_tp.get(tp)
+        if found is None:
+            self.log(f"measuring the model divided over tp={tp}")
+            try:
+                found = profile(self.model_spec, self.reference.microbatch, log=self.log, tp=tp, tensor=self.tensor)
+            except PiperError as err:      # the plan does not divide at this size: every such candidate skips
+                found = err
+            self._by_tp[tp] = found
+        if isinstance(found, PiperError):
+            raise found
+        return found
+
+    def _scaled(self, b: int, exact: Profile | None = None, tp: int = 1):
+        ref = exact or self.reference_for(tp)
         k = b / ref.microbatch
         return ({r: t * k for r, t in ref.forward.items()}, {r: t * k for r, t in ref.backward.items()},
                 {r: s.scaled(k) for r, s in ref.saved.items()})
@@ -333,21 +396,21 @@ class Search:
         from .memory_model import predict_memory
         from .step_costs import comm_cost
 
-        program = (exact or self.reference).program
         try:
+            ref = exact or self.reference_for(c.tp)
+            program = ref.program
             compiled = plan(load_strategy(c.script(), file="<tune>"), program=program)
         except PiperError as err:
             self.skipped.append((c, err.diagnostics[0].message))
             return None
         b = self.batch // (c.dp * c.microbatches)
-        fwd, bwd, saved = self._scaled(b, exact)
+        fwd, bwd, saved = self._scaled(b, exact, c.tp)
         memory = predict_memory(compiled, program, optimizer=self.optimizer, saved=saved,
                                 ranks=compiled.plans.representatives())
         fullest = max(memory.values(), key=lambda m: m.peak)
         costs = self.compute_costs(compiled, program, c, fwd, bwd)
         bandwidth = self.machine["bandwidth"]
-        comm = comm_cost(compiled, program, bandwidth=bandwidth,
-                         value_scale=b / (exact or self.reference).microbatch)
+        comm = comm_cost(compiled, program, bandwidth=bandwidth, value_scale=b / ref.microbatch)
         step, bubble = self.step(compiled.plans.representatives(), costs, comm, overlapped_slots(compiled))
         return Result(c, step, fullest.peak, bubble, fullest.as_dict(), exact is not None)
 
@@ -415,7 +478,7 @@ class Search:
         # where that one does not fit: it is tried for those that miss the budget (or come
         # within the refinement's margin of it, where exact activations may still push them out).
         recomputable = any("PP" in dict(r.tags) for r in self.reference.program.regions)
-        for c in candidates(self.devices, self.batch, self.regions):
+        for c in candidates(self.devices, self.batch, self.regions, tensor=self.tensor):
             r = self.evaluate(c)
             if r is not None:
                 every.append(r)
@@ -439,7 +502,8 @@ class Search:
                     r.exact = True
                     continue
                 self.log(f"measuring the model at {b} sequence(s) per microbatch")
-                exact = self.evaluate(r.candidate, profile(self.model_spec, b, log=self.log))
+                exact = self.evaluate(r.candidate, profile(self.model_spec, b, log=self.log, tp=r.candidate.tp,
+                                                           tensor=r.candidate.tensor))
                 if exact is None:
                     del every[i]
                     break

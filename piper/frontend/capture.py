@@ -103,8 +103,10 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = (),
     program.undivided_experts = undivided
     if layout is not None:
         from .tensor_gradients import summed
+        from .tensor_traffic import read_traffic
 
-        program.tensor = replace(layout, summed=summed(program, layout.dims))
+        program.tensor = replace(layout, summed=summed(program, layout.dims),
+                                 traffic=read_traffic(program, layout.size))
     return program
 
 

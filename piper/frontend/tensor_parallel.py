@@ -71,6 +71,7 @@ class TensorLayout:
     summed: frozenset = frozenset()                   # replicated params with gradients summed over tp
     sequence: bool = False
     modules: dict = field(default_factory=dict)       # module name -> its kind
+    traffic: dict = field(default_factory=dict)       # (region, F | B) -> (bytes, collectives): `tensor_traffic`
 
 
 def plan_of(directives, mesh) -> TensorPlan | None:

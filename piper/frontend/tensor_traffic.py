@@ -13,6 +13,9 @@ reduce-scatter along a dimension, so the runtime runs it as an all-reduce and ke
     tp_max           forward all-reduce of x       backward 0
 
     traffic(program)[(3, "F")] == (bytes, collectives)     # region 3's forward, per microbatch
+
+Read once at capture, while the program has its graphs, into `TensorLayout.traffic`, which
+graph-less copies of the program (`piper tune`'s cached profiles) keep.
 """
 from __future__ import annotations
 
@@ -46,7 +49,11 @@ def traffic(program) -> dict[tuple[int, str], tuple[float, int]]:
     tensor = getattr(program, "tensor", None)
     if tensor is None:
         return {}
-    n = tensor.size
+    return dict(tensor.traffic)
+
+
+def read_traffic(program, n: int) -> dict[tuple[int, str], tuple[float, int]]:
+    """`traffic` read off the program's region graphs, for tp size `n`."""
     out: dict[tuple[int, str], tuple[float, int]] = {}
     for region in program.regions:
         if region.graph is None:
