@@ -1,4 +1,4 @@
-"""`piper.runtime.collective_timing`: a small collective's cost per call on each of a worker's groups,
+"""`piper.runtime.communication.collective_timing`: a small collective's cost per call on each of a worker's groups,
 timed on a real two-process Gloo group (no Ray)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from piper.runtime.collective_timing import OPS, time_collectives
+from piper.runtime.communication.collective_timing import OPS, time_collectives
 
 
 def _port() -> int:

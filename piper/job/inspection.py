@@ -43,11 +43,11 @@ class JobInspection:
     def collective_costs(self) -> dict[tuple[str, int], tuple[float, float]]:
         """Per (op, group size) of the job's groups: a small collective's wall and CPU seconds per
         call (every thread of the process), the median over the ranks; run between steps
-        (`piper.runtime.collective_timing`, which `piper tune`'s calibration prices calls by)."""
+        (`piper.runtime.communication.collective_timing`, which `piper tune`'s calibration prices calls by)."""
         self._check_open()
         import statistics
 
-        from ..runtime.collective_timing import time_collectives
+        from ..runtime.communication.collective_timing import time_collectives
 
         per_rank = self._get([a.__ray_call__.remote(time_collectives) for a in self.actors], "collective_costs")
         keys = sorted({k for r in per_rank for k in r})

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import comm
+from . import collectives
 
 OPS = ("ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER")
 ELEMENTS = 256          # per member: a call's fixed cost, not its bytes
@@ -25,10 +25,10 @@ REPEATS, WARMUP = 6, 2
 
 def _issue(op: str, group, n: int):
     if op == "ALL_REDUCE":
-        return comm.all_reduce(torch.zeros(ELEMENTS * n), group)
+        return collectives.all_reduce(torch.zeros(ELEMENTS * n), group)
     if op == "REDUCE_SCATTER":
-        return comm.reduce_scatter_into(torch.zeros(ELEMENTS), torch.zeros(ELEMENTS * n), group)
-    return comm.all_gather_into(torch.zeros(ELEMENTS * n), torch.zeros(ELEMENTS), group)
+        return collectives.reduce_scatter_into(torch.zeros(ELEMENTS), torch.zeros(ELEMENTS * n), group)
+    return collectives.all_gather_into(torch.zeros(ELEMENTS * n), torch.zeros(ELEMENTS), group)
 
 
 def time_collectives(worker, repeats: int = REPEATS) -> dict[tuple[str, int], tuple[float, float]]:
