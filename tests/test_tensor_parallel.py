@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import piper
 import piper.nn
-from examples.llama_tp import Attention, batches, make_model, tensor_parallel
+from examples.llama_tp import Attention, LlamaTP, batches, make_model, tensor_parallel
 from piper.diagnostics import PiperError
 from piper.dsl import load_strategy
 from piper.testing import train_both
@@ -107,7 +107,10 @@ def test_pp2_x_tp2_with_1f1b_and_sequence_parallelism():
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_dp2_x_pp2_x_tp2_with_zero3_1f1b_sequence_and_vocab_on_8_workers():
-    assert_same(train(strategy(dp="zero3", pp=True, sequence=True), {"dp": 2, "pp": 2, "tp": 2}, stages=2, batch=8))
+    seen = {}
+    assert_same(train(strategy(dp="zero3", pp=True, sequence=True), {"dp": 2, "pp": 2, "tp": 2}, stages=2, batch=8,
+                      job_hook=lambda job: seen.update(program=job.program)))
+    assert len(seen["program"].regions) == 2 and VOCAB not in last_dims(seen["program"])
 
 
 class MoEBlock(nn.Module):
@@ -190,9 +193,10 @@ def test_hugging_face_llama_under_pp2_x_tp2_by_module_path():
     seen = {}
     assert_same(train_both(model, plan, mesh={"pp": 2, "tp": 2}, batches=batches(batch=4, vocab=VOCAB),
                            optimizer=ADAMW, progress=False,
-                           job_hook=lambda job: seen.update(tensor=job.program.tensor)))
+                           job_hook=lambda job: seen.update(program=job.program)))
     assert {"m.model.layers.1.self_attn.k_proj.weight", "m.model.layers.0.mlp.down_proj.weight",
-            "m.model.embed_tokens.weight", "m.lm_head.weight"} <= set(seen["tensor"].dims)
+            "m.model.embed_tokens.weight", "m.lm_head.weight"} <= set(seen["program"].tensor.dims)
+    assert len(seen["program"].regions) == 2 and VOCAB not in last_dims(seen["program"]), "the loss is on shards"
 
 
 # ---- the vocab-parallel loss on one device (no tensor group: the collectives are the identity)
@@ -220,6 +224,32 @@ def test_vocab_cross_entropy_is_cross_entropy_and_keeps_one_copy_of_the_logits(i
     # For backward it keeps the exponentials and vectors, not a second [N, V] tensor (cross_entropy
     # keeps log_softmax's result: at tp=2 two halves would be as much as that).
     assert logits.numel() * 8 <= sum(kept) < logits.numel() * 8 * 3 // 2, kept
+
+
+class FlattenedLoss(LlamaTP):
+    """llama_tp's model taking its loss as Hugging Face users write it: `logits.flatten(0, 1)`."""
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        with piper.annotate("PP"):
+            for block in self.blocks:
+                x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
+
+
+def test_flattened_logits_get_the_vocab_parallel_loss_too():
+    from piper.frontend.capture import capture
+    from piper.frontend.tensor_parallel import plan_of
+    from piper.job import build_strategy
+    from piper.mesh import Mesh
+    from piper.tensor_ops import vocab_cross_entropy
+
+    torch.manual_seed(0)
+    mesh, directives = build_strategy(strategy(), Mesh.of({"tp": 2}))
+    program = capture(FlattenedLoss(vocab=VOCAB, stages=1).double(), batches(1, vocab=VOCAB)[0], (),
+                      plan_of(directives, mesh))
+    targets = [n.target for r in program.regions for n in r.graph.graph.nodes]
+    assert vocab_cross_entropy in targets and VOCAB not in last_dims(program)
 
 
 # ---- diagnostics: `piper.compile` refuses before any worker starts
