@@ -204,7 +204,12 @@ def vocab_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100
     sum_exp = tp_reduce(shifted.exp().sum(-1))
     local = target - offset
     mine = (local >= 0) & (local < per)
-    picked = shifted.gather(-1, local.clamp(0, per - 1).unsqueeze(-1)).squeeze(-1)
+    # The target logit by indexing, not `gather`: gather's backward keeps its whole input
+    # (`shifted`, [N, V/tp]) beside exp's result, which would make the loss keep as many
+    # bytes for backward at tp=2 as the full logits' log_softmax does; indexing keeps the indices.
+    rows = shifted.reshape(-1, per)
+    index = local.clamp(0, per - 1).reshape(-1)
+    picked = rows[torch.arange(rows.shape[0], device=rows.device), index].view(local.shape)
     target_logit = tp_reduce(torch.where(mine, picked, torch.zeros_like(picked)))
     valid = target != ignore_index
     loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit))

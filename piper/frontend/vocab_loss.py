@@ -5,7 +5,7 @@ Capture's meta copy runs such a layer as `tp_collect(linear(x, W_i), -1)`: its c
 logits, gathered, so the model's own code after it (a `view(-1, vocab_size)`, `.float()`, a
 shift of the labels' positions) traces on the whole vocabulary. Here the exported graph is
 rewritten where the gathered logits reach `aten.cross_entropy_loss` through nothing but
-reshapes that keep the vocabulary last, casts and slices along other dimensions:
+reshapes and flattens that keep the vocabulary last, casts and slices along other dimensions:
 
     before:  collect -> view(-1, V) -> to(float32) -> cross_entropy_loss(., target)
     after:   local   -> view(-1, V/tp) -> to(float32) -> tensor_ops.vocab_cross_entropy(., target)
@@ -22,6 +22,7 @@ _aten = torch.ops.aten
 _PASS_THROUGH = {_aten.to.dtype, _aten._to_copy.default, _aten.contiguous.default, _aten.clone.default,
                  _aten.to.dtype_layout}
 _RESHAPES = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+_FLATTEN = _aten.flatten.using_ints            # `logits.flatten(0, 1)`, as Hugging Face users write it
 _CROSS_ENTROPY = _aten.cross_entropy_loss.default
 _ASSERT = getattr(_aten, "_assert_tensor_metadata", None)
 
@@ -55,6 +56,11 @@ def _chain(collect: fx.Node, vocab: int):
         elif user.target in _RESHAPES:
             sizes = list(user.args[1])
             if not sizes or sizes[-1] not in (vocab, -1) or shape is None or shape[-1] != vocab:
+                return None
+        elif user.target == _FLATTEN:
+            before = _shape(cur)
+            end = user.args[2] if len(user.args) > 2 else -1
+            if before is None or shape is None or end % len(before) == len(before) - 1 or shape[-1] != vocab:
                 return None
         elif user.target == _aten.slice.Tensor:
             dim = user.args[1] if len(user.args) > 1 else 0
