@@ -103,6 +103,11 @@ def batches(count: int = 3, batch: int = 4, seq: int = 8, vocab: int = 64, seed:
             for _ in range(count)]
 
 
+def example_batch(batch_size: int):
+    """One global batch for `piper check --model` / `piper tune --model examples/llama_tp.py:make_model`."""
+    return batches(count=1, batch=batch_size)[0]
+
+
 def tensor_parallel(s, *, axis: str = "tp", sequence: bool = False, vocab: bool = True) -> None:
     """Megatron-LM's plan for this model, as `piper.strategy` lines on `s`."""
     s.shard("columns", of=COLUMNS, over=axis)

@@ -339,8 +339,6 @@ def test_a_model_reshaping_to_a_fixed_head_count():
     assert d.code == "tp-capture" and "size 2" in d.message and "view(B, T, -1, head_dim)" in d.hint
 
 
-@pytest.mark.xfail(strict=True, reason="capture's message gives Dynamo's first line only: not the failing view's "
-                   "shapes nor the model's line (they are in the exception's Explanation and real_stack)")
 def test_the_capture_refusal_names_the_line_and_the_shapes():
     d = refusal(rows_and_columns, model=fixed_heads())
     assert "test_tensor_parallel.py:" in d.message and "[4, 8, 4, 8]" in d.message

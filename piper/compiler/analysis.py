@@ -34,7 +34,11 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
     inputs = example_batch(module, batch_size or micro * shards)
     training = TrainingOptions(compute_dtype(precision))
     mb_inputs = microbatch_inputs(inputs, mesh, directives)[0]
-    program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)))
+    from ..frontend.tensor_parallel import plan_of
+
+    # Divided over tp as `piper.compile` divides it: the plan's modules checked against the model.
+    program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)),
+                      tensor=plan_of(directives, mesh))
     training.master_specs(program, model, mb_inputs)
     return program
 

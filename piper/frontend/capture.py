@@ -50,7 +50,7 @@ def _export(model, example_inputs, names=(), tensor=None):
             where = last_user_frame(text)     # where the user's code broke
             first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
             if tensor is not None:
-                raise _tensor_capture_error(first, where, tensor) from None
+                raise _tensor_capture_error(_shape_line(text) or first, where or _real_frame(exc), tensor) from None
             raise error(
                 "graph-break",
                 f"cannot capture the model's forward as one graph: {first}"
@@ -108,6 +108,24 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = (),
         program.tensor = replace(layout, summed=summed(program, layout.dims),
                                  traffic=read_traffic(program, layout.size))
     return program
+
+
+def _shape_line(text: str) -> str | None:
+    """The line of a capture error that says which shape did not fit (Dynamo puts it below its own)."""
+    for line in text.splitlines():
+        if "shape" in line and ("invalid" in line or "mismatch" in line or "must match" in line):
+            return line.strip().removeprefix("Explanation:").strip()
+    return None
+
+
+def _real_frame(exc) -> str | None:
+    """"file:line" of the user's frame Dynamo was tracing when it failed (`exc.real_stack`)."""
+    import os
+
+    stack = getattr(exc, "real_stack", None) or ()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in stack if not os.path.abspath(f.filename).startswith((here, os.path.dirname(torch.__file__)))]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
 def _tensor_capture_error(first: str, where: str | None, tensor):
