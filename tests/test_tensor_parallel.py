@@ -96,8 +96,26 @@ def test_tp2_with_sequence_parallelism():
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_dp2_x_tp2_with_zero1():
-    assert_same(train(strategy(dp="zero1"), {"dp": 2, "tp": 2}))
+def test_dp2_x_tp2_with_zero1_and_its_checkpoint_at_tp1_and_at_pp2_x_tp2(tmp_path):
+    """DP=2 x TP=2 with ZeRO-1 equals one device; its checkpoint (whole parameters, the shards
+    as chunks) loads at tp=1 and at pp=2 x tp=2 with SP, and the next steps equal one device's."""
+    import copy
+
+    from piper.testing import single_device
+
+    model, data = make_model(stages=2, vocab=VOCAB), batches(count=5, vocab=VOCAB)
+    reference = copy.deepcopy(model)
+    with piper.compile(copy.deepcopy(model), data[0], strategy=strategy(dp="zero1"), mesh={"dp": 2, "tp": 2},
+                       optimizer=ADAMW, progress=False) as job:
+        first = [job.step(*b) for b in data[:3]]
+        job.save(tmp_path / "tp2")
+    ref_losses, ref_state = single_device(reference, data, ADAMW)
+    for plan, mesh in ((None, None), (strategy(pp=True, sequence=True), {"pp": 2, "tp": 2})):
+        with piper.compile(copy.deepcopy(model), data[0], strategy=plan, mesh=mesh, optimizer=ADAMW,
+                           progress=False) as job:
+            job.load(tmp_path / "tp2")
+            then = [job.step(*b) for b in data[3:]]
+            assert_same((first + then, ref_losses, job.state_dict(), ref_state))
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -143,6 +161,31 @@ class MoELM(nn.Module):
                 x = block(x)
             logits = self.head(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_pp2_x_tp2_with_zero_bubble_recompute_sequence_and_clipping():
+    """The training options compose with TP: a split backward (BI/BW), recomputed regions and a
+    global-norm clip that counts each element once (the replicated norms on one tp index)."""
+    @piper.strategy
+    def plan(s):
+        s.use("zero_bubble", microbatches=2, on="pp")
+        s.recompute("PP=*")
+        tensor_parallel(s, sequence=True)
+    assert_same(train_both(make_model(stages=2, vocab=VOCAB), plan, mesh={"pp": 2, "tp": 2},
+                           batches=batches(vocab=VOCAB), optimizer=ADAMW, progress=False, clip_grad_norm=0.05))
+
+
+@pytest.mark.full
+@pytest.mark.usefixtures("ray_cluster")
+def test_pp2_x_tp2_under_dualpipev():
+    """DualPipeV's overlapped slots with TP: each lane has its own tensor group."""
+    @piper.strategy
+    def plan(s):
+        s.use("dualpipev", microbatches=4, on="pp")
+        tensor_parallel(s)
+    assert_same(train_both(make_model(stages=4, layers=4, vocab=VOCAB), plan, mesh={"pp": 2, "tp": 2},
+                           batches=batches(vocab=VOCAB), optimizer=ADAMW, progress=False))
 
 
 @pytest.mark.usefixtures("ray_cluster")
