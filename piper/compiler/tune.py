@@ -547,7 +547,6 @@ def group_notes(results: list[Result], numbers: list[int], tolerance: float, *, 
 def measure_steps(job, data, steps: int) -> tuple[float, int, float]:
     """`steps` steps of `job` on `data`: (median step seconds after the first, the largest step_peak,
     the median cores other processes kept busy during those steps)."""
-    import statistics
 
     from .tune_calibration import LoadMeter
 

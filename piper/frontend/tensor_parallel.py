@@ -261,7 +261,6 @@ def apply(model: torch.nn.Module, plan: TensorPlan) -> TensorLayout:
 
 def _check_module(name, module, kind, plan, span):
     """(the forward it runs, {parameter: divided dimension}) for one matched module, or its error."""
-    n = plan.size
     if kind in ("columns", "rows") and not isinstance(module, torch.nn.Linear):
         raise error("tp-module-type", f"`shard {kind}` matches `{name}`, a {type(module).__name__}, not an nn.Linear",
                     span=span, hint=f"name the nn.Linear modules inside it (e.g. `{name}.*`), or shard it another way")
@@ -295,7 +294,7 @@ def _divisible(name, what, count, plan, span):
 def _tied_names(model, replaced, dims, shapes) -> None:
     """A tied parameter (one tensor under two names) is divided once; both names say so."""
     for name, p in model.named_parameters(remove_duplicate=False):
-        for old_id, new in replaced.items():
+        for new in replaced.values():
             if p is new and name not in dims:
                 first = next(k for k in dims if _param(model, k) is new)
                 dims[name], shapes[name] = dims[first], shapes[first]
