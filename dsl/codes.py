@@ -126,13 +126,6 @@ MODEL = {
     "bad-inputs": "example or step inputs that are not tensors with one batch size",
     "indivisible-batch": "the batch does not divide into microbatches x data-parallel shards",
     "graph-break": "TorchDynamo cannot capture forward as one graph",
-    "tp-module-type": "`shard columns/rows/vocab` matches a module that is not an nn.Linear (or nn.Embedding for vocab)",
-    "tp-indivisible": "a divided module's features, vocabulary or heads do not divide by the tp size",
-    "tp-unpaired": "modules are sharded by rows but none by columns, or the other way round",
-    "tp-conflict": "one module is matched by two kinds of `shard` (columns and rows, say)",
-    "tp-capture": "the model cannot be captured divided over tp (a reshape to a whole size, most often)",
-    "tp-mixed-use": "a replicated parameter meets both tp-divided and whole values, so no sum over tp makes its "
-                    "gradient whole",
     "unannotated-compute": "compute outside every region that is fed by a later region than its first user",
     "bad-annotation": "a region annotation whose value is not an integer index",
     "unsupported-model": "a constant tensor, a buffer update or a non-tensor between regions",
@@ -140,6 +133,13 @@ MODEL = {
     "overlapping-groups": "`annotate_modules` puts one module (or a module and its parent) in two groups",
     "group-order": "`annotate_modules` groups listed in another order than forward runs them",
     "bad-moe": "a piper.nn.MoE with a non-positive size or top_k above num_experts",
+    "tp-module-type": "`shard columns`, `rows` or `vocab` matches a module it cannot divide",
+    "tp-indivisible": "a module's features, vocabulary rows or head count do not divide by the tensor-parallel size",
+    "tp-unpaired": "modules are sharded by rows but none by columns, or by columns but none by rows",
+    "tp-conflict": "one module is matched by two kinds of tensor-parallel sharding",
+    "tp-capture": "the model does not capture when its modules compute on one device's shards",
+    "tp-mixed-use": "a replicated parameter is used both on values divided over tp and on values every device "
+                    "holds alike",
 }
 # A running job (job/).
 JOBS = {

@@ -32,7 +32,7 @@ def blocks(lang: str):
 
 def test_the_pages_exist_and_the_readme_links_them():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    for name in ("guide.md", "language.md", "plans.md", "own-model.md"):
+    for name in ("guide.md", "language.md", "plans.md", "own-model.md", "tensor_parallel.md"):
         assert (REPO / "docs" / name).is_file() and f"(docs/{name})" in readme
 
 
