@@ -222,6 +222,13 @@ def apply(model: torch.nn.Module, plan: TensorPlan) -> TensorLayout:
         raise error("sequence-without-tp", "`shard sequence` but no module is sharded by rows", span=plan.sequence_span,
                     hint="sequence parallelism shards the activations between a rows module and the next columns "
                          "module: add `shard rows of ...` and `shard columns of ...`, or drop `shard sequence`")
+    if plan.sequence and not any(k == "vocab" and isinstance(modules[n], torch.nn.Embedding)
+                                 for n, (k, _) in kind_of.items()):
+        raise error("sequence-needs-vocab", "`shard sequence` but no nn.Embedding is sharded by vocab: the "
+                    "sequence shards begin where the vocab-parallel embedding reduce-scatters its lookups",
+                    span=plan.sequence_span,
+                    hint="add the token embedding (and the output layer) to `shard vocab of ...`, or drop "
+                         "`shard sequence`")
     dims: dict[str, int] = {}
     shapes: dict[str, tuple] = {}
     replaced: dict[int, torch.nn.Parameter] = {}
