@@ -377,6 +377,11 @@ def test_shard_sequence_without_tensor_parallel_modules():
     assert d.code == "sequence-without-tp" and "sequence" in d.message
 
 
+def test_sequence_parallelism_without_a_vocab_sharded_embedding():
+    d = refusal(lambda s: (rows_and_columns(s), s.shard("sequence", over="tp")))
+    assert d.code == "sequence-needs-vocab" and "shard vocab" in d.hint
+
+
 def test_a_model_reshaping_to_a_fixed_head_count():
     d = refusal(rows_and_columns, model=fixed_heads())
     assert d.code == "tp-capture" and "size 2" in d.message and "view(B, T, -1, head_dim)" in d.hint
