@@ -83,8 +83,8 @@ def _collectives_mode():
             name = getattr(func, "namespace", "")
             t0 = time.perf_counter()
             out = func(*args, **(kwargs or {}))
-            if name in ("_c10d_functional", "c10d", "_c10d_functional_autograd"):
-                op = func._overloadpacket.__name__
+            op = func._overloadpacket.__name__
+            if name in ("_c10d_functional", "c10d", "_c10d_functional_autograd") and not op.startswith("_"):
                 kind = "wait" if "wait" in op else op.rstrip("_")
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)
                 if first is None:
@@ -118,7 +118,7 @@ def read_comm_counter_torch(worker) -> dict | None:
 
 # -- Gloo's costs at one shape ----------------------------------------------------------------------
 
-def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 15) -> dict[str, float]:
+def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 30) -> dict[str, float]:
     """Median seconds of each way to reduce, scatter and gather a float32 tensor of `shape` over the
     actor's world group (every actor calls this at once)."""
     import torch.distributed as dist
@@ -146,14 +146,14 @@ def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 15) 
 
     ways = {"all_reduce": all_reduce, "all_reduce_chunk": piper_reduce_scatter,
             "reduce_scatter_tensor": torch_reduce_scatter, "all_gather": all_gather, "clone": x.clone}
-    found = {}
-    for name, fn in ways.items():
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for fn in ways.values():
         fn()
-        dist.barrier()
-        times = []
-        for _ in range(repeats):
+    # Round-robin, each after a barrier: a loaded machine's drift falls on every way alike.
+    for _ in range(repeats):
+        for name, fn in ways.items():
+            dist.barrier()
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        found[name] = statistics.median(times)
-    return found
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -115,9 +115,11 @@ def _tp_tables(ctx, result, warmup: int, steps: int):
     comm = Table("Collectives per step (one further untimed step; per rank, alike on every rank): calls, "
                  "MiB sent in, ms until each returned", ["tp", "plan", "torch collectives", "torch DTensor ops",
                                                         "Piper collectives", "Piper in-graph TP ops per forward",
-                                                        "ms in collectives torch / Piper"])
+                                                        "ms in collectives torch / Piper",
+                                                        "torch's other extra time per DTensor op"])
     costs = Table(f"(b) Gloo at the activation's size (batch x seq x dim = {batch} x {seq} x {sizes['dim']} "
-                  "float32, split along seq): median ms of 15 on every rank of the torch group",
+                  "float32, split along seq): median ms of 30, the ways taken in turn after a barrier each, the slowest rank "
+                  "of the torch group",
                   ["tp", "all-reduce", "all-reduce + chunk (Piper's reduce-scatter)", "reduce_scatter_tensor",
                    "all-gather", "clone (tp_copy)", "Piper's reduce-scatters per step", "their extra ms per step"])
     for n in (2, 4):
@@ -194,7 +196,10 @@ def _race_cells(group, timings, torch_error, piper_error, extra) -> dict:
             _calls_cell(piper_comm) if isinstance(piper_comm, dict) else _error_cell(piper_comm),
             ", ".join(f"{k} {v}" for k, v in sorted(graph_ops.items())) if graph_ops else None,
             f"{_seconds_ms(torch_found):.1f} / {_seconds_ms(piper_comm):.1f}"
-            if torch_found and isinstance(piper_comm, dict) else None]
+            if torch_found and isinstance(piper_comm, dict) else None, None]
+    if t_ms and p_ms and torch_found and isinstance(piper_comm, dict) and torch_comm.get("dtensor_ops"):
+        other = (t_ms - _seconds_ms(torch_found)) - (p_ms - _seconds_ms(piper_comm))
+        comm[-1] = f"{other * 1e3 / torch_comm['dtensor_ops']:.0f} µs"
     out = {"group": group, "cells": cells, "comm": comm}
     for name, value in (("torch_ms", t_ms), ("piper_ms", p_ms), ("ratio", ratio),
                         ("torch_peak", torch_peak), ("piper_peak", piper_peak)):
@@ -286,7 +291,8 @@ def _tp_notes() -> list[str]:
         "by step (same weights, same batches).",
         "torch: parallelize_module over a 1-D DeviceMesh of the tp ranks with torchtitan's Llama plan "
         "(benchmarks/baselines/tensor_parallel.py), forward and backward under loss_parallel(); "
-        "Piper: the same plan as statements (examples.llama_tp: shard columns/rows/vocab [/sequence] over tp).",
+        "Piper: the same plan as statements (examples.llama_tp: shard columns/rows/vocab over tp, and "
+        "shard sequence over tp for SP).",
         "peak: the bytes held between steps (parameters, gradients, optimizer state) plus the rise of the "
         "resident high-water mark during one step, after gc and malloc_trim (benchmarks/harness/probes.py), "
         "the largest over the ranks; job.memory's step_peak is Piper's own count of the same step.",
@@ -303,6 +309,10 @@ def _comm_notes() -> list[str]:
         "Piper in-graph TP ops: the piper::tp_* nodes of the captured region graphs (one forward; each has "
         "its backward collective: tp_copy's is an all-reduce, tp_gather's a reduce-scatter, tp_reduce_scatter's "
         "an all-gather). tp_copy clones its input in the forward.",
+        "torch's other extra time per DTensor op: (torch's median step - its ms in collectives) - (Piper's median "
+        "step - its ms in collectives), over torch's DTensor ops per step: the host time each DTensor op costs "
+        "beyond the same local computation, if that is where the rest of the gap lies (an estimate: the "
+        "collective times come from the counted step, which runs under the counting mode).",
     ]
 
 
@@ -370,12 +380,13 @@ def _check_tables(ctx, result) -> list[Table]:
     table.add("compile call in-process (compile_script), time", seconds, None, summary)
     table.add("compile call in-process, Python heap peak (tracemalloc, a second run)", None, mib(heap), None)
     result.metrics.update({"check.compile_s": seconds, "check.compile_heap_peak": heap})
+    no_bytecode = (" This environment sets PYTHONDONTWRITEBYTECODE=1, so each start compiles every imported "
+                   "source again; the cached row unsets it and keeps the bytecode in a temporary "
+                   "PYTHONPYCACHEPREFIX." if os.environ.get("PYTHONDONTWRITEBYTECODE") else "")
     table.notes += [
         "Each process is timed fresh by a small launcher (wall clock around the child; peak = the child's maximum "
-        "resident set, RUSAGE_CHILDREN), the fastest of 3; the in-process compile the fastest of 3 too." + (" This environment sets PYTHONDONTWRITEBYTECODE=1, so each start "
-                                             "compiles every imported source again; the cached row unsets it and "
-                                             "keeps the bytecode in a temporary PYTHONPYCACHEPREFIX."
-                                             if os.environ.get("PYTHONDONTWRITEBYTECODE") else ""),
+        "resident set, RUSAGE_CHILDREN), the fastest of 3; the in-process compile the fastest of 3 too."
+        + no_bytecode,
         "The in-process compile is `piper.compiler.analysis.compile_script` on the loaded script with regions "
         "{'PP': 16}, the call `piper check` makes, in this (warm) process with the cyclic collector paused. "
         "Target: under 1 s.",
@@ -428,23 +439,23 @@ def _cli_profile(path: Path) -> Table:
     """cProfile of `piper check` as a process: its phases' cumulative seconds."""
     table = Table("(d) Where the `piper check` process spends its time (python -m cProfile, this environment; "
                   "cumulative seconds under the profiler, which inflates them; phases overlap where a phase "
-                  "imports)", ["phase", "function", "cumulative s", "share"])
+                  "imports)", ["phase", "function", "calls", "cumulative s", "share"])
     prof = path.with_suffix(".prof")
     argv = _cli_command(path, [sys.executable, "-m", "cProfile", "-o", str(prof)])
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or not prof.exists():
-        table.add("failed", (done.stderr or done.stdout).strip()[-160:], None, None)
+        table.add("failed", (done.stderr or done.stdout).strip()[-160:], None, None, None)
         return table
     stats = pstats.Stats(str(prof)).stats
     total = next((v[3] for (f, _, n), v in stats.items() if f.endswith("piper/cli.py") and n == "main"), None)
     for label, suffix, name in CLI_PHASES:
-        found = [(f, line, v[3]) for (f, line, n), v in stats.items() if n == name and f.endswith(suffix)]
+        found = [(f, line, v[3], v[1]) for (f, line, n), v in stats.items() if n == name and f.endswith(suffix)]
         if not found:
-            table.add(label, name, None, None)
+            table.add(label, name, None, None, None)
             continue
-        f, line, seconds = max(found, key=lambda x: x[2])
+        f, line, seconds, calls = max(found, key=lambda x: x[2])
         where = f"{Path(f).name}:{line}" if f != "~" else "builtin"
-        table.add(label, f"{name} ({where})", seconds, f"{seconds / total:.0%}" if total else None)
+        table.add(label, f"{name} ({where})", calls, seconds, f"{seconds / total:.0%}" if total else None)
     return table
 
 
