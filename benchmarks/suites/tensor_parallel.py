@@ -112,14 +112,14 @@ def _tp_tables(ctx, result, warmup: int, steps: int):
                   f"bytes per rank; {describe(sizes, batch, seq)}, the whole batch on every rank",
                   ["tp", "plan", "torch ms", "Piper ms", "ratio torch/Piper", "paired ratios, middle half",
                    "max |Δloss|", "torch peak MiB", "Piper peak MiB", "Piper job.memory step_peak MiB"])
-    comm = Table("Collectives per step (one further untimed step; per rank, alike on every rank): calls, "
+    comm = Table("(a) Collectives per step (one further untimed step; per rank, alike on every rank): calls, "
                  "MiB sent in, ms until each returned", ["tp", "plan", "torch collectives", "torch DTensor ops",
                                                         "Piper collectives", "Piper in-graph TP ops per forward",
                                                         "ms in collectives torch / Piper",
                                                         "torch's other extra time per DTensor op"])
     costs = Table(f"(b) Gloo at the activation's size (batch x seq x dim = {batch} x {seq} x {sizes['dim']} "
-                  "float32, split along seq): median ms of 30, the ways taken in turn after a barrier each, the slowest rank "
-                  "of the torch group",
+                  "float32, split along seq): median ms of 30, the ways taken in turn after a barrier each, "
+                  "the slowest rank of the torch group",
                   ["tp", "all-reduce", "all-reduce + chunk (Piper's reduce-scatter)", "reduce_scatter_tensor",
                    "all-gather", "clone (tp_copy)", "Piper's reduce-scatters per step", "their extra ms per step"])
     for n in (2, 4):
