@@ -270,3 +270,83 @@ def test_llama_stages_of_the_composed_baseline_compute_the_library_forward():
         logits = LlamaStage(model, 1, 2)(LlamaStage(model, 0, 2)(x))
         torch.testing.assert_close(logits, model.m(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
+
+
+TP_CHECK = """
+import torch
+from benchmarks.baselines.torch_group import TorchWorker
+from benchmarks.suites.tensor_parallel import composed_workload, workload
+from examples import llama_tp
+
+sizes, batch, seq = workload(True)
+x, y = llama_tp.batches(1, batch=batch, seq=seq, vocab=sizes["vocab"])[0]
+eager = float(llama_tp.make_model(torch.float32, **sizes, stages=1)(x, y))
+worker = TorchWorker(0, 1)
+worker.init(worker.rendezvous_address(), 60.0)
+out = {}
+for sequence in (False, True):
+    worker.setup("tp", model="llama_tp", model_kw=dict(sizes, stages=1), sequence=sequence)
+    dtensors = sum(type(p).__name__ == "DTensor" for p in worker.model.parameters())
+    out[sequence] = (worker.step(x, y)[0], dtensors)
+worker.setup("tp_fsdp2_pipeline", model="llama_tp", model_kw=dict(sizes, stages=1), schedule="Schedule1F1B",
+             microbatches=2, pp=1, tp=1, sequence=True)
+composed = worker.step(x, y)[0]
+worker.shutdown()
+print(repr((eager, out, composed)))
+"""
+
+
+def test_torch_tensor_parallel_baselines_start_from_the_models_loss():
+    """Suite 16's torch baselines on one process (tp=1): parallelize_module with and without
+    SequenceParallel, the loss under loss_parallel, and TP -> FSDP2 -> Schedule1F1B, give the plain
+    model's first loss; the divided modules' parameters became DTensors (and the norms' under SP)."""
+    import ast
+
+    proc = subprocess.run([sys.executable, "-c", TP_CHECK], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eager, out, composed = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    from benchmarks.suites.tensor_parallel import workload
+
+    sizes = workload(True)[0]
+    divided = 1 + 7 * sizes["layers"] + 1          # embed, 7 linears a block, head
+    for sequence, (loss, dtensors) in out.items():
+        assert math.isclose(loss, eager, rel_tol=1e-5), sequence
+        assert dtensors == divided + (2 * sizes["layers"] + 1 if sequence else 0)     # SequenceParallel norms
+    assert math.isclose(composed, eager, rel_tol=1e-5)
+
+
+def test_torch_tensor_parallel_plan_divides_the_modules_piper_divides():
+    """The baseline's plan (torchtitan's) splits exactly the modules examples/llama_tp.py's statements
+    name, each the same way: columns as ColwiseParallel, rows as RowwiseParallel, the vocab's embedding
+    row-wise and its output layer column-wise; the stages chain to the model's own loss."""
+    import re
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from benchmarks.baselines.tensor_parallel import LlamaTPStage, llama_loss, plan
+    from examples import llama_tp
+
+    model = llama_tp.make_model(torch.float32, layers=2, stages=2)
+    names = [n for n, _ in model.named_modules()]
+
+    def matched(patterns):
+        return {n for n in names for p in patterns if re.fullmatch(re.escape(p).replace(r"\*", "[^.]+"), n)}
+
+    for sequence in (False, True):
+        styles = plan(model, sequence=sequence)
+        assert {n for n, s in styles.items() if type(s) is ColwiseParallel} == matched(llama_tp.COLUMNS) | {"head"}
+        assert {n for n, s in styles.items() if type(s) is RowwiseParallel} == matched(llama_tp.ROWS) | {"embed"}
+    x, y = llama_tp.batches(1)[0]
+    with torch.no_grad():
+        logits = LlamaTPStage(model, 1, 2)(LlamaTPStage(model, 0, 2)(x))
+        torch.testing.assert_close(llama_loss(logits, y), model(x, y))
+
+
+def test_the_tensor_parallel_suites_4d_plan_builds_on_8192_devices():
+    """Suite 16's `piper check` point: the script it writes loads and names a dp=64 x pp=16 x tp=8 mesh."""
+    from piper.dsl import load_strategy
+
+    from benchmarks.suites.tensor_parallel import CHECK_MESH, CHECK_MICROBATCHES, plan_text
+
+    mesh, directives = load_strategy(plan_text(CHECK_MESH, CHECK_MICROBATCHES, zero=True)).build(None)
+    assert mesh.world_size == 8192 and directives

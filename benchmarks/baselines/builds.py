@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from .tensor_parallel import tensor_parallel, tp_fsdp2_pipeline
+
 # Schedules whose ranks hold several stages, and how stages map to ranks.
 MULTI_STAGE = {"ScheduleInterleaved1F1B": "loop", "ScheduleLoopedBFS": "loop",
                "ScheduleInterleavedZeroBubble": "loop", "ScheduleZBVZeroBubble": "v", "ScheduleDualPipeV": "v"}
@@ -55,11 +57,13 @@ class Built:
     stage_ids: list[int] | None = None
     first: bool = True
     last: bool = True
+    context: Callable | None = None             # a context each step runs in (loss_parallel)
 
 
 def make_model(model: str, model_kw: dict, *, kind: str, schedule: str | None, world: int) -> Model:
     """model: 'gpt' (examples.gpt, `model_kw` for make_model), 'chain' (LinearChain, `model_kw` for
-    make_chain), 'family:NAME' (benchmarks/harness/families.py, `model_kw` = {"cfg": ..., "regions": R}) or
+    make_chain), 'llama_tp' (examples/llama_tp.py in float32, `model_kw` its sizes and `stages`),
+    'family:NAME' (benchmarks/harness/families.py, `model_kw` = {"cfg": ..., "regions": R}) or
     'hf' (fsdp2 kinds only: `benchmarks.harness.workloads.make_hf`, `model_kw` = HFWorkload's fields and
     "stages"; its forward returns the loss)."""
     from ..harness.workloads import ChainStage, GPTStage, chain_loss, gpt_loss, make_chain, make_gpt
@@ -74,6 +78,13 @@ def make_model(model: str, model_kw: dict, *, kind: str, schedule: str | None, w
         family = FAMILIES[model.removeprefix("family:")]
         net = family.make(model_kw["cfg"], regions=model_kw["regions"])
         return Model(model, net, model_kw["regions"], lambda s: family.stage(net, s), family.loss)
+    if model == "llama_tp":
+        from examples.llama_tp import make_model as make_llama
+
+        from .tensor_parallel import LlamaTPStage, llama_loss
+
+        net = make_llama(torch.float32, **model_kw)
+        return Model(model, net, net.stages, lambda s: LlamaTPStage(net, s, net.stages), llama_loss)
     if model == "hf":
         if kind not in ("fsdp2", "fsdp2_pipeline"):
             raise ValueError("the Hugging Face baseline runs under fsdp2 and fsdp2_pipeline only")
@@ -104,7 +115,7 @@ def pipeline(worker, m: Model, *, schedule: str, microbatches: int, **_) -> Buil
 
 
 def fsdp2_pipeline(worker, m: Model, *, schedule: str, microbatches: int, precision: str, checkpoint: bool,
-                   pp: int) -> Built:
+                   pp: int, **_) -> Built:
     """`pp` stages, each an FSDP2 module over its data-parallel group of world/pp ranks
     (benchmarks/baselines/composed.py)."""
     from torch.distributed.pipelining import PipelineStage, schedules
@@ -166,4 +177,5 @@ def fsdp2(worker, m: Model, *, precision: str, checkpoint: bool, **_) -> Built:
     return Built(model, list(model.parameters()))
 
 
-BUILDS = {"pipeline": pipeline, "fsdp2_pipeline": fsdp2_pipeline, "eager": eager, "ddp": ddp, "fsdp2": fsdp2}
+BUILDS = {"pipeline": pipeline, "fsdp2_pipeline": fsdp2_pipeline, "eager": eager, "ddp": ddp, "fsdp2": fsdp2,
+          "tp": tensor_parallel, "tp_fsdp2_pipeline": tp_fsdp2_pipeline}

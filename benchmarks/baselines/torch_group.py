@@ -15,6 +15,7 @@ one GPU, as Piper's workers do.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -24,6 +25,8 @@ import torch
 
 from ..harness import probes
 from .builds import BUILDS, make_model, stages_of
+
+PIPELINED = ("pipeline", "fsdp2_pipeline", "tp_fsdp2_pipeline")
 
 class _GroupMember:
     """Joins one torch.distributed process group (Gloo on CPU, NCCL on CUDA) over TCP."""
@@ -58,12 +61,14 @@ class TorchWorker(_GroupMember):
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, kind: str, *, model_kw: dict, model: str = "gpt", microbatches: int = 1,
               schedule: str | None = None, lr: float = 1e-3, track_activations: bool = False,
-              precision: str = "fp32", checkpoint: bool = False, pp: int = 1) -> dict:
+              precision: str = "fp32", checkpoint: bool = False, pp: int = 1, tp: int = 1,
+              sequence: bool = False) -> dict:
         """Build a baseline and return what this rank holds.
 
         kind: 'pipeline' (a torch.distributed.pipelining schedule), 'ddp', 'fsdp2',
-        'fsdp2_pipeline' (`pp` FSDP2 stages under `schedule`) or 'eager' (one process, a plain
-        loop over microbatches); model: see `baseline_builds.make_model`.
+        'fsdp2_pipeline' (`pp` FSDP2 stages under `schedule`), 'tp' (parallelize_module over every
+        process; `sequence`: with SequenceParallel), 'tp_fsdp2_pipeline' (TP over `tp`, FSDP2, then `pp`
+        stages) or 'eager' (one process, a plain loop over microbatches); model: see `builds.make_model`.
         """
         import torch.distributed as dist
 
@@ -76,11 +81,12 @@ class TorchWorker(_GroupMember):
         m.net.to(self.device)        # stages share the model's modules, so they move with it
         self.tracker = probes.SavedActivations() if track_activations else None
         built = build(self, m, schedule=schedule, microbatches=microbatches, precision=precision,
-                      checkpoint=checkpoint, pp=pp)
+                      checkpoint=checkpoint, pp=pp, tp=tp, sequence=sequence)
         self.model, self.stage_ids, self.first, self.last = built.model, built.stage_ids, built.first, built.last
+        self.context = built.context or contextlib.nullcontext
         if built.schedule is not None:
             self.schedule = built.schedule
-        if self.tracker is not None and kind not in ("pipeline", "fsdp2_pipeline"):
+        if self.tracker is not None and kind not in PIPELINED:
             self.tracker.wrap_module(self.model)
         self.optimizer = torch.optim.AdamW(built.params, lr=lr)
         dist.barrier()
@@ -103,8 +109,15 @@ class TorchWorker(_GroupMember):
             self.tracker.reset()
         x, y = (None if t is None else t.to(self.device) for t in (x, y))
         t0 = time.perf_counter()
+        with self.context():
+            loss = self._forward_backward(x, y)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss, time.perf_counter() - t0
+
+    def _forward_backward(self, x, y):
         loss = None
-        if self.kind in ("pipeline", "fsdp2_pipeline"):
+        if self.kind in PIPELINED:
             losses: list[torch.Tensor] = []
             args = (x,) if self.first else ()
             kwargs = {"target": y, "losses": losses} if self.last else {}
@@ -124,9 +137,7 @@ class TorchWorker(_GroupMember):
             out = self.model(x, y)
             out.backward()
             loss = float(out.detach())
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        return loss, time.perf_counter() - t0
+        return loss
 
     def peak_activations(self) -> int | None:
         return None if self.tracker is None else self.tracker.peak
@@ -162,13 +173,20 @@ class TorchGroup:
         return ray.get(refs, timeout=self.timeout)
 
     def setup(self, kind: str, **kw) -> None:
-        self.kind, self.schedule, self.pp = kind, kw.get("schedule"), kw.get("pp", 1)
+        self.kind, self.schedule, self.pp, self.tp = kind, kw.get("schedule"), kw.get("pp", 1), kw.get("tp", 1)
         self.info = self._get([a.setup.remote(kind, **kw) for a in self.actors])
 
     def inputs_for(self, rank: int, x, y):
         """What rank `rank` needs of the global batch: first/last pipeline stage, or its data-parallel shard."""
-        if self.kind == "eager":
+        if self.kind in ("eager", "tp"):
             return x, y
+        if self.kind == "tp_fsdp2_pipeline":       # rank = stage * dp * tp + dp index * tp + tp index
+            pp, tp = self.pp, self.tp
+            dp = self.world // (pp * tp)
+            per = x.shape[0] // dp
+            stage, d = rank // (dp * tp), rank % (dp * tp) // tp
+            shard = slice(d * per, (d + 1) * per)
+            return (x[shard].clone() if stage == 0 else None), (y[shard].clone() if stage == pp - 1 else None)
         if self.kind == "fsdp2_pipeline":          # rank = dp index * pp + stage (benchmarks/baselines/composed.py)
             pp = self.pp
             per = x.shape[0] // (self.world // pp)

@@ -58,6 +58,8 @@ SUITES = (
     Suite(13, "checkpoint", "Checkpoint save and load vs FSDP2 + DCP", "checkpoint"),
     Suite(14, "training-features", "Mixed precision and recomputation vs fp32 and FSDP2", "training_features"),
     Suite(15, "hf-moe", "Hugging Face Qwen3-MoE: experts divided vs replicated; EP under pipelines", "hf_moe"),
+    Suite(16, "tensor-parallel", "Tensor parallelism vs parallelize_module; DP x PP x TP vs torchtitan's order; "
+          "piper check at 8,192 devices", "tensor_parallel"),
 )
 BY_NAME = {s.name: s for s in SUITES}
 
