@@ -241,9 +241,10 @@ class Worker:
 
 
 def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = False, report=print,
-         failures_to: str | None = None) -> dict:
+         failures_to: str | None = None, slow_over: float | None = None) -> dict:
     """Run `cases` cases (or until `minutes` pass); counts per outcome, the slowest case, the failures
-    (each also appended to `failures_to`, one JSON line, as it happens)."""
+    (each also appended to `failures_to`, one JSON line, as it happens; so is every `ok` case over
+    `slow_over` CPU seconds, to find what is near the time-out)."""
     rng = random.Random(seed)
     counts = dict.fromkeys(("ok",) + BAD, 0)
     failures, slowest, start = [], (0.0, None), time.monotonic()
@@ -257,6 +258,10 @@ def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = Fa
             counts[result["outcome"]] += 1
             if result["seconds"] is not None and result["seconds"] > slowest[0]:
                 slowest = (result["seconds"], text)
+            if slow_over is not None and result["outcome"] == "ok" and (result["seconds"] or 0) > slow_over \
+                    and failures_to:
+                with open(failures_to, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"name": name, "text": text, **result, "outcome": "slow"}) + "\n")
             if result["outcome"] in BAD:
                 failures.append({"name": name, "text": text, **result})
                 if failures_to:
@@ -268,8 +273,12 @@ def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = Fa
                 report(f"{i + 1:,} cases: {counts} ({time.monotonic() - start:.0f} s)")
     finally:
         runner.close()
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss     # KiB: the largest worker's peak
     return {"cases": sum(counts.values()), "counts": counts, "seconds": round(time.monotonic() - start, 1),
-            "slowest_case_seconds": slowest[0], "failures": failures}
+            "slowest_case_seconds": slowest[0], "max_worker_rss_mb": round(rss / 1024, 1),
+            "failures": failures}
 
 
 def main(argv=None) -> int:
@@ -279,6 +288,8 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, help="stop after this long, whatever --cases says")
     parser.add_argument("--show-failures", action="store_true")
     parser.add_argument("--out", help="write the summary and every failing case here (JSON)")
+    parser.add_argument("--slow", type=float, help="also write `ok` cases over this many CPU seconds to --out's "
+                        "failures file")
     parser.add_argument("--case-seconds", type=float, default=CASE_SECONDS, help="CPU seconds a case may take")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -287,7 +298,7 @@ def main(argv=None) -> int:
         return 0
     summary = fuzz(args.cases, args.seed, minutes=args.minutes, show=args.show_failures,
                    report=lambda line: print(line, flush=True),
-                   failures_to=args.out + ".failures" if args.out else None)
+                   failures_to=args.out + ".failures" if args.out else None, slow_over=args.slow)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
