@@ -48,7 +48,7 @@ VALUES = {
     "division-by-zero": "`//` or `%` by zero",
     "bad-split": "`split` of something other than MB (into a count) or B (into BI, BW)",
     "bad-shard": "`shard` of something other than batch, optimizer, grads, params, experts",
-    "loop-limit": "the script takes more than 1,000,000 steps, or evaluates more than 8,000,000 terms",
+    "loop-limit": "the script takes more than 400,000 steps, or evaluates more than 2,000,000 terms",
     "recursion-limit": "`use` or `import` nested more than 64 levels deep",
 }
 FILES = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import numbers
 from dataclasses import dataclass
+from functools import cached_property
 
 from .diagnostics import did_you_mean, error
 
@@ -68,9 +69,14 @@ class Mesh:
                             hint="use names such as dp, pp, ep")
         return Mesh(axes)
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.axes)
+
+    @cached_property
+    def _sizes(self) -> dict[str, int]:
+        """Each axis's size by name, made once: a script asks for sizes once per directive it runs."""
+        return dict(self.axes)
 
     @property
     def world_size(self) -> int:
@@ -80,11 +86,13 @@ class Mesh:
         return size
 
     def size(self, axis: str) -> int:
-        self.check_axis(axis)
-        return dict(self.axes)[axis]
+        found = self._sizes.get(axis)
+        if found is None:
+            self.check_axis(axis)
+        return found
 
     def check_axis(self, axis: str, span=None) -> None:
-        if axis not in self.names:
+        if axis not in self._sizes:
             raise error("unknown-axis", f"the mesh has no axis `{axis}`", span=span,
                         hint=did_you_mean(axis, self.names)
                         or f"the mesh axes are {', '.join(self.names) or '(none)'}; add `{axis}` to the mesh")

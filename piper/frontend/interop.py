@@ -35,7 +35,7 @@ _TORCH_RANK = {"F": 0, "B": 1, "BI": 2, "BW": 3}   # torch writes an overlapped 
 # what a script may name (`dsl.values`), checked before anything is made of them. A real schedule's
 # CSV is far smaller: 64 ranks x 512 microbatches x 3 passes is about 1 MB.
 MAX_CSV_BYTES = 16 * 1024 * 1024
-MAX_STAGE = 8191                 # dsl.values.MAX_TAG_INDEX
+MAX_STAGE = 4095                 # dsl.values.MAX_TAG_INDEX
 MAX_MICROBATCH = 4095            # dsl.values.MAX_MICROBATCHES - 1
 
 
