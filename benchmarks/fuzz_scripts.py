@@ -9,7 +9,8 @@ re-indented. Each case runs through `piper check` itself (its JSON output, the
 planning of the regions the script names included) in a worker process held
 under a 2 GiB address-space limit (RLIMIT_AS), with a per-case alarm after 5 s
 of CPU time (the machine may be shared; the parent also gives up on a case
-after a minute of wall time, in case the alarm cannot fire). A case's
+whose worker spent 10 s of CPU time, or 10 minutes of wall time, without an
+answer, in case the alarm cannot fire). A case's
 outcome is `ok` (diagnostics came back), `internal` (an exception that is not
 the project's own `PiperError`, or an internal-error diagnostic), `memory`
 (MemoryError), `timeout` (past the alarm) or `crashed` (the worker died).
@@ -184,7 +185,8 @@ def worker(seconds: float = CASE_SECONDS) -> None:
 
 class Worker:
     """A worker process under the address-space limit; `run` sends it one case. A case that kills
-    it or outlasts `hang_seconds` (the alarm did not fire: a hang in C) comes back as `crashed`
+    it, or gets no answer while the worker spends 5 s of CPU past the alarm or for 10 x
+    `hang_seconds` of wall time (the alarm did not fire: a hang in C), comes back as `crashed`
     or `timeout`, and the next case starts a new worker."""
 
     def __init__(self, hang_seconds: float = 60.0, case_seconds: float = CASE_SECONDS):
@@ -212,9 +214,15 @@ class Worker:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return self._lost("crashed", "the worker died before reading the case")
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.hang_seconds)
-        if not ready:
-            return self._lost("timeout", f"no answer within {self.hang_seconds:g} s")
+        started, cpu_at_start = time.monotonic(), self._cpu()
+        while not select.select([self.proc.stdout], [], [], min(self.hang_seconds, 10.0))[0]:
+            # No answer yet: a hang only if the worker has spent more CPU than the alarm allows (the
+            # alarm did not fire), or no answer came for ten times the wait; a starved worker on a
+            # shared machine (nice, load) is waited for.
+            cpu = self._cpu() - cpu_at_start
+            if cpu > self.case_seconds + 5 or time.monotonic() - started > 10 * self.hang_seconds:
+                return self._lost("timeout", f"no answer after {cpu:.1f} s CPU, "
+                                             f"{time.monotonic() - started:.0f} s wall")
         line = self.proc.stdout.readline()
         if not line:
             return self._lost("crashed", f"the worker exited ({self.proc.wait()})")
@@ -222,6 +230,15 @@ class Worker:
         if result["outcome"] == "memory":    # its heap is near the limit now: the next case gets a fresh one
             self.close()
         return result
+
+    def _cpu(self) -> float:
+        """The worker's CPU seconds so far (Linux's /proc; 0 where it cannot be read)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
     def _lost(self, outcome: str, detail: str) -> dict:
         self.close()
