@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from piper.diagnostics import Span
+from piper.diagnostics import Span, clip
 
 from . import nodes as n
 
@@ -75,10 +75,11 @@ def type_of(value) -> str:
 
 
 def show(value) -> str:
+    """`value` as a message quotes it (a long name cut, `piper.diagnostics.clip`)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (Axis, FreeName)):
-        return value.name
+        return clip(value.name)
     return str(value)
 
 

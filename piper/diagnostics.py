@@ -103,10 +103,26 @@ def error(code: str, message: str, *, span: Span | None = None, hint: str | None
     return PiperError(Diagnostic(code, message, "error", span, tuple(labels), tuple(notes), hint))
 
 
+MAX_SHOWN = 60      # characters of a user's value (a --set word, a name) that a message quotes
+
+
+def clip(text, limit: int = MAX_SHOWN) -> str:
+    """`text` as a message quotes it: whole up to `limit` characters, else its start and its length,
+    so a 5,000-character `--set` value or name does not fill the terminal.
+
+    >>> clip("pp"), clip("9" * 5000)[-28:]
+    ('pp', '9... (5,000 characters)')
+    """
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def did_you_mean(name: str, choices) -> str | None:
     """The closest of `choices` to `name`, phrased as a hint, or None."""
     import difflib
 
+    if len(str(name)) > 4 * MAX_SHOWN:    # nothing so long is close to a name (and difflib is quadratic)
+        return None
     close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
     return f"did you mean `{close[0]}`?" if close else None
 

@@ -9,11 +9,12 @@ import numbers
 from dataclasses import dataclass
 from functools import cached_property
 
-from .diagnostics import did_you_mean, error
+from .diagnostics import clip, did_you_mean, error
 
 # The mesh stays small enough that anything may list its ranks: scripts, `piper.Mesh`, `mesh=` in
 # `piper.compile` and prototype programs all meet this one limit.
 MAX_WORLD_SIZE = 1 << 20
+MAX_AXIS_NAME = 64          # characters of an axis name given to `Mesh.of` (--mesh, mesh=): dp, pp, ep
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,9 @@ class Mesh:
             if size < 1:
                 raise error("bad-mesh", f"mesh axis `{name}` has size {size}",
                             hint="every mesh axis needs a size of at least 1")
-            if not name.isidentifier():
-                raise error("bad-mesh", f"mesh axis name {name!r} is not a name",
-                            hint="use names such as dp, pp, ep")
+            if not name.isidentifier() or len(name) > MAX_AXIS_NAME:
+                raise error("bad-mesh", f"mesh axis name `{clip(name)}` is not a name",
+                            hint=f"use names such as dp, pp, ep, of at most {MAX_AXIS_NAME} characters")
         return Mesh(axes)
 
     @cached_property
