@@ -72,3 +72,29 @@ def test_a_long_import_path_is_quoted_short(tmp_path, capsys):
     found = json.loads(text)
     assert rc == 1 and found[0]["code"] in ("import-not-found", "bad-import")
     assert len(found[0]["message"]) < 700 and "(3,004 characters)" in found[0]["message"], found[0]["message"][:300]
+
+
+def test_a_long_name_in_a_script_is_quoted_short_and_its_line_shown_around_the_span(tmp_path, capsys):
+    name = "z" * 60_000
+    path = tmp_path / "long.pps"
+    path.write_text(f"mesh pp=2\nuse {name}() on pp\nsplit {name} into 2\n")
+    rc, text = _check(capsys, str(path))
+    assert rc == 1 and "unknown-strategy" in text and "bad-split" in text
+    assert "(60,000 characters)" in text and max(map(len, text.splitlines())) < 300, \
+        max(map(len, text.splitlines()))
+    rc, text = _check(capsys, "--format", "json", str(path))
+    assert all(len(d["message"]) < 300 for d in json.loads(text))
+
+
+def test_a_long_line_is_shown_as_a_window_with_its_mark_under_the_span():
+    from piper.diagnostics import Diagnostic, Span
+    from piper.render import MAX_LINE, render
+
+    line = "let a = " + " + ".join(["1"] * 200) + " + qq"
+    at = line.index("qq") + 1
+    span = Span("w.pps", 1, at, 1, at + 2, source=line + "\n")
+    shown = render([Diagnostic("unknown-name", "unknown name `qq`", span=span)], format="text", color=False)
+    source, under = [x for x in shown.splitlines() if x.lstrip().startswith(("1 |", "|"))][1:3]
+    assert len(source) < MAX_LINE + 20 and source.split("| ", 1)[1].startswith("...")
+    column = under.index("^")
+    assert source[column:column + 2] == "qq" and under.count("^") == 2
