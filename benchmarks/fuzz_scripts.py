@@ -287,15 +287,20 @@ def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = Fa
                 if show:
                     report(f"--- case {i} ({name}): {result['outcome']} {result['detail']}\n{text}")
             if (i + 1) % 1000 == 0:
-                report(f"{i + 1:,} cases: {counts} ({time.monotonic() - start:.0f} s)")
+                report(f"{i + 1:,} cases: {counts} ({time.monotonic() - start:.0f} s; slowest case "
+                       f"{slowest[0]:.2f} s CPU; largest worker {_children_rss_mb():.0f} MB so far)")
     finally:
         runner.close()
+    return {"cases": sum(counts.values()), "counts": counts, "seconds": round(time.monotonic() - start, 1),
+            "slowest_case_seconds": slowest[0], "max_worker_rss_mb": round(_children_rss_mb(), 1),
+            "failures": failures}
+
+
+def _children_rss_mb() -> float:
+    """The peak resident memory of the largest worker that has ended (Linux reports KiB)."""
     import resource
 
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss     # KiB: the largest worker's peak
-    return {"cases": sum(counts.values()), "counts": counts, "seconds": round(time.monotonic() - start, 1),
-            "slowest_case_seconds": slowest[0], "max_worker_rss_mb": round(rss / 1024, 1),
-            "failures": failures}
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
 def main(argv=None) -> int:
