@@ -9,7 +9,7 @@ another of any type, deep nesting, long strings, huge or negative numbers, wide 
 field or element deleted, duplicated, swapped or renamed) or to its text (cut, characters and
 digit runs inserted, NaN), then imports it. An outcome is `ok` (a .pps script, which must then
 parse: no syntax error), a diagnostic code, or an internal error (any other exception, an import
-taking over --limit seconds, a MemoryError; the language's check of the script is timed apart). The report counts each; the benchmark passes with no
+taking over --limit CPU seconds, a MemoryError; the language's check of the script is timed apart). The report counts each; the benchmark passes with no
 internal errors. tests/test_prototype_fuzz.py runs a few hundred cases of the same mutations
 through hypothesis in the default suite.
 """
@@ -213,55 +213,72 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--limit", type=float, default=5.0, help="seconds per case before it counts as a time-out")
+    ap.add_argument("--limit", type=float, default=5.0,
+                    help="CPU seconds per import before it counts as a time-out (CPU: the machine may be shared)")
     ap.add_argument("--memory", type=int, default=2, help="address-space limit in GiB (0: none)")
+    ap.add_argument("--minutes", type=float, help="stop after this long, whatever --cases says (the report "
+                    "says how many cases ran)")
     ap.add_argument("--out", help="also write the report (markdown) here")
     args = ap.parse_args(argv)
-    if args.memory:
-        import resource
+    import resource
 
+    if args.memory:
         resource.setrlimit(resource.RLIMIT_AS, (args.memory << 30, args.memory << 30))
-    signal.signal(signal.SIGALRM, _alarm)
+    signal.signal(signal.SIGPROF, _alarm)
     draw = Draws(random.Random(args.seed))
     counts: collections.Counter = collections.Counter()
+    bad: collections.Counter = collections.Counter()       # internal errors by kind: time-out, memory, other
     internal: list[tuple[str, str]] = []
-    slowest, started = 0.0, time.perf_counter()
+    slowest, started, ran = 0.0, time.perf_counter(), 0
     for n in range(args.cases):
+        if args.minutes is not None and time.perf_counter() - started > args.minutes * 60:
+            break
         if n and n % 1000 == 0:
-            print(f"{n:,} cases, {counts['internal']} internal", file=sys.stderr, flush=True)
+            print(f"{n:,} cases, {counts['internal']} internal ({dict(bad)}), slowest import {slowest:.2f} s "
+                  f"CPU, max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB, "
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         text = case(draw)
-        t0 = time.perf_counter()
-        signal.setitimer(signal.ITIMER_REAL, args.limit)
+        t0 = time.process_time()
+        signal.setitimer(signal.ITIMER_PROF, args.limit)
         try:
             result, script = imported(text)
         except _TimeOut:
-            result, script = f"internal: time-out past {args.limit:g} s", None
+            result, script = f"internal: time-out past {args.limit:g} s CPU", None
         except MemoryError:
             result, script = "internal: MemoryError", None
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        slowest = max(slowest, time.perf_counter() - t0)
+            signal.setitimer(signal.ITIMER_PROF, 0)
+        slowest = max(slowest, time.process_time() - t0)
         if script is not None:
-            signal.setitimer(signal.ITIMER_REAL, 60)         # the language's check of the script, timed apart
+            signal.setitimer(signal.ITIMER_PROF, 60)         # the language's check of the script, timed apart
             try:
                 result = parses(script)
             except _TimeOut:
-                result = "internal: checking the imported script took over 60 s"
+                result = "internal: checking the imported script took over 60 s CPU"
+            except MemoryError:
+                result = "internal: MemoryError checking the imported script"
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.setitimer(signal.ITIMER_PROF, 0)
+        ran += 1
         counts[result if not result.startswith("internal") else "internal"] += 1
-        if result.startswith("internal") and len(internal) < 20:
-            internal.append((result, text[:300]))
+        if result.startswith("internal"):
+            bad["time-out" if "time-out" in result or "took over" in result else
+                "memory" if "MemoryError" in result else "other"] += 1
+            if len(internal) < 20:
+                internal.append((result, text[:300]))
     wall = time.perf_counter() - started
-    lines = [f"# piper import fuzz: {args.cases:,} mutated prototype programs (seed {args.seed})", "",
-             f"{wall:.0f} s in all, {1000 * wall / max(args.cases, 1):.1f} ms a case (the import and the "
-             f"language's check of each script it writes); the slowest import {slowest:.2f} s; address space "
-             f"{args.memory} GiB, time-out {args.limit:g} s per import", "",
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    lines = [f"# piper import fuzz: {ran:,} mutated prototype programs (seed {args.seed})", "",
+             f"{wall:.0f} s in all, {1000 * wall / max(ran, 1):.1f} ms a case (the import and the "
+             f"language's check of each script it writes); the slowest import {slowest:.2f} s CPU; max RSS "
+             f"{rss:.0f} MB; address space {args.memory} GiB, time-out {args.limit:g} s CPU per import", "",
+             f"internal errors: {counts['internal']} (time-outs {bad['time-out']}, memory errors {bad['memory']}, "
+             f"other {bad['other']})", "",
              "| outcome | cases |", "|---|---|"]
     lines += [f"| {k} | {v:,} |" for k, v in counts.most_common()]
     lines += [""] + [f"- {r}: `{t}`" for r, t in internal]
     report = "\n".join(lines) + "\n"
-    print(report)
+    print(report, flush=True)
     if args.out:
         Path(args.out).write_text(report)
     return 1 if counts["internal"] else 0

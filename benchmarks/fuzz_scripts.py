@@ -9,7 +9,8 @@ re-indented. Each case runs through `piper check` itself (its JSON output, the
 planning of the regions the script names included) in a worker process held
 under a 2 GiB address-space limit (RLIMIT_AS), with a per-case alarm after 5 s
 of CPU time (the machine may be shared; the parent also gives up on a case
-after a minute of wall time, in case the alarm cannot fire). A case's
+whose worker spent 10 s of CPU time, or 10 minutes of wall time, without an
+answer, in case the alarm cannot fire). A case's
 outcome is `ok` (diagnostics came back), `internal` (an exception that is not
 the project's own `PiperError`, or an internal-error diagnostic), `memory`
 (MemoryError), `timeout` (past the alarm) or `crashed` (the worker died).
@@ -184,7 +185,8 @@ def worker(seconds: float = CASE_SECONDS) -> None:
 
 class Worker:
     """A worker process under the address-space limit; `run` sends it one case. A case that kills
-    it or outlasts `hang_seconds` (the alarm did not fire: a hang in C) comes back as `crashed`
+    it, or gets no answer while the worker spends 5 s of CPU past the alarm or for 10 x
+    `hang_seconds` of wall time (the alarm did not fire: a hang in C), comes back as `crashed`
     or `timeout`, and the next case starts a new worker."""
 
     def __init__(self, hang_seconds: float = 60.0, case_seconds: float = CASE_SECONDS):
@@ -212,9 +214,15 @@ class Worker:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return self._lost("crashed", "the worker died before reading the case")
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.hang_seconds)
-        if not ready:
-            return self._lost("timeout", f"no answer within {self.hang_seconds:g} s")
+        started, cpu_at_start = time.monotonic(), self._cpu()
+        while not select.select([self.proc.stdout], [], [], min(self.hang_seconds, 10.0))[0]:
+            # No answer yet: a hang only if the worker has spent more CPU than the alarm allows (the
+            # alarm did not fire), or no answer came for ten times the wait; a starved worker on a
+            # shared machine (nice, load) is waited for.
+            cpu = self._cpu() - cpu_at_start
+            if cpu > self.case_seconds + 5 or time.monotonic() - started > 10 * self.hang_seconds:
+                return self._lost("timeout", f"no answer after {cpu:.1f} s CPU, "
+                                             f"{time.monotonic() - started:.0f} s wall")
         line = self.proc.stdout.readline()
         if not line:
             return self._lost("crashed", f"the worker exited ({self.proc.wait()})")
@@ -222,6 +230,15 @@ class Worker:
         if result["outcome"] == "memory":    # its heap is near the limit now: the next case gets a fresh one
             self.close()
         return result
+
+    def _cpu(self) -> float:
+        """The worker's CPU seconds so far (Linux's /proc; 0 where it cannot be read)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
     def _lost(self, outcome: str, detail: str) -> dict:
         self.close()
@@ -241,9 +258,10 @@ class Worker:
 
 
 def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = False, report=print,
-         failures_to: str | None = None) -> dict:
+         failures_to: str | None = None, slow_over: float | None = None) -> dict:
     """Run `cases` cases (or until `minutes` pass); counts per outcome, the slowest case, the failures
-    (each also appended to `failures_to`, one JSON line, as it happens)."""
+    (each also appended to `failures_to`, one JSON line, as it happens; so is every `ok` case over
+    `slow_over` CPU seconds, to find what is near the time-out)."""
     rng = random.Random(seed)
     counts = dict.fromkeys(("ok",) + BAD, 0)
     failures, slowest, start = [], (0.0, None), time.monotonic()
@@ -257,6 +275,10 @@ def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = Fa
             counts[result["outcome"]] += 1
             if result["seconds"] is not None and result["seconds"] > slowest[0]:
                 slowest = (result["seconds"], text)
+            if slow_over is not None and result["outcome"] == "ok" and (result["seconds"] or 0) > slow_over \
+                    and failures_to:
+                with open(failures_to, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"name": name, "text": text, **result, "outcome": "slow"}) + "\n")
             if result["outcome"] in BAD:
                 failures.append({"name": name, "text": text, **result})
                 if failures_to:
@@ -265,11 +287,20 @@ def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = Fa
                 if show:
                     report(f"--- case {i} ({name}): {result['outcome']} {result['detail']}\n{text}")
             if (i + 1) % 1000 == 0:
-                report(f"{i + 1:,} cases: {counts} ({time.monotonic() - start:.0f} s)")
+                report(f"{i + 1:,} cases: {counts} ({time.monotonic() - start:.0f} s; slowest case "
+                       f"{slowest[0]:.2f} s CPU; largest worker {_children_rss_mb():.0f} MB so far)")
     finally:
         runner.close()
     return {"cases": sum(counts.values()), "counts": counts, "seconds": round(time.monotonic() - start, 1),
-            "slowest_case_seconds": slowest[0], "failures": failures}
+            "slowest_case_seconds": slowest[0], "max_worker_rss_mb": round(_children_rss_mb(), 1),
+            "failures": failures}
+
+
+def _children_rss_mb() -> float:
+    """The peak resident memory of the largest worker that has ended (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
 def main(argv=None) -> int:
@@ -279,6 +310,8 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, help="stop after this long, whatever --cases says")
     parser.add_argument("--show-failures", action="store_true")
     parser.add_argument("--out", help="write the summary and every failing case here (JSON)")
+    parser.add_argument("--slow", type=float, help="also write `ok` cases over this many CPU seconds to --out's "
+                        "failures file")
     parser.add_argument("--case-seconds", type=float, default=CASE_SECONDS, help="CPU seconds a case may take")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -287,7 +320,7 @@ def main(argv=None) -> int:
         return 0
     summary = fuzz(args.cases, args.seed, minutes=args.minutes, show=args.show_failures,
                    report=lambda line: print(line, flush=True),
-                   failures_to=args.out + ".failures" if args.out else None)
+                   failures_to=args.out + ".failures" if args.out else None, slow_over=args.slow)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

@@ -7,7 +7,7 @@ known, the concrete run of the top level (ranges, limits, the used strategies).
 """
 from __future__ import annotations
 
-from piper.diagnostics import Diagnostic, Label, PiperError, did_you_mean
+from piper.diagnostics import Diagnostic, Label, PiperError, clip, did_you_mean
 from piper.mesh import MAX_WORLD_SIZE, Mesh
 
 from . import nodes as n
@@ -120,8 +120,8 @@ def check_overrides(module: n.Module, program: Program, overrides: dict | None) 
         if name not in known:
             plain = [k for k in known if "." not in k]
             out.append(Diagnostic(
-                "unknown-parameter", f"`--set {name}`: the script has no top-level `let` and no parameter of a "
-                f"used strategy called `{name}`",
+                "unknown-parameter", f"`--set {clip(name)}`: the script has no top-level `let` and no parameter "
+                f"of a used strategy called `{clip(name)}`",
                 hint=did_you_mean(name, known) or (f"it can set {', '.join(plain)}" if plain else
                                                    "this script has nothing to set")))
     return out

@@ -51,7 +51,7 @@ VALUES = {
     "bad-shard": "`shard` of something other than batch, optimizer, grads, params, experts, columns, rows, vocab, "
                  "sequence, or `of` where it does not belong",
     "missing-of": "`shard columns`, `rows` or `vocab` without `of` and the patterns of its modules",
-    "loop-limit": "the script takes more than 1,000,000 steps, or evaluates more than 8,000,000 terms",
+    "loop-limit": "the script takes more than 400,000 steps, or evaluates more than 2,000,000 terms",
     "recursion-limit": "`use` or `import` nested more than 64 levels deep",
 }
 FILES = {

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from piper.diagnostics import Diagnostic, Label, Span, did_you_mean
+from piper.diagnostics import Diagnostic, Label, Span, clip, did_you_mean
 
 from . import nodes as n
 from .source import SourceError, read_source, resolve_import
@@ -84,12 +84,12 @@ def _read_import(module: n.Module, item: n.Import, *, chain: tuple[str, ...], st
     path_text = item.path
     if any(ord(c) < 32 or c == "\x7f" for c in path_text):
         return Diagnostic(
-            "bad-import", f"cannot import {path_text!r}: the path holds a control character",
+            "bad-import", f"cannot import {clip(path_text, 200)!r}: the path holds a control character",
             span=item.span, labels=_imported_here(trace),
             hint="write the file's name plainly, e.g. `import \"common.pps\"`")
     if not path_text.endswith(".pps") or Path(path_text).is_absolute() or path_text.startswith("~"):
         return Diagnostic(
-            "bad-import", f"cannot import {path_text!r}: an import names a .pps file relative to this script",
+            "bad-import", f"cannot import {clip(path_text, 200)!r}: an import names a .pps file relative to this script",
             span=item.span, labels=_imported_here(trace),
             hint="write e.g. `import \"common.pps\"` or `import \"../lib/pipeline.pps\"`")
     base = Path(module.file).parent if Path(module.file).suffix == ".pps" else Path(".")
@@ -97,7 +97,7 @@ def _read_import(module: n.Module, item: n.Import, *, chain: tuple[str, ...], st
     key = str(path.resolve())
     if key in chain:
         return Diagnostic(
-            "import-cycle", f"importing {path_text!r} here leads back to this file: the imports form a cycle",
+            "import-cycle", f"importing {clip(path_text, 200)!r} here leads back to this file: the imports form a cycle",
             span=item.span, labels=tuple(Label(span, "imported from here") for _, span in stack),
             notes=tuple(f"{Path(k).name} imports {Path(nxt).name}" for k, nxt in zip(chain, chain[1:] + (key,))),
             hint="move the shared strategies into a file that imports neither")
@@ -109,10 +109,10 @@ def _read_import(module: n.Module, item: n.Import, *, chain: tuple[str, ...], st
         return path, read_source(resolve_import(base, path_text))
     except SourceError as err:
         if err.code == "bad-import":        # a link out of the folder tree, or to another kind of file
-            return Diagnostic("bad-import", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
+            return Diagnostic("bad-import", f"cannot import {clip(path_text, 200)!r}: {err.reason} ({clip(path, 200)})", span=item.span,
                               labels=_imported_here(trace), hint=err.hint)
         return Diagnostic(
-            "import-not-found", f"cannot import {path_text!r}: {err.reason} ({path})", span=item.span,
+            "import-not-found", f"cannot import {clip(path_text, 200)!r}: {err.reason} ({clip(path, 200)})", span=item.span,
             labels=_imported_here(trace),
             hint="the path is relative to the importing script's folder" if err.reason == "no such file"
             else err.hint)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from piper.diagnostics import Diagnostic, PiperError
+from piper.diagnostics import Diagnostic, PiperError, clip
 from piper.frontend.directives import Directive
 from piper.mesh import Mesh
 
@@ -109,7 +109,7 @@ def read_script(path) -> tuple[str, str]:
         return read_source(path), str(path)
     except SourceError as err:
         hint = "check the path; it is relative to the current folder" if err.reason == "no such file" else err.hint
-        raise PiperError(Diagnostic(err.code, f"cannot read the script {str(path)!r}: {err.reason}",
+        raise PiperError(Diagnostic(err.code, f"cannot read the script {clip(str(path), 200)!r}: {err.reason}",
                                     hint=hint)) from None
 
 

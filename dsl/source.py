@@ -72,12 +72,8 @@ def resolve_import(base, path_text: str) -> str:
     return real
 
 
-def read_source(path, *, limit: int = MAX_SCRIPT_BYTES) -> str:
-    """The UTF-8 text of the regular file `path`, at most `limit` bytes; SourceError otherwise.
-
-    Checks the file's kind before opening it (a FIFO would block the open), and
-    reads one byte past the limit rather than the whole file.
-    """
+def _regular(path) -> os.stat_result:
+    """The stat of `path`, a regular file outside the kernel's folders; SourceError otherwise."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -91,14 +87,40 @@ def read_source(path, *, limit: int = MAX_SCRIPT_BYTES) -> str:
     if any(_under(os.path.realpath(path), folder) for folder in KERNEL_FOLDERS):
         raise SourceError("file-not-found", "it is one of the kernel's files (/proc, /sys, /dev), not a script",
                           "a script is a plain .pps file")
-    if info.st_size > limit:
-        raise SourceError("script-too-large", _too_large(info.st_size, limit), _TOO_LARGE_HINT)
+    return info
+
+
+def _read_bytes(path, count: int) -> bytes:
+    """At most `count` bytes of the regular file `path`, opened without blocking (O_NONBLOCK), and
+    refused if it is no longer a regular file once open (it was replaced after the stat)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
-            data = f.read(limit + 1)
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise SourceError("file-not-found", "it is not a regular file",
+                                  "a script is a plain .pps file; Piper does not read devices, pipes or folders")
+            return f.read(count)
     except OSError as err:
         raise SourceError("file-not-found", err.strerror or str(err), "check the path and its permissions") from None
+
+
+def read_prefix(path, count: int) -> bytes:
+    """The first `count` bytes of the regular file `path` (to tell a file's kind by its start);
+    SourceError for a missing file, a folder, a FIFO, a device or one of the kernel's files."""
+    _regular(path)
+    return _read_bytes(path, count)
+
+
+def read_source(path, *, limit: int = MAX_SCRIPT_BYTES) -> str:
+    """The UTF-8 text of the regular file `path`, at most `limit` bytes; SourceError otherwise.
+
+    Checks the file's kind before opening it (a FIFO would block the open), and
+    reads one byte past the limit rather than the whole file.
+    """
+    info = _regular(path)
+    if info.st_size > limit:
+        raise SourceError("script-too-large", _too_large(info.st_size, limit), _TOO_LARGE_HINT)
+    data = _read_bytes(path, limit + 1)
     if len(data) > limit:   # the file grew after stat
         raise SourceError("script-too-large", _too_large(len(data), limit, more=True), _TOO_LARGE_HINT)
     try:

@@ -4,7 +4,7 @@ Mixed into `Interpreter`; an Unknown passes every check, so abstract mode checks
 """
 from __future__ import annotations
 
-from piper.diagnostics import Span, did_you_mean
+from piper.diagnostics import Span, clip, did_you_mean
 
 from .outcomes import Fail
 from .values import ANY_TYPE, AXIS, BOOL, INT, TYPE_WORDS, Axis, Env, FreeName, Unknown, show, type_of
@@ -32,7 +32,7 @@ class TypeChecks:
         elif wanted == ANY_TYPE or type_of(value) == wanted:
             return value
         if isinstance(value, FreeName) and value.span is None:  # a word given by --set
-            raise self.fail("wrong-type", f"{what} needs {TYPE_WORDS[wanted]}, but got `{value.name}`", span)
+            raise self.fail("wrong-type", f"{what} needs {TYPE_WORDS[wanted]}, but got `{clip(value.name)}`", span)
         if isinstance(value, FreeName) and not (self.mesh and value.name in self.mesh.names):
             raise self.unknown_name(value, env)
         got = type_of(value)
@@ -44,9 +44,9 @@ class TypeChecks:
 
     def unknown_name(self, value: FreeName, env: Env) -> Fail:
         close = did_you_mean(value.name, env.names() + list(self.mesh.names if self.mesh else ()))
-        notes = () if self.mesh or close else (f"if `{value.name}` is a mesh axis, `size({value.name})` is its "
+        notes = () if self.mesh or close else (f"if `{clip(value.name)}` is a mesh axis, `size({clip(value.name)})` is its "
                                                "number of devices",)
-        return self.fail("unknown-name", f"unknown name `{value.name}`", value.span, notes=notes,
+        return self.fail("unknown-name", f"unknown name `{clip(value.name)}`", value.span, notes=notes,
                          hint=close or "bind it with `let`, or make it a parameter of the strategy")
 
     def axis_of(self, value, span: Span | None, env: Env, what: str):
@@ -60,6 +60,7 @@ class TypeChecks:
         name = value.name
         if self.mesh is None or name in self.mesh.names:
             return name
+        name = clip(name)       # from here only for the messages: a --set word may be of any length
         where = value.span if isinstance(value, FreeName) and value.span is not None else span
         if not self.mesh.names:
             raise self.fail("unknown-axis", f"the mesh has no axis `{name}`: this script has no mesh", where,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from piper.diagnostics import Span
+from piper.diagnostics import Span, clip
 
 from . import nodes as n
 
@@ -17,20 +17,22 @@ BUILTINS = ("min", "max", "size")
 # Numbers stay far inside 64 bits, so no script builds a huge integer.
 MAX_INT = 2**62
 # The counts a script sets, each checked before the work it sizes begins. The largest real schedules
-# (the stdlib's at 64 stages x 512 microbatches, interleaved at 32 devices x 4 chunks) stay inside
-# them; a script past them ends with `value-out-of-range` rather than running on.
+# (the stdlib's at 64 stages x 512 microbatches) stay inside them; a script past them ends with
+# `value-out-of-range` rather than running on.
 MAX_MICROBATCHES = 4096       # `split MB into N`
-MAX_TAG_INDEX = 8191          # a tag's index (`PP=r`, `MB=m`): regions and microbatches count from 0
+MAX_TAG_INDEX = 4095          # a tag's index (`PP=r`, `MB=m`): 4,096 regions (planning them takes ~2 s) or microbatches
 TYPE_WORDS = {INT: "an integer", BOOL: "a boolean (true or false)", AXIS: "a mesh axis", ANY_TYPE: "a value"}
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one run may take: statements plus loop iterations, the terms they evaluate
-    (`dsl.work`: at about 1 µs a term, 8M bound a run to seconds), `use` depth, errors kept."""
+    (`dsl.work`), `use` depth, errors kept. At the step or the work limit a run has taken about
+    2 s of CPU (about 5 µs a step, 1 µs a term), so `piper check` stays within 5 s with the
+    planning of what it made (piper/ir/size.py) on top."""
 
-    steps: int = 1_000_000
-    work: int = 8_000_000
+    steps: int = 400_000
+    work: int = 2_000_000
     depth: int = 64
     errors: int = 100
     failures: int = 1000      # statements that fail, repeats of one diagnostic included
@@ -73,10 +75,11 @@ def type_of(value) -> str:
 
 
 def show(value) -> str:
+    """`value` as a message quotes it (a long name cut, `piper.diagnostics.clip`)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (Axis, FreeName)):
-        return value.name
+        return clip(value.name)
     return str(value)
 
 

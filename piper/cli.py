@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 
-from .diagnostics import Diagnostic, PiperError, UsageError, did_you_mean
+from .diagnostics import Diagnostic, PiperError, UsageError, clip, did_you_mean
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -25,7 +25,7 @@ def _parse_sets(items) -> dict[str, str]:
     for item in items or ():
         name, eq, value = item.partition("=")
         if not eq or not name.strip():
-            raise UsageError(f"--set takes NAME=VALUE, not {item!r}")
+            raise UsageError(f"--set takes NAME=VALUE, not `{clip(item)}`")
         out[name.strip()] = value.strip()
     return out
 
@@ -36,11 +36,11 @@ def _parse_regions(text: str | None) -> dict[str, int] | None:
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, count = part.partition("=")
-        if not eq or not name.strip().isidentifier() or not count.strip().isdigit():
+        if not eq or not name.strip().isidentifier() or len(name.strip()) > 64 or not count.strip().isdigit():
             shown = text if len(text) <= 40 else text[:40] + "..."
             raise UsageError(f"--regions takes TAG=COUNT such as PP=8 (one chain of regions), not {shown!r}")
         if len(count.strip()) > 30:      # past every limit, and too long for int() to read
-            raise UsageError(f"--regions {name.strip()}=N takes a count of regions, not a {len(count.strip()):,}-digit "
+            raise UsageError(f"--regions {clip(name.strip())}=N takes a count of regions, not a {len(count.strip()):,}-digit "
                          "number")
         out[name.strip()] = int(count)
     return out

@@ -7,6 +7,7 @@ User mistakes raise `PiperError`; internal invariants use `assert`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,6 +52,16 @@ class Diagnostic:
     hint: str | None = None
     # Where the failing statement was reached from: `use` sites, outermost first.
     trace: tuple[Span, ...] = ()
+
+    def __post_init__(self):
+        # A word of a user's text (a 60,000-character name in a script, a path) is quoted short
+        # wherever a message was built without `clip`: each run of over MAX_WORD non-blanks.
+        for name in ("message", "hint"):
+            text = getattr(self, name)
+            if text is not None and len(text) > MAX_WORD:
+                object.__setattr__(self, name, bounded(text))
+        if any(len(note) > MAX_WORD for note in self.notes):
+            object.__setattr__(self, "notes", tuple(map(bounded, self.notes)))
 
     def with_span(self, span: Span | None) -> "Diagnostic":
         """The same diagnostic pointed at `span` (kept if `span` is None)."""
@@ -103,10 +114,46 @@ def error(code: str, message: str, *, span: Span | None = None, hint: str | None
     return PiperError(Diagnostic(code, message, "error", span, tuple(labels), tuple(notes), hint))
 
 
+MAX_SHOWN = 60      # characters of a user's value (a --set word, a name) that a message quotes
+MAX_WORD = 200      # a run of non-blanks in a message past this is a user's value: `bounded` clips it
+_LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD + 1))
+_CLOSING = "`'\")]:;,."
+_OPENING = "`'\"(["
+
+
+def clip(text, limit: int = MAX_SHOWN) -> str:
+    """`text` as a message quotes it: whole up to `limit` characters, else its start and its length,
+    so a 5,000-character `--set` value or name does not fill the terminal.
+
+    >>> clip("pp"), clip("9" * 5000)[-23:]
+    ('pp', '9... (5,000 characters)')
+    """
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def bounded(text: str) -> str:
+    """`text` with every run of over MAX_WORD non-blank characters clipped (its closing quote or
+    punctuation kept), so no message quotes a user's value whole.
+
+    >>> bounded("no strategy is called `" + "z" * 500 + "`").endswith("zz... (500 characters)`")
+    True
+    """
+    def cut(match) -> str:
+        word = match.group(0)
+        end = len(word.rstrip(_CLOSING))
+        start = len(word) - len(word.lstrip(_OPENING))
+        return word[:start] + clip(word[start:end]) + word[end:]
+
+    return _LONG_WORD.sub(cut, text)
+
+
 def did_you_mean(name: str, choices) -> str | None:
     """The closest of `choices` to `name`, phrased as a hint, or None."""
     import difflib
 
+    if len(str(name)) > 4 * MAX_SHOWN:    # nothing so long is close to a name (and difflib is quadratic)
+        return None
     close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
     return f"did you mean `{close[0]}`?" if close else None
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import itertools
 import numbers
 from dataclasses import dataclass
+from functools import cached_property
 
-from .diagnostics import did_you_mean, error
+from .diagnostics import clip, did_you_mean, error
 
 # The mesh stays small enough that anything may list its ranks: scripts, `piper.Mesh`, `mesh=` in
 # `piper.compile` and prototype programs all meet this one limit.
 MAX_WORLD_SIZE = 1 << 20
+MAX_AXIS_NAME = 64          # characters of an axis name given to `Mesh.of` (--mesh, mesh=): dp, pp, ep
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,19 @@ class Mesh:
             if size < 1:
                 raise error("bad-mesh", f"mesh axis `{name}` has size {size}",
                             hint="every mesh axis needs a size of at least 1")
-            if not name.isidentifier():
-                raise error("bad-mesh", f"mesh axis name {name!r} is not a name",
-                            hint="use names such as dp, pp, ep")
+            if not name.isidentifier() or len(name) > MAX_AXIS_NAME:
+                raise error("bad-mesh", f"mesh axis name `{clip(name)}` is not a name",
+                            hint=f"use names such as dp, pp, ep, of at most {MAX_AXIS_NAME} characters")
         return Mesh(axes)
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.axes)
+
+    @cached_property
+    def _sizes(self) -> dict[str, int]:
+        """Each axis's size by name, made once: a script asks for sizes once per directive it runs."""
+        return dict(self.axes)
 
     @property
     def world_size(self) -> int:
@@ -80,11 +87,13 @@ class Mesh:
         return size
 
     def size(self, axis: str) -> int:
-        self.check_axis(axis)
-        return dict(self.axes)[axis]
+        found = self._sizes.get(axis)
+        if found is None:
+            self.check_axis(axis)
+        return found
 
     def check_axis(self, axis: str, span=None) -> None:
-        if axis not in self.names:
+        if axis not in self._sizes:
             raise error("unknown-axis", f"the mesh has no axis `{axis}`", span=span,
                         hint=did_you_mean(axis, self.names)
                         or f"the mesh axes are {', '.join(self.names) or '(none)'}; add `{axis}` to the mesh")

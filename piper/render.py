@@ -57,6 +57,9 @@ def _source_line(span: Span, number: int) -> str | None:
     return text.rstrip("\r\n") if text else None
 
 
+MAX_LINE = 160      # characters of a source line a snippet shows: a longer line is shown around its span
+
+
 def _snippet(span: Span, mark: str, message: str, style: str, width: int) -> list[list[tuple[str, str]]]:
     """Two lines: the source line, and `mark` under the span (to the line's end if it spans lines)."""
     line = _source_line(span, span.line)
@@ -67,11 +70,18 @@ def _snippet(span: Span, mark: str, message: str, style: str, width: int) -> lis
     end = max(end, start + 1)
     pad = len(visible(line[: start - 1]).replace("\t", _TAB))
     count = max(len(visible(line[start - 1: end - 1]).replace("\t", _TAB)), 1)
+    shown = visible(line).replace("\t", _TAB)
+    if len(shown) > MAX_LINE:       # a window of the line at the span, as rustc shows long lines
+        left = max(0, pad - MAX_LINE // 4)
+        window = shown[left:left + MAX_LINE]
+        shown = ("..." if left else "") + window + ("..." if left + MAX_LINE < len(shown) else "")
+        count = max(1, min(count, MAX_LINE - (pad - left)))
+        pad = pad - left + (3 if left else 0)
     gutter = " " * width
     under = [(f"{gutter} | ", "blue"), (" " * pad, ""), (mark * count, style)]
     if message:
         under.append((" " + message, style))
-    return [[(f"{span.line:>{width}} | ", "blue"), (visible(line).replace("\t", _TAB), "")], under]
+    return [[(f"{span.line:>{width}} | ", "blue"), (shown, "")], under]
 
 
 def _lines(d: Diagnostic) -> list[list[tuple[str, str]]]:

@@ -215,3 +215,36 @@ def test_hostile_files_are_answered_within_a_2_gib_address_space(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.strip()) == [1] * len(paths)
     assert "Traceback" not in run.stderr and "internal-error" not in run.stderr
+
+
+def test_a_file_without_json_in_its_name_is_sniffed_without_blocking(tmp_path, capsys):
+    # `piper import FILE` tells a program from a CSV by its first bytes; what is not a regular file is
+    # refused before that (a FIFO would block the open, /dev/zero the read), with the file's kind named.
+    fifo = tmp_path / "schedule"
+    os.mkfifo(fifo)
+    assert main(["import", str(fifo)]) == 1
+    assert "a pipe (FIFO), not a regular file" in capsys.readouterr().err
+    assert main(["import", "/dev/zero"]) == 1
+    assert "character device" in capsys.readouterr().err
+    assert main(["import", "/proc/self/environ"]) == 1
+    err = capsys.readouterr().err
+    assert "kernel's files" in err and "PATH=" not in err
+    latin = tmp_path / "schedule.csv"               # not UTF-8 and not a program: the CSV reader says so
+    latin.write_bytes(b"\xff\xfe\x00rank,action\n")
+    assert main(["import", str(latin)]) == 1
+    assert "not UTF-8" in capsys.readouterr().err
+    marked = tmp_path / "program.txt"               # a UTF-8 byte-order mark before the `[`
+    marked.write_bytes(b'\xef\xbb\xbf [{"op": "split", "filter": {}, "dim_name": "MB", "num_microbatches": 4}]')
+    assert main(["import", str(marked), "-o", str(tmp_path / "out.pps")]) == 0
+    assert "split MB into 4" in (tmp_path / "out.pps").read_text()
+    assert main(["import", str(tmp_path / "missing")]) == 1
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_long_tag_names_are_refused_with_a_short_message():
+    for program in ([{"op": "place", "filter": {"P" * 5000: 0}, "devices": [0]}],
+                    [{"op": "split", "filter": {}, "dim_name": "M" * 5000, "num_microbatches": 4}]):
+        with pytest.raises(PiperError) as err:
+            program_to_pps(program, file="h.json")
+        d = err.value.diagnostics[0]
+        assert d.code == "bad-program-json" and len(d.message + (d.hint or "")) < 300, d.message[:200]

@@ -17,8 +17,8 @@ torch = LazyModule("torch")
 fx = LazyModule("torch.fx")
 
 # An abstract chain (`--regions PP=N`) holds at most this many regions: as many as a script's
-# tag indices can name (`dsl.values.MAX_TAG_INDEX`), 32 times the largest real schedule's 256.
-MAX_REGIONS = 8192
+# tag indices can name (`dsl.values.MAX_TAG_INDEX`), 16 times the largest real schedule's 256.
+MAX_REGIONS = 4096
 
 
 def _count(count: int) -> str:

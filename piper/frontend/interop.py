@@ -19,7 +19,7 @@ import re
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from ..diagnostics import error
+from ..diagnostics import clip, error
 
 if TYPE_CHECKING:                  # the front end reads a compiled result; it does not compile
     from ..compiler.plans import Compiled
@@ -35,7 +35,7 @@ _TORCH_RANK = {"F": 0, "B": 1, "BI": 2, "BW": 3}   # torch writes an overlapped 
 # what a script may name (`dsl.values`), checked before anything is made of them. A real schedule's
 # CSV is far smaller: 64 ranks x 512 microbatches x 3 passes is about 1 MB.
 MAX_CSV_BYTES = 16 * 1024 * 1024
-MAX_STAGE = 8191                 # dsl.values.MAX_TAG_INDEX
+MAX_STAGE = 4095                 # dsl.values.MAX_TAG_INDEX
 MAX_MICROBATCH = 4095            # dsl.values.MAX_MICROBATCHES - 1
 
 
@@ -333,12 +333,12 @@ def import_main(args) -> int:
         text = read_source(path, limit=MAX_CSV_BYTES)
     except SourceError as err:
         if err.code == "script-too-large":
-            raise error("bad-schedule-csv", f"cannot import {path!r}: it holds over {MAX_CSV_BYTES:,} bytes, the "
+            raise error("bad-schedule-csv", f"cannot import {clip(path, 200)!r}: it holds over {MAX_CSV_BYTES:,} bytes, the "
                         "most piper import reads", hint="a real schedule's CSV is a few megabytes at most") from None
         if "UTF-8" in err.reason:
-            raise error("bad-schedule-csv", f"cannot import {path!r}: {err.reason}",
+            raise error("bad-schedule-csv", f"cannot import {clip(path, 200)!r}: {err.reason}",
                         hint="torch writes its schedule CSV as ASCII; export it again with _dump_csv") from None
-        raise error("file-not-found", f"cannot read {path!r}: {err.reason}",
+        raise error("file-not-found", f"cannot read {clip(path, 200)!r}: {err.reason}",
                     hint="check the path; it is relative to the current folder") from None
     stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0]) or "imported"
     name = getattr(args, "name", None) or (stem if stem[0].isalpha() or stem[0] == "_" else f"s_{stem}")

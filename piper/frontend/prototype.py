@@ -328,11 +328,24 @@ def import_program(path: str) -> tuple[str, list[Diagnostic]]:
 
 
 def _looks_json(path: str) -> bool:
+    """Whether the file at `path` starts (past a byte-order mark and blanks) with `[` or `{`.
+
+    Only a regular file is opened, and without blocking (a FIFO or a device would block the open or
+    the read, /dev/zero never end it): anything else is `file-not-found` here. Its first bytes are
+    compared as bytes, so a file that is not UTF-8 is left to the reader that names the problem."""
+    import os
+
+    from ..diagnostics import error
+    from ..dsl.source import SourceError, read_prefix
+
     try:
-        with open(path, "rb") as f:
-            return f.read(64).lstrip()[:1] in (b"[", b"{")
-    except OSError:
-        return False
+        head = read_prefix(path, 64)
+    except SourceError as err:
+        if err.code == "file-not-found" and not os.path.lexists(path):
+            return False            # the CSV reader says the file is missing, as it always has
+        raise error("file-not-found", f"cannot read {show(path, 120)}: {err.reason}",
+                    hint="name a prototype .json program or a torch schedule .csv file") from None
+    return head.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] in (b"[", b"{")
 
 
 def import_main(args) -> int:

@@ -25,6 +25,7 @@ from ..diagnostics import Diagnostic, did_you_mean
 PASSES = ("F", "B", "BI", "BW")      # the prototype's order passes (its _VALID_ORDER_PASSES)
 OPS = ("place", "replicate", "shard", "split", "order")
 MAX_INDEX = 2 ** 62                  # a tag index or count: the .pps language's integer bound
+MAX_NAME = 64                        # characters of a tag name (PP, EP, MB): messages and scripts quote it
 MAX_DEVICE = 1 << 20                 # device numbers are below the language's mesh-size limit, 1,048,576
 MAX_ERRORS = 100                     # errors kept per program, as for scripts
 _DIGITS = re.compile(r"[0-9]{1,18}")
@@ -190,12 +191,14 @@ def read_filter(value, path: str, problems: Problems, *, passes: bool = False) -
         return None
     out = []
     for tag, index in value.items():
-        if type(index) is int and 0 <= index <= MAX_INDEX and tag != "PASS" and tag.isidentifier():
+        if type(index) is int and 0 <= index <= MAX_INDEX and tag != "PASS" and tag.isidentifier() \
+                and len(tag) <= MAX_NAME:
             out.append((tag, index))    # the common case, first
             continue
         at = key_path(path, tag)
-        if not tag.isidentifier():
-            problems.bad(at, f"{show(tag)} is not a tag name", hint="tags are names such as PP, EP and MB")
+        if not tag.isidentifier() or len(tag) > MAX_NAME:
+            problems.bad(at, f"{show(tag)} is not a tag name",
+                         hint=f"tags are names such as PP, EP and MB, of at most {MAX_NAME} characters")
             return None
         if tag == "PASS":
             if not passes:
@@ -290,7 +293,7 @@ def _shard(d: dict, at: str, problems: Problems):
 def _split(d: dict, at: str, problems: Problems):
     filter_ = read_filter(d.get("filter"), f"{at}.filter", problems)
     dim, count = d.get("dim_name"), d.get("num_microbatches")
-    if not isinstance(dim, str) or not dim.isidentifier():
+    if not isinstance(dim, str) or not dim.isidentifier() or len(dim) > MAX_NAME:
         problems.bad(f"{at}.dim_name", f"a split's dim_name is the name of the new tag, such as \"MB\", not "
                      f"{show(dim)}")
         return None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 
 from ..diagnostics import error
 
@@ -105,16 +104,16 @@ def parse_program(text: str, file: str):
 
 def read_program(path: str):
     """The parsed JSON program in the regular file at `path`, read with a bounded size."""
-    name = os.path.basename(path)
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise error("file-not-found", f"{path!r} is not a regular file", hint="name a .json file")
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-    except OSError as err:
-        raise error("file-not-found", f"cannot read {path!r}: {err.strerror or err}",
-                    hint="check the path; it is relative to the current folder") from None
+    from ..dsl.source import SourceError, read_prefix
+    from .prototype_directives import show
+
+    base = os.path.basename(path)
+    name = base if len(base) <= 80 else base[:77] + "..."
+    try:        # a regular file only, opened without blocking, read to one byte past the bound
+        data = read_prefix(path, MAX_BYTES + 1)
+    except SourceError as err:
+        raise error("file-not-found", f"cannot read {show(path, 120)}: {err.reason}",
+                    hint="name a .json file; the path is relative to the current folder") from None
     if len(data) > MAX_BYTES:
         raise error("program-too-large", f"{name} is larger than {MAX_BYTES:,} bytes, the most a prototype program "
                     "may have", hint="split the program, or write the strategy as a .pps script")

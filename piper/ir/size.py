@@ -4,23 +4,25 @@ Planning is linear in what it copies: `split MB` makes each region's passes
 once per microbatch (the global DAG), `place` lists each region's devices, and
 lowering makes each pass once per device that runs it. A strategy of a few
 lines can ask for any of these to be huge (`split MB into 4000000`, a region
-on a million devices), so each is bounded here, far above real use: the
-stdlib's schedules at 64 stages x 512 microbatches x dp 8 are 32,768 passes of
-a region and microbatch, 512 region-device pairs and 262,144 passes on devices
-(0.8 s and about 150 MB to plan); the bounds below are 8x, 4,096x and 2x that.
-At the last one 1F1B plans in 2.4 s CPU and about 250 MB, ZBV (split backward,
-twice the passes) in 8.6 s and 460 MB (`piper check`, `/usr/bin/time -v`).
+on a million devices), so each is bounded here, at real use: the
+stdlib's schedules at 64 stages x 256 microbatches x dp 8 are 16,384 passes of
+a region and microbatch, 512 region-device pairs and 131,072 passes on devices;
+the bounds below are 1x, 256x and 1x that (a plan with more pairs than the
+last bound could not be lowered, so `place` stops it before listing them). `piper check` answers within 5 s
+of CPU with the script's run on top: at these bounds ZBV (split backward) on
+dp 8 x pp 32 with 256 microbatches takes 2.2 s in all, gpipe's 4,096 regions
+1.6 s; at twice them ZBV took 4-5 s (`piper check` on 2 shared cores).
 
     >>> MAX_COMPUTES, MAX_PLACEMENTS, MAX_DEVICE_COMPUTES
-    (262144, 2097152, 524288)
+    (16384, 131072, 131072)
 """
 from __future__ import annotations
 
 from ..diagnostics import error
 
-MAX_COMPUTES = 1 << 18            # microbatches x regions: the global DAG's forwards (and backwards)
-MAX_PLACEMENTS = 1 << 21          # region-device pairs that `place` statements list
-MAX_DEVICE_COMPUTES = 1 << 19     # microbatches x the devices of each region, summed: the plans' passes
+MAX_COMPUTES = 1 << 14            # microbatches x regions: the global DAG's forwards (and backwards)
+MAX_PLACEMENTS = 1 << 17          # region-device pairs that `place` statements list: no more than lowering takes
+MAX_DEVICE_COMPUTES = 1 << 17     # microbatches x the devices of each region, summed: the plans' passes
 
 _HINT = ("use fewer microbatches, regions or devices; the largest real schedules are a few times "
          "smaller than this")

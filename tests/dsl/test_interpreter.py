@@ -188,7 +188,7 @@ def test_negative_microbatch_in_a_schedule():
      Limits(steps=20_000)),
 ])
 def test_hostile_scripts_end_with_an_error(text, code, limits):
-    """The default limit is 1,000,000 steps (a few seconds); smaller ones keep the test quick.
+    """The default limit is 400,000 steps (about 2 s); smaller ones keep the test quick.
     The limits count steps, not seconds, so the code says the run was cut short by them."""
     with pytest.raises(PiperError) as err:
         load_strategy(text, limits=limits).build()
