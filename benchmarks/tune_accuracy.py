@@ -27,15 +27,6 @@ DEVICES, BATCH = 4, 16
 TOGETHER = 2       # candidates alive at once beside the reference (each job's idle workers still hold memory)
 
 
-def loadavg() -> float:
-    """The 1-minute load average (`/proc/loadavg`), 0 where it cannot be read."""
-    try:
-        with open("/proc/loadavg") as f:
-            return float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def _budgets(every) -> list[int]:
     """Every candidate fits; the median predicted peak (about half fit)."""
     peaks = sorted(r.peak_bytes for r in every)
@@ -47,7 +38,7 @@ def _measure_beside(search, reference, candidates, *, steps: int, warmup: int, l
     (`tune_calibration.measure_together`): per candidate its record (driver step seconds, the
     cores other processes took during each step, ...), the reference's too, the calibration its
     record makes (`cli_tune.calibration_from`), and the load average before and after."""
-    from piper.cli_tune import calibration_from, start_jobs
+    from piper.cli_tune import calibration_from, loadavg, start_jobs
     from piper.compiler.tune_calibration import measure_together
 
     order = [reference] + [c for c in candidates if c != reference]
@@ -58,8 +49,8 @@ def _measure_beside(search, reference, candidates, *, steps: int, warmup: int, l
         before = loadavg()
         runs = measure_together(jobs, data, steps=steps, warmup=warmup)
         after = loadavg()
-        compiled = jobs[0].compiled
-    again = calibration_from(search, [reference], runs[:1], compiled)
+    # the runtime's costs and the load from the reference's steps; a compute's cost per call as calibrated
+    again = calibration_from(search, [reference], runs[:1], call=search.calibration.call)
     # the calls' costs on group sizes the reference lacks: as the calibration measured them
     again = replace(again, collectives={**search.calibration.collectives, **again.collectives})
     return dict(zip(order, runs)), again, (before, after)
@@ -75,7 +66,7 @@ def reference_of(search, cal):
 
 def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) -> list[dict]:
     """Rows for one model: per budget, its top candidates predicted and measured."""
-    from piper.cli_tune import calibrate
+    from piper.cli_tune import calibrate, loadavg
     from piper.compiler.tune import Search, groups, profile
 
     with tempfile.TemporaryDirectory() as cache:

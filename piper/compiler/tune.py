@@ -152,8 +152,10 @@ def profile_types() -> tuple:
     return (Profile, Program, Region, RegionInput, TensorSpec, Value, RegionBytes)
 
 
-def profile(model_spec: str, microbatch: int, *, repeats: int = 3, log=None) -> Profile:
-    """Capture the model at `microbatch` sequences and time each region (cached on disk)."""
+def profile(model_spec: str, microbatch: int, *, repeats: int = 7, log=None) -> Profile:
+    """Capture the model at `microbatch` sequences and time each region (cached on disk): the least
+    CPU seconds of `repeats` runs, which other processes' load inflates least (on a loaded 2-core
+    machine three runs left a size's profile up to 1.7x its neighbours')."""
     path, _, factory = model_spec.rpartition(":")
     key = {"model": os.path.abspath(path), "mtime": os.path.getmtime(path) if os.path.exists(path) else 0,
            "factory": factory, "microbatch": microbatch, "repeats": repeats, "clock": "thread"}
@@ -385,8 +387,8 @@ class Search:
         With one (`tune_calibration.Calibration`): the runtime's measured costs laid onto the plans
         (`RuntimeModel.apply`: its work per action and per step, each device's start skew), a
         receive costing the measured message latency, the computes scaled by what they measured in
-        the calibration's workers over what the profile says (`Calibration.compute`, `update` for the
-        optimizer's), a collective costing its measured wall time per call beyond its bytes
+        the calibration's workers over what the profile says plus their measured cost per call
+        (`Calibration.compute`, `call`; `update` for the optimizer's), a collective costing its measured wall time per call beyond its bytes
         (`Calibration.collectives`), each device's other threads (Gloo's copies of its bytes,
         `comm_seconds`, its work per collective call, `calls_seconds`, and the rest measured) competing
         for the cores other processes leave, and the driver's own part of a step added; all of it
@@ -400,7 +402,7 @@ class Search:
             sim = simulate(plans, costs=costs, comm_cost=comm, overlap=overlap, cores=self.machine["cores"],
                            devices=self.devices)
             return sim, sim.step_time
-        costs = {k: v * (cal.update if is_update(k) else cal.compute) for k, v in costs.items()}
+        costs = {k: v * cal.update if is_update(k) else v * cal.compute + cal.call for k, v in costs.items()}
         led, full = cal.runtime.apply(plans, costs, overlap)
         sim = simulate(led, costs=full, comm_cost=cal.runtime.comm_cost(call_latency(cal.collectives, comm)),
                        overlap=overlap, cores=cores_left(cal.cores, self.external or 0.0), devices=self.devices,
