@@ -26,16 +26,18 @@ device is predicted (`piper.compiler.memory_model`), and its step time simulated
 - devices that outnumber the CPU cores share them (`simulate(cores=...)`);
 - the runtime's own costs, measured by a short run of two candidates on as
   many devices (`piper.cli_tune.calibrate`, `piper.compiler.tune_calibration`): its work per
-  action and per step, each device's start skew, the message latency, Gloo's
-  threads, the driver's part of a step, the computes' CPU time in the
-  workers over the profile's, and the cores other processes took meanwhile;
+  action and per step, each device's start skew, the message latency, each
+  collective call's cost beyond its bytes, Gloo's threads, the driver's part of
+  a step, the computes' CPU time in the workers (a ratio of the profile's and
+  a cost per call), and the cores other processes took meanwhile;
   the first run's measured step over its prediction scales every prediction,
   and the second's error says how far they can be trusted.
   Without it (`--no-calibrate`) a step on the CPU runtime runs 3-4x longer
   than predicted, and every candidate on more devices than cores predicts
   about the same (their computes add up to the same CPU seconds).
 
-The measurements are cached (`$PIPER_CACHE`, default ~/.cache/piper: `piper.cache_dir`) by
+The measurements are cached (`$PIPER_CACHE`, default ~/.cache/piper: `piper.cache_dir`; versioned
+JSON, `piper.compiler.tune_cache`) by
 model file, factory and microbatch size (the calibration by model, batch and
 device count), so a second search skips them. The few best candidates are
 re-predicted with activations measured at their exact microbatch size before
