@@ -9,7 +9,9 @@ machine's load falls on all alike. The table gives each one's predicted step (wh
 the median measured step, the error, the cores other processes kept busy meanwhile and the load
 average (`/proc/loadavg` before and after); and the prediction of a calibration made again from
 the reference's steps in the same rounds (`piper.cli_tune.calibration_from`): the model apart from
-the load's drift since the calibration.
+the load's drift since the calibration; and that one for the other load measured during the
+candidate's own steps (the reference's and a candidate's other load differ by 0.1-0.5 cores in the
+same rounds: a job with more busy threads takes more of the cores).
 
     python -m benchmarks.tune_accuracy [--top 3] [--steps 8] [--models examples/gpt.py:small_gpt ...]
 """
@@ -27,15 +29,6 @@ DEVICES, BATCH = 4, 16
 TOGETHER = 2       # candidates alive at once beside the reference (each job's idle workers still hold memory)
 
 
-def loadavg() -> float:
-    """The 1-minute load average (`/proc/loadavg`), 0 where it cannot be read."""
-    try:
-        with open("/proc/loadavg") as f:
-            return float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def _budgets(every) -> list[int]:
     """Every candidate fits; the median predicted peak (about half fit)."""
     peaks = sorted(r.peak_bytes for r in every)
@@ -47,7 +40,7 @@ def _measure_beside(search, reference, candidates, *, steps: int, warmup: int, l
     (`tune_calibration.measure_together`): per candidate its record (driver step seconds, the
     cores other processes took during each step, ...), the reference's too, the calibration its
     record makes (`cli_tune.calibration_from`), and the load average before and after."""
-    from piper.cli_tune import calibration_from, start_jobs
+    from piper.cli_tune import calibration_from, loadavg, start_jobs
     from piper.compiler.tune_calibration import measure_together
 
     order = [reference] + [c for c in candidates if c != reference]
@@ -58,8 +51,8 @@ def _measure_beside(search, reference, candidates, *, steps: int, warmup: int, l
         before = loadavg()
         runs = measure_together(jobs, data, steps=steps, warmup=warmup)
         after = loadavg()
-        compiled = jobs[0].compiled
-    again = calibration_from(search, [reference], runs[:1], compiled)
+    # the runtime's costs and the load from the reference's steps; a compute's cost per call as calibrated
+    again = calibration_from(search, [reference], runs[:1], call=search.calibration.call)
     # the calls' costs on group sizes the reference lacks: as the calibration measured them
     again = replace(again, collectives={**search.calibration.collectives, **again.collectives})
     return dict(zip(order, runs)), again, (before, after)
@@ -75,7 +68,7 @@ def reference_of(search, cal):
 
 def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) -> list[dict]:
     """Rows for one model: per budget, its top candidates predicted and measured."""
-    from piper.cli_tune import calibrate
+    from piper.cli_tune import calibrate, loadavg
     from piper.compiler.tune import Search, groups, profile
 
     with tempfile.TemporaryDirectory() as cache:
@@ -103,8 +96,12 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                     b = BATCH // (c.dp * c.microbatches)
                     exact = profile(model_spec, b) if b != search.reference.microbatch else None
                     r = search.with_calibration(again).evaluate(c, exact)
+                    # and for the other load measured during its own steps (not its step time)
+                    own = statistics.median(runs[c]["external"])
+                    at = search.with_calibration(again, external=own).evaluate(c, exact)
                     beside[c] = {"run": runs[c], "reference": runs[reference], "calibration": again, "loadavg": loads,
-                                 "predicted": r.step_s if r is not None else float("nan")}
+                                 "predicted": r.step_s if r is not None else float("nan"),
+                                 "at_load": at.step_s if at is not None else float("nan")}
         finally:
             if old is None:
                 os.environ.pop("PIPER_CACHE", None)
@@ -122,6 +119,7 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                      "reference_ms": statistics.median(got["reference"]["times"]) * 1e3,
                      "reference_load": got["calibration"].external,
                      "recalibrated_ms": again * 1e3, "error_recalibrated": again / m - 1,
+                     "at_load_ms": got["at_load"] * 1e3, "error_at_load": got["at_load"] / m - 1,
                      "tolerance": search.tolerance, "calibrated_on": cal.candidate,
                      "calibration_error": cal.error, "other_load": cal.external, "calibration_loadavg": calibrated_at,
                      "calibration_ms": cal.measured * 1e3, "check": cal.check,
@@ -133,17 +131,18 @@ def table(rows) -> str:
     from piper.compiler.memory_model import format_bytes
 
     lines = ["| model | budget / device | # | group | strategy | predicted ms | measured ms | error | spread | "
-             "other load (cores) | load avg | reference ms (calibration / beside) | recalibrated beside ms | "
-             "error recalibrated |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "other load (cores, its own / the reference's) | load avg | reference ms (calibration / beside) | "
+             "recalibrated beside ms | error recalibrated | error recalibrated, its own load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     index: dict = {}
     for r in rows:
         i = index[(r["model"], r["budget"])] = index.get((r["model"], r["budget"]), 0) + 1
         lines.append(f"| {r['model'].rpartition(':')[2]} | {format_bytes(r['budget'])} | {i} | ≈{r['group']} | "
                      f"{r['strategy']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['error']:+.1%} | "
-                     f"{r['spread']:.2f} | {r['load']:.2f} | {r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f} | "
+                     f"{r['spread']:.2f} | {r['load']:.2f} / {r['reference_load']:.2f} | "
+                     f"{r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f} | "
                      f"{r['calibration_ms']:.1f} / {r['reference_ms']:.1f} | {r['recalibrated_ms']:.1f} | "
-                     f"{r['error_recalibrated']:+.1%} |")
+                     f"{r['error_recalibrated']:+.1%} | {r['error_at_load']:+.1%} |")
     seen = {}
     for r in rows:
         seen.setdefault(r["model"], r)
@@ -155,8 +154,10 @@ def table(rows) -> str:
                      f"{r['calibration_loadavg']:.1f}); checked on {r['check']}: {check}; tolerance ±{r['tolerance']:.0%}")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
     again = sum(1 for r in rows if abs(r["error_recalibrated"]) <= 0.15)
+    at_load = sum(1 for r in rows if abs(r["error_at_load"]) <= 0.15)
     lines.append(f"- {within} of {len(rows)} predictions within ±15% of the measured median step; {again} of "
-                 f"{len(rows)} recalibrated on the calibration's candidate stepped in the same rounds")
+                 f"{len(rows)} recalibrated on the calibration's candidate stepped in the same rounds; {at_load} "
+                 f"of {len(rows)} so recalibrated and predicted for the other load measured during their own steps")
     return "\n".join(lines)
 
 

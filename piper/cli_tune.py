@@ -15,8 +15,7 @@ import sys
 import time
 from dataclasses import replace
 
-from .compiler.tune import Candidate, Result, Search, _cached, at_load, candidates, group_notes, groups, \
-    measure_steps, profile
+from .compiler.tune import Candidate, Result, Search, _cached, at_load, candidates, group_notes, groups, profile
 
 
 def calibrate(search: Search, *, log=None, again: bool = False):
@@ -34,7 +33,7 @@ def calibrate(search: Search, *, log=None, again: bool = False):
     log = log or search.log
 
     def make():
-        chosen = pair(choose(candidates(search.devices, search.batch, search.regions)))
+        chosen = pair(choose(candidates(search.devices, search.batch, search.regions)), search.batch)
         if not chosen:
             return None
         try:
@@ -66,11 +65,10 @@ def _calibrate_on(search: Search, chosen: list[Candidate], log):
             jobs, data = start_jobs(search.model_spec, chosen, search.batch, stack,
                                     progress=lambda m: log(f"calibration: {m}"))
             runs = measure_together(jobs, data)
-            compiled = jobs[0].compiled
     finally:
         if owned:
             ray.shutdown()
-    return calibration_from(search, chosen, runs, compiled)
+    return calibration_from(search, chosen, runs)
 
 
 def start_jobs(model_spec: str, chosen: list[Candidate], batch: int, stack, *, progress=None, timeout: float = 300):
@@ -90,26 +88,33 @@ def start_jobs(model_spec: str, chosen: list[Candidate], batch: int, stack, *, p
     return jobs, data
 
 
-def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], compiled):
+def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], *, call: float | None = None):
     """The `Calibration` that `runs` (`tune_calibration.measure_together`'s records of the `chosen`
-    candidates' jobs, stepped in turn) make: the first candidate's (`compiled`: its job's
-    plan) priced by the search's profile, and checked on the second where there is one."""
-    from .compiler.step_costs import comm_cost
+    candidates' jobs, stepped in turn) make: the first candidate's runtime costs, its computes and
+    the others' fitted against the search's profile (`compute_fit`; `call`: keep that cost per
+    compute), and checked on the second where there is one."""
     from .compiler.tune_calibration import from_run
 
+    def priced(c: Candidate, run: dict):
+        b = search.batch // (c.dp * c.microbatches)
+        exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+        program = (exact or search.reference).program
+        compiled = run["compiled"]
+        fwd, bwd, _ = search._scaled(b, exact)
+        comm = comm_cost(compiled, program, bandwidth=search.machine["bandwidth"],
+                         value_scale=b / (exact or search.reference).microbatch)
+        return exact, comm, search.compute_costs(compiled, program, c, fwd, bwd)
+
+    from .compiler.step_costs import comm_cost
+
     c = chosen[0]
-    b = search.batch // (c.dp * c.microbatches)
-    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
-    program = (exact or search.reference).program
-    comm = comm_cost(compiled, program, bandwidth=search.machine["bandwidth"],
-                     value_scale=b / (exact or search.reference).microbatch)
-    fwd, bwd, _ = search._scaled(b, exact)
+    exact, comm, estimated = priced(c, runs[0])
     collectives = {}             # the calls' costs on every group size the runs had (the first's first)
     for run in reversed(runs):
         collectives.update(run.get("collectives", {}))
-    cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=compiled.plans.representatives(),
-                   candidate=c.label(), estimated=search.compute_costs(compiled, program, c, fwd, bwd),
-                   collectives=collectives)
+    others = [(run, priced(o, run)[2]) for o, run in zip(chosen[1:], runs[1:])]
+    cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=runs[0]["compiled"].plans.representatives(),
+                   candidate=c.label(), estimated=estimated, collectives=collectives, others=others, call=call)
     own = search.with_calibration(cal).evaluate(c, exact)
     cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
     if len(chosen) > 1:
@@ -123,31 +128,65 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     return cal
 
 
-def _verify(model_spec: str, results: list[Result], batch: int, steps: int = 3) -> list[tuple[float, int]]:
-    """Run each result for `steps` steps: (median step seconds after the first, the largest step_peak)."""
-    import piper
-
-    from .dsl import load_strategy
-    from .frontend.models import example_batch, load_model
+def _verify(search: Search, results: list[Result], steps: int = 3) -> tuple[list[tuple], dict]:
+    """Run each result for `steps` steps after one more, beside the calibration's own candidate
+    (where the search has a calibration), a step of each in turn so a change in the machine's load
+    falls on both: per result (median step seconds, the largest step_peak, the cores other
+    processes kept busy meanwhile, the load average after), and per result index the step a
+    calibration made again from the reference's steps beside it predicts."""
+    import contextlib
 
     import ray
 
-    out = []
+    from .compiler.tune_calibration import measure_together
+
+    cal = search.calibration
+    reference = next((c for c in candidates(search.devices, search.batch, search.regions)
+                      if cal is not None and c.label() == cal.candidate), None)
+    out, again = [], {}
     owned = not ray.is_initialized()
     if owned:                        # one local cluster for every run, not one each
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
-        for r in results:
-            model, module = load_model(model_spec)
-            data = example_batch(module, batch)
-            with piper.compile(model, data, strategy=load_strategy(r.candidate.script(), file="<tune>"),
-                               timeout=300) as job:
-                out.append(measure_steps(job, data, steps))
+        with contextlib.ExitStack() as outer:
+            ref_jobs, _ = start_jobs(search.model_spec, [reference], search.batch, outer) if reference else ([], None)
+            for i, r in enumerate(results):
+                with contextlib.ExitStack() as stack:
+                    (job,), data = start_jobs(search.model_spec, [r.candidate], search.batch, stack)
+                    jobs = ref_jobs + [job]
+                    runs = measure_together(jobs, data, steps=steps, warmup=1)
+                    peak = max(m["step_peak"] for m in job.memory().values())
+                    run = runs[-1]
+                    out.append((statistics.median(run["times"]), peak, statistics.median(run["external"]),
+                                loadavg()))
+                    if ref_jobs:
+                        beside = calibration_from(search, [reference], runs[:1], call=cal.call)
+                        beside = replace(beside, collectives={**cal.collectives, **beside.collectives})
+                        step = _predicted(search.with_calibration(beside), r.candidate)
+                        if step is not None:
+                            again[i] = step
     finally:
         if owned:
             ray.shutdown()
-    return out
+    return out, again
+
+
+def _predicted(search: Search, c: Candidate) -> float | None:
+    """`c`'s step under `search`'s calibration, its activations at its own microbatch size."""
+    b = search.batch // (c.dp * c.microbatches)
+    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+    r = search.evaluate(c, exact)
+    return r.step_s if r is not None else None
+
+
+def loadavg() -> float:
+    """The machine's 1-minute load average (`/proc/loadavg`), 0 where it cannot be read."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def main(args) -> int:
@@ -187,7 +226,7 @@ def main(args) -> int:
                     hint=f"raise --memory to at least {format_bytes(smallest.peak_bytes)} "
                          f"({smallest.peak_bytes} bytes), use more devices, or a smaller --batch-size")
     shown = fits[: args.top]
-    measured = _verify(args.model, fits[: args.verify], batch) if args.verify else []
+    measured, beside = _verify(search, fits[: args.verify]) if args.verify else ([], {})
     if args.output:
         best = fits[0].candidate
         with open(args.output, "w", encoding="utf-8") as f:
@@ -203,8 +242,11 @@ def main(args) -> int:
             d = r.as_dict()
             d.update(group=numbers[i], tolerance=tolerance, calibrated=cal is not None)
             if i < len(measured):
-                d["measured_step_s"], d["measured_peak_bytes"], d["measured_other_load"] = measured[i][:3]
+                d["measured_step_s"], d["measured_peak_bytes"], d["measured_other_load"], d["loadavg"] = measured[i]
                 d["step_error"] = r.step_s / measured[i][0] - 1
+                if i in beside:
+                    d["step_s_recalibrated"] = beside[i]
+                    d["step_error_recalibrated"] = beside[i] / measured[i][0] - 1
                 again[i] = at_load(search, r, measured[i][2])
                 if again[i] is not None:
                     d["step_s_at_measured_load"] = again[i]
@@ -234,8 +276,12 @@ def main(args) -> int:
         console.print(line)
     for i, step in again.items():
         if step is not None:
-            console.print(f"row {i + 1}: {measured[i][2]:.1f} cores busy with other work while it ran; predicted for "
-                          f"that load {step * 1e3:.1f} ms ({step / measured[i][0] - 1:+.0%} of the measured step)")
+            console.print(f"row {i + 1}: {measured[i][2]:.1f} cores busy with other work while it ran (load average "
+                          f"{measured[i][3]:.1f}); predicted for that load {step * 1e3:.1f} ms "
+                          f"({step / measured[i][0] - 1:+.0%} of the measured step)")
+        if i in beside:
+            console.print(f"row {i + 1}: recalibrated on {cal.candidate} stepped beside it: predicted "
+                          f"{beside[i] * 1e3:.1f} ms ({beside[i] / measured[i][0] - 1:+.0%} of the measured step)")
     if cal is not None:
         console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
                       f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; "

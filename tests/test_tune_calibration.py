@@ -236,3 +236,31 @@ def test_the_update_ratio_and_the_collectives_come_from_the_run():
     assert compute_ratio([step], estimated, lambda k: not is_update(k)) == 2.0
     assert compute_ratio([step], estimated, is_update) == 0.5
     assert is_update("12UPD") and not is_update("1F0") and not is_update("0ALL_GATHER_F0")
+
+
+def test_a_compute_costs_a_ratio_of_its_profile_and_a_cost_per_call():
+    from piper.compiler.tune_calibration import compute_fit
+
+    # 4 sequences: 1 ms in the profile, 2 ms measured; 8 sequences: 2 ms and 3 ms
+    assert compute_fit([(0.002, 0.001), (0.003, 0.002)]) == pytest.approx((1.0, 0.001))
+    assert compute_fit([(0.003, 0.001), (0.005, 0.002)]) == pytest.approx((2.0, 0.001))
+    # estimates too alike to tell the two apart, or a negative part: the plain ratio
+    assert compute_fit([(0.002, 0.001), (0.0021, 0.00105)]) == pytest.approx((2.0, 0.0))
+    assert compute_fit([(0.001, 0.001), (0.005, 0.002)])[1] == 0.0
+    # the cost per call kept: the ratio is what is left
+    assert compute_fit([(0.003, 0.001)], call=0.001) == pytest.approx((2.0, 0.001))
+
+
+def test_the_calibration_checks_on_another_mesh_and_microbatch_size():
+    from piper.compiler.tune import candidates
+    from piper.compiler.tune_calibration import choose, pair
+
+    first, other = pair(choose(candidates(4, 16, regions=4)), 16)
+    assert (other.dp, other.pp) != (first.dp, first.pp)
+    assert 16 // (other.dp * other.microbatches) != 16 // (first.dp * first.microbatches)
+
+
+def test_a_cost_per_call_lands_on_each_forward_and_backward(search):
+    base = search.with_calibration(_cal()).evaluate(PIPE).step_s
+    # 1F1B, 4 devices, one microbatch: 4 forwards and 4 backwards on the path
+    assert search.with_calibration(_cal(call=0.001)).evaluate(PIPE).step_s == pytest.approx(base + 8 * 0.001)

@@ -138,11 +138,12 @@ def _accuracy(ctx, result, quick) -> Table:
                   "(two budgets: every candidate fits; the median predicted peak); the candidates run in turn "
                   "beside the calibration's candidate",
                   ["model", "budget / device", "group", "strategy", "predicted ms", "measured ms", "error", "spread",
-                   "other load (cores)", "load avg", "error recalibrated beside"])
+                   "other load (cores)", "load avg", "error recalibrated beside", "error recalibrated, own load"])
     for r in rows:
         table.add(r["model"].rpartition(":")[2], format_bytes(r["budget"]), r["group"], r["strategy"],
                   r["predicted_ms"], r["measured_ms"], f"{r['error']:+.1%}", r["spread"], r["load"],
-                  f"{r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f}", f"{r['error_recalibrated']:+.1%}")
+                  f"{r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f}", f"{r['error_recalibrated']:+.1%}",
+                  f"{r['error_at_load']:+.1%}")
         result.metrics[f"accuracy.{r['model'].rpartition(':')[2]}.{r['budget']}.{r['strategy']}.error"] = r["error"]
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
     again = sum(1 for r in rows if abs(r["error_recalibrated"]) <= 0.15)

@@ -26,16 +26,18 @@ device is predicted (`piper.compiler.memory_model`), and its step time simulated
 - devices that outnumber the CPU cores share them (`simulate(cores=...)`);
 - the runtime's own costs, measured by a short run of two candidates on as
   many devices (`piper.cli_tune.calibrate`, `piper.compiler.tune_calibration`): its work per
-  action and per step, each device's start skew, the message latency, Gloo's
-  threads, the driver's part of a step, the computes' CPU time in the
-  workers over the profile's, and the cores other processes took meanwhile;
+  action and per step, each device's start skew, the message latency, each
+  collective call's cost beyond its bytes, Gloo's threads, the driver's part of
+  a step, the computes' CPU time in the workers (a ratio of the profile's and
+  a cost per call), and the cores other processes took meanwhile;
   the first run's measured step over its prediction scales every prediction,
   and the second's error says how far they can be trusted.
   Without it (`--no-calibrate`) a step on the CPU runtime runs 3-4x longer
   than predicted, and every candidate on more devices than cores predicts
   about the same (their computes add up to the same CPU seconds).
 
-The measurements are cached (`$PIPER_CACHE`, default ~/.cache/piper: `piper.cache_dir`) by
+The measurements are cached (`$PIPER_CACHE`, default ~/.cache/piper: `piper.cache_dir`; versioned
+JSON, `piper.compiler.tune_cache`) by
 model file, factory and microbatch size (the calibration by model, batch and
 device count), so a second search skips them. The few best candidates are
 re-predicted with activations measured at their exact microbatch size before
@@ -160,10 +162,12 @@ def profile_types() -> tuple:
     return (Profile, Program, Region, RegionInput, TensorSpec, Value, RegionBytes, TensorLayout)
 
 
-def profile(model_spec: str, microbatch: int, *, repeats: int = 3, log=None, tp: int = 1,
+def profile(model_spec: str, microbatch: int, *, repeats: int = 7, log=None, tp: int = 1,
             tensor: str | None = None) -> Profile:
-    """Capture the model at `microbatch` sequences and time each region (cached on disk); with
-    `tp > 1`, divided over tp by the strategy `tensor` (one device's shards and collectives' shapes)."""
+    """Capture the model at `microbatch` sequences and time each region (cached on disk): the least
+    CPU seconds of `repeats` runs, which other processes' load inflates least (on a loaded 2-core
+    machine three runs left a size's profile up to 1.7x its neighbours'). With `tp > 1`, divided
+    over tp by the strategy `tensor` (one device's shards and collectives' shapes)."""
     path, _, factory = model_spec.rpartition(":")
     key = {"model": os.path.abspath(path), "mtime": os.path.getmtime(path) if os.path.exists(path) else 0,
            "factory": factory, "microbatch": microbatch, "repeats": repeats, "clock": "thread"}
@@ -448,8 +452,8 @@ class Search:
         With one (`tune_calibration.Calibration`): the runtime's measured costs laid onto the plans
         (`RuntimeModel.apply`: its work per action and per step, each device's start skew), a
         receive costing the measured message latency, the computes scaled by what they measured in
-        the calibration's workers over what the profile says (`Calibration.compute`, `update` for the
-        optimizer's), a collective costing its measured wall time per call beyond its bytes
+        the calibration's workers over what the profile says plus their measured cost per call
+        (`Calibration.compute`, `call`; `update` for the optimizer's), a collective costing its measured wall time per call beyond its bytes
         (`Calibration.collectives`), each device's other threads (Gloo's copies of its bytes,
         `comm_seconds`, its work per collective call, `calls_seconds`, and the rest measured) competing
         for the cores other processes leave, and the driver's own part of a step added; all of it
@@ -463,7 +467,7 @@ class Search:
             sim = simulate(plans, costs=costs, comm_cost=comm, overlap=overlap, cores=self.machine["cores"],
                            devices=self.devices)
             return sim, sim.step_time
-        costs = {k: v * (cal.update if is_update(k) else cal.compute) for k, v in costs.items()}
+        costs = {k: v * cal.update if is_update(k) else v * cal.compute + cal.call for k, v in costs.items()}
         led, full = cal.runtime.apply(plans, costs, overlap)
         sim = simulate(led, costs=full, comm_cost=cal.runtime.comm_cost(call_latency(cal.collectives, comm)),
                        overlap=overlap, cores=cores_left(cal.cores, self.external or 0.0), devices=self.devices,

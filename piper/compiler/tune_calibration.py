@@ -11,8 +11,11 @@ processes take of the cores. A `Calibration` holds each as it was measured:
   skews, message latency), which `RuntimeModel.apply` lays onto any candidate's plans;
 - `background`: CPU seconds per device and step on threads other than the step's, beyond what
   the device's bytes cost at the loopback throughput (`background_seconds` adds those);
-- `compute`: the computes' CPU seconds in the workers over what tune's profile (one process,
-  one thread) says for the same actions, and `update` the same for the optimizer's updates
+- `compute` and `call`: a forward's or backward's CPU seconds in the workers are `compute` times
+  what tune's profile (one process, one thread) says for it plus `call` per action, fitted over
+  the two runs' actions (their microbatch sizes differ: a worker's compute at 4 sequences cost
+  1.6-2.0x the profile's, at 8 1.2-1.4x, measured in the same rounds); `update` the same ratio
+  for the optimizer's updates
   (a forward's or backward's ratio is not an update's: 1.6-2.2 against 0.9-1.6 measured);
 - `collectives`: per (op, group size) a small collective's wall and CPU seconds per call
   (`job.collective_costs()`): on Gloo a call costs 0.2-1.5 ms of CPU and more of wall time
@@ -61,6 +64,7 @@ class Calibration:
     external: float = 0.0           # cores other processes kept busy during it
     steps: tuple[float, ...] = field(default_factory=tuple)
     compute: float = 1.0            # the workers' compute CPU seconds over the profile's, same actions
+    call: float = 0.0               # CPU s each forward or backward costs in the workers beyond that
     update: float = 1.0             # the same for the optimizer's updates (UPD)
     collectives: dict = field(default_factory=dict)   # (op, group size) -> (wall s, CPU s) per call
     check: str = ""                 # the label of another candidate run beside it
@@ -186,13 +190,17 @@ def comm_seconds(plans, comm) -> float:
     return statistics.fmean(total) if total else 0.0
 
 
-def pair(ordered) -> list:
+def pair(ordered, batch: int | None = None) -> list:
     """The candidate to calibrate on (`ordered`'s first) and one to check it with: the first after
-    it on another mesh (its costs come from other kinds of action), else the next."""
+    it on another mesh (its costs come from other kinds of action) and, with the global `batch`
+    given, another microbatch size (so a compute's cost per call and per sequence can be told
+    apart, `compute_fit`), else the first on another mesh, else the next."""
     if not ordered:
         return []
     first = ordered[0]
-    other = next((c for c in ordered[1:] if (c.dp, c.pp) != (first.dp, first.pp)), None)
+    size = (lambda c: batch // (c.dp * c.microbatches)) if batch else (lambda c: None)
+    meshes = [c for c in ordered[1:] if (c.dp, c.pp) != (first.dp, first.pp)]
+    other = next((c for c in meshes if size(c) != size(first)), None) or next(iter(meshes), None)
     return [first, other] if other is not None else ordered[:2]
 
 
@@ -209,7 +217,9 @@ def choose(candidates):
 def measure_together(jobs, data, *, steps: int = STEPS, warmup: int = WARMUP) -> list[dict]:
     """Step `jobs` on `data` a step each in turn (a change of load falls on all alike): per job, each
     timed step's driver seconds, what its workers recorded (`job.timings(cpu=True)`,
-    `job.overheads(cpu=True)`, the last traced step) and the cores other processes took meanwhile."""
+    `job.overheads(cpu=True)`, the last traced step) and the cores other processes took meanwhile;
+    after the steps, a collective call's cost on its groups (`job.collective_costs()`) and the job's
+    `compiled` program."""
     runs = [{"times": [], "cpu_timings": [], "cpu_overheads": [], "traced": [], "external": []} for _ in jobs]
     for i in range(warmup + steps):
         for job, out in zip(jobs, runs):
@@ -228,6 +238,7 @@ def measure_together(jobs, data, *, steps: int = STEPS, warmup: int = WARMUP) ->
                                   "plans": job.compiled.plans})
     for job, out in zip(jobs, runs):     # after the steps: a call's own cost on each job's groups
         out["collectives"] = job.collective_costs() if hasattr(job, "collective_costs") else {}
+        out["compiled"] = job.compiled
     return runs
 
 
@@ -260,32 +271,71 @@ def is_update(key: str) -> bool:
     return key.lstrip("0123456789").startswith("UPD")
 
 
-def compute_ratio(cpu_timings, estimated: dict[str, float], keep=None) -> float:
-    """The workers' compute CPU seconds over `estimated`'s for the same keys (each key's median over
-    the timed steps, summed over the keys both have, those `keep(key)` admits); 1 where none match."""
+def key_samples(cpu_timings, estimated: dict[str, float], keep=None) -> list[tuple[float, float]]:
+    """(measured, estimated) CPU seconds per compute key both have (`keep(key)` admits), the
+    measured one the median over the timed steps."""
     samples: dict[str, list[float]] = {}
     for step in cpu_timings:
         for per_rank in step.values():
             for key, sec in per_rank.items():
                 if key in estimated and (keep is None or keep(key)):
                     samples.setdefault(key, []).append(sec)
-    guess = sum(estimated[k] for k in samples)
-    return sum(statistics.median(v) for v in samples.values()) / guess if guess > 0 else 1.0
+    return [(statistics.median(v), estimated[k]) for k, v in samples.items()]
+
+
+def compute_ratio(cpu_timings, estimated: dict[str, float], keep=None) -> float:
+    """The workers' compute CPU seconds over `estimated`'s for the same keys (each key's median over
+    the timed steps, summed over the keys both have, those `keep(key)` admits); 1 where none match."""
+    return _ratio(key_samples(cpu_timings, estimated, keep))
+
+
+def _ratio(samples, call: float = 0.0) -> float:
+    guess = sum(e for _, e in samples)
+    return max(1e-3, sum(m - call for m, _ in samples) / guess) if guess > 0 else 1.0
+
+
+def compute_fit(samples, *, call: float | None = None) -> tuple[float, float]:
+    """(ratio, call): measured = ratio x estimated + call per action, fitted by least squares over
+    `samples` ((measured, estimated) pairs); with `call` given, the ratio alone. Where the
+    estimates are too alike to tell a ratio from a call (spread under 20% of their mean) or the
+    fit gives a negative part, the plain ratio and no call.
+
+        compute_fit([(0.003, 0.001), (0.005, 0.002)]) == (2.0, 0.001)
+    """
+    if call is not None:
+        return _ratio(samples, call), call
+    if len(samples) < 2:
+        return _ratio(samples), 0.0
+    ms, es = [m for m, _ in samples], [e for _, e in samples]
+    me, mm = statistics.fmean(es), statistics.fmean(ms)
+    var = sum((e - me) ** 2 for e in es)
+    if me <= 0 or (var / len(es)) ** 0.5 < 0.2 * me:
+        return _ratio(samples), 0.0
+    ratio = sum((e - me) * (m - mm) for e, m in zip(es, ms)) / var
+    intercept = mm - ratio * me
+    if ratio <= 0 or intercept < 0:
+        return _ratio(samples), 0.0
+    return ratio, intercept
 
 
 def from_run(run: dict, *, cores: int, comm, plans, candidate: str = "", estimated=None,
-             collectives: dict | None = None) -> Calibration:
+             collectives: dict | None = None, others=(), call: float | None = None) -> Calibration:
     """A `Calibration` from `measure`'s record of one job (`comm`: the job's `comm_cost` by bytes,
     `plans`: its representatives' plans; `estimated`: tune's compute costs per key for it;
     `collectives`: the calls' costs, default the run's own, `job.collective_costs()`), before
-    its own prediction is known."""
+    its own prediction is known. `others`: (record, estimated) of other jobs stepped beside it,
+    whose computes join the fit of `compute` and `call` (`compute_fit`); `call`: keep that one."""
     runtime = RuntimeModel.measured(run["cpu_overheads"], run["traced"])
     collectives = dict(collectives if collectives is not None else run.get("collectives", {}))
     background = max(0.0, other_threads(run["cpu_timings"], run["cpu_overheads"]) - comm_seconds(plans, comm)
                      - calls_seconds(plans, collectives, runtime))
     estimated = estimated or {}
+    computes = lambda k: not is_update(k)  # noqa: E731
+    samples = key_samples(run["cpu_timings"], estimated, computes)
+    for other, guess in others:
+        samples += key_samples(other["cpu_timings"], guess, computes)
+    ratio, per_call = compute_fit(samples, call=call)
     return Calibration(runtime, background, driver_seconds(run["times"], run["traced"]), cores, candidate,
                        statistics.median(run["times"]), 0.0, relative_spread(run["times"]),
                        statistics.median(run["external"]) if run["external"] else 0.0, tuple(run["times"]),
-                       compute_ratio(run["cpu_timings"], estimated, lambda k: not is_update(k)),
-                       compute_ratio(run["cpu_timings"], estimated, is_update), collectives)
+                       ratio, per_call, compute_ratio(run["cpu_timings"], estimated, is_update), collectives)
