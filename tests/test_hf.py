@@ -101,11 +101,11 @@ def batches(steps, size, seed=1):
 _programs: dict = {}
 
 
-def cached(model, inputs, names=()):
-    """capture(), once per (model family, cut, microbatch shape) for the whole module."""
-    key = (getattr(model, "cache_key", id(model)), tuple(tuple(x.shape) for x in inputs), names)
+def cached(model, inputs, names=(), tensor=None):
+    """capture(), once per (model family, cut, microbatch shape, tensor-parallel plan) for the whole module."""
+    key = (getattr(model, "cache_key", id(model)), tuple(tuple(x.shape) for x in inputs), names, tensor)
     if key not in _programs:
-        _programs[key] = capture(model, inputs, names)
+        _programs[key] = capture(model, inputs, names, tensor)
     return _programs[key]
 
 

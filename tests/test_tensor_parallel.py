@@ -118,6 +118,7 @@ def test_dp2_x_tp2_with_zero1_and_its_checkpoint_at_tp1_and_at_pp2_x_tp2(tmp_pat
             assert_same((first + then, ref_losses, job.state_dict(), ref_state))
 
 
+@pytest.mark.full          # the 8-worker DP x PP x TP test runs 1F1B with SP by default
 @pytest.mark.usefixtures("ray_cluster")
 def test_pp2_x_tp2_with_1f1b_and_sequence_parallelism():
     assert_same(train(strategy(pp=True, sequence=True), {"pp": 2, "tp": 2}, stages=2))
