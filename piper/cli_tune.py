@@ -189,11 +189,48 @@ def loadavg() -> float:
         return 0.0
 
 
+def _nothing_fits(args, search, every, budget: int, batch: int, elapsed: float):
+    """The `no-fit` error: nothing compiles, or nothing fits the budget (and what would)."""
+    from .diagnostics import error
+    from .compiler.memory_model import format_bytes
+
+    if not every:
+        return error("no-fit", f"no strategy compiles for {args.devices} device(s) and a batch of {batch}",
+                     hint=f"the model has {search.regions} PP region(s); use a device count its pipeline "
+                          "schedules fit (p or 2p regions over p devices) or a batch that divides over the devices")
+    smallest = min(every, key=lambda r: r.peak_bytes)
+    return error("no-fit", f"nothing fits {format_bytes(budget)} per device: the smallest predicted peak is "
+                 f"{format_bytes(smallest.peak_bytes)} ({smallest.candidate.label()})",
+                 notes=(f"searched {len(every)} strategies in {elapsed:.1f} s",),
+                 hint=f"raise --memory to at least {format_bytes(smallest.peak_bytes)} "
+                      f"({smallest.peak_bytes} bytes), use more devices, or a smaller --batch-size")
+
+
+def _json_rows(search, shown, numbers, measured, beside) -> list[dict]:
+    """`--format json`: each shown result, with its group and, where verified, what was measured."""
+    tolerance, cal = search.tolerance, search.calibration
+    rows = []
+    for i, r in enumerate(shown):
+        d = r.as_dict()
+        d.update(group=numbers[i], tolerance=tolerance, calibrated=cal is not None)
+        if i < len(measured):
+            d["measured_step_s"], d["measured_peak_bytes"], d["measured_other_load"], d["loadavg"] = measured[i]
+            d["step_error"] = r.step_s / measured[i][0] - 1
+            if i in beside:
+                d["step_s_recalibrated"] = beside[i]
+                d["step_error_recalibrated"] = beside[i] / measured[i][0] - 1
+            again = at_load(search, r, measured[i][2])
+            if again is not None:
+                d["step_s_at_measured_load"] = again
+                d["step_error_at_measured_load"] = again / measured[i][0] - 1
+        rows.append(d)
+    return rows
+
+
 def main(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .diagnostics import error
     from .compiler.memory_model import format_bytes, parse_bytes
 
     try:
@@ -215,16 +252,7 @@ def main(args) -> int:
     fits, every = search.run()
     elapsed = time.perf_counter() - start
     if not fits:
-        if not every:
-            raise error("no-fit", f"no strategy compiles for {args.devices} device(s) and a batch of {batch}",
-                        hint=f"the model has {search.regions} PP region(s); use a device count its pipeline "
-                             "schedules fit (p or 2p regions over p devices) or a batch that divides over the devices")
-        smallest = min(every, key=lambda r: r.peak_bytes)
-        raise error("no-fit", f"nothing fits {format_bytes(budget)} per device: the smallest predicted peak is "
-                    f"{format_bytes(smallest.peak_bytes)} ({smallest.candidate.label()})",
-                    notes=(f"searched {len(every)} strategies in {elapsed:.1f} s",),
-                    hint=f"raise --memory to at least {format_bytes(smallest.peak_bytes)} "
-                         f"({smallest.peak_bytes} bytes), use more devices, or a smaller --batch-size")
+        raise _nothing_fits(args, search, every, budget, batch, elapsed)
     shown = fits[: args.top]
     measured, beside = _verify(search, fits[: args.verify]) if args.verify else ([], {})
     if args.output:
@@ -237,22 +265,7 @@ def main(args) -> int:
     numbers = groups(shown, tolerance)
     again: dict[int, float | None] = {}
     if args.format == "json":
-        rows = []
-        for i, r in enumerate(shown):
-            d = r.as_dict()
-            d.update(group=numbers[i], tolerance=tolerance, calibrated=cal is not None)
-            if i < len(measured):
-                d["measured_step_s"], d["measured_peak_bytes"], d["measured_other_load"], d["loadavg"] = measured[i]
-                d["step_error"] = r.step_s / measured[i][0] - 1
-                if i in beside:
-                    d["step_s_recalibrated"] = beside[i]
-                    d["step_error_recalibrated"] = beside[i] / measured[i][0] - 1
-                again[i] = at_load(search, r, measured[i][2])
-                if again[i] is not None:
-                    d["step_s_at_measured_load"] = again[i]
-                    d["step_error_at_measured_load"] = again[i] / measured[i][0] - 1
-            rows.append(d)
-        sys.stdout.write(json.dumps(rows, indent=1) + "\n")
+        sys.stdout.write(json.dumps(_json_rows(search, shown, numbers, measured, beside), indent=1) + "\n")
         return 0
     table = Table(title=f"piper tune: {len(fits)} of {len(every)} strategies fit {format_bytes(budget)} per device "
                         f"({args.devices} devices, batch {batch}; searched in {elapsed:.1f} s)")

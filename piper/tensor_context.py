@@ -5,58 +5,17 @@
 
 Pure Python, below both the ops (`piper.tensor_ops`) and the runtime that makes the
 groups (`piper.runtime` sets the default and the lanes): the ops ask, the runtime
-answers. One group per lane, as for the expert groups (`piper.expert_context`):
-two threads issuing collectives on one Gloo group give silently wrong results.
+answers (`piper.lane_context`), one group per lane, as for the expert groups.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 
-_thread = threading.local()
-_default = None      # lane 0's group (and threads that entered no lane, such as CUDA's autograd threads)
+from .lane_context import LaneContext
 
-
-def forget() -> None:
-    """Drop the last job's groups (a kept worker's `reset`)."""
-    global _default, _thread
-    _default = None
-    _thread = threading.local()
-
-
-def set_default(group) -> None:
-    global _default
-    _default = group
-
-
-def current():
-    """The calling thread's tensor-parallel group; None where nothing is divided."""
-    return getattr(_thread, "group", None) or _default
-
-
-def add_seconds(seconds: float) -> None:
-    """Count time the calling thread spent in a tensor-parallel collective."""
-    _thread.seconds = getattr(_thread, "seconds", 0.0) + seconds
-
-
-def take_seconds() -> float:
-    """Seconds the calling thread spent in tensor-parallel collectives since it last asked."""
-    seconds, _thread.seconds = getattr(_thread, "seconds", 0.0), 0.0
-    return seconds
-
-
-@contextlib.contextmanager
-def lane_group(groups, lane: int):
-    """Run the body with lane `lane`'s group (overlapped slots: one group per lane)."""
-    if not groups:
-        yield
-        return
-    previous = getattr(_thread, "group", None)
-    _thread.group = groups[lane]
-    try:
-        yield
-    finally:
-        _thread.group = previous
+_context = LaneContext()
+forget, set_default, current = _context.forget, _context.set_default, _context.current
+add_seconds, take_seconds, lane_group = _context.add_seconds, _context.take_seconds, _context.lane_group
 
 
 class Alone:
@@ -85,9 +44,5 @@ def alone(size: int):
     if size <= 1:
         yield
         return
-    previous = getattr(_thread, "group", None)
-    _thread.group = Alone(size)
-    try:
+    with _context.standing_in(Alone(size)):
         yield
-    finally:
-        _thread.group = previous

@@ -31,6 +31,13 @@ def _group():
     return current()
 
 
+def _resized(x: Tensor, dim: int, times: int = 1, over: int = 1) -> Tensor:
+    """An empty `x` with dimension `dim` times `times` over `over` (what a gather or a reduce-scatter gives)."""
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * times // over
+    return x.new_empty(shape)
+
+
 # -- f: identity forward, all-reduce backward -------------------------------------------------------------
 
 @torch.library.custom_op("piper::tp_copy", mutates_args=())
@@ -86,9 +93,7 @@ def tp_gather(x: Tensor, dim: int, size: int) -> Tensor:
 
 @tp_gather.register_fake
 def _(x, dim, size):
-    shape = list(x.shape)
-    shape[dim] *= size
-    return x.new_empty(shape)
+    return _resized(x, dim, size)
 
 
 def _gather_backward(ctx, grad):
@@ -109,9 +114,7 @@ def tp_reduce_scatter(x: Tensor, dim: int, size: int) -> Tensor:
 
 @tp_reduce_scatter.register_fake
 def _(x, dim, size):
-    shape = list(x.shape)
-    shape[dim] //= size
-    return x.new_empty(shape)
+    return _resized(x, dim, over=size)
 
 
 def _reduce_scatter_backward(ctx, grad):
@@ -148,9 +151,7 @@ def tp_collect(x: Tensor, dim: int, size: int) -> Tensor:
 
 @tp_collect.register_fake
 def _(x, dim, size):
-    shape = list(x.shape)
-    shape[dim] *= size
-    return x.new_empty(shape)
+    return _resized(x, dim, size)
 
 
 def _collect_backward(ctx, grad):

@@ -27,6 +27,7 @@ TOP_LEVEL = {
     "piper.gc_guard": "base",      # garbage-collector guard the runtime and the driver share
     "piper.cache_dir": "base",     # where caches live; read by the parser (dsl) and by `piper tune`
     "piper.expert_context": "base",  # the calling thread's expert group: nn's MoE ops ask, the runtime sets it
+    "piper.lane_context": "base",  # a per-thread group for ops issuing collectives (the expert and tensor contexts)
     "piper.tensor_context": "base",  # the calling thread's tensor-parallel group: the TP ops ask, the runtime sets it
     "piper.tensor_ops": "front end",  # the collectives of tensor parallelism, as ops capture records
     "piper.nn": "front end",       # the modules a model is written with (experts, annotations)

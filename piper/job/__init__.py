@@ -138,12 +138,7 @@ def compile(model: torch.nn.Module, example_inputs=None, strategy=None, mesh=Non
     check_parameters(model)
     started = time.monotonic()
     progress(f"capturing {type(model).__name__} (torch.export)")
-    from ..frontend.tensor_parallel import plan_of
-
-    program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)), names,
-                      plan_of(directives, mesh))
-    check_loss_gradient(program)
-    training.master_specs(program, model, mb_inputs)
+    program = _captured(model, training, mb_inputs, names, directives, mesh)
     progress(f"planning {len(program.regions)} region(s) on mesh {mesh} ({time.monotonic() - started:.1f} s)")
     compiled = compile_directives(program, mesh, directives)
     if grouped is not None:
@@ -155,6 +150,18 @@ def compile(model: torch.nn.Module, example_inputs=None, strategy=None, mesh=Non
               val_data=val_data)
     job.strategy = describe_strategy(strategy, overrides)     # checkpoint metadata
     return job
+
+
+def _captured(model, training, mb_inputs, names, directives, mesh) -> Program:
+    """The model captured at its microbatch shape in the compute dtype, divided as the strategy's
+    tensor-parallel statements say, with its loss and master specs checked."""
+    from ..frontend.tensor_parallel import plan_of
+
+    program = capture(training.capture_model(model), tuple(map(training.cast, mb_inputs)), names,
+                      plan_of(directives, mesh))
+    check_loss_gradient(program)
+    training.master_specs(program, model, mb_inputs)
+    return program
 
 
 # The parts share one job's state (actors, plans, layouts), so they are mixins reading `self`,
