@@ -125,5 +125,10 @@ def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: di
     return UnitLayout(owner, tuple(group), tuple(buckets), 0, tensor.size if tensor is not None else 1)
 
 
+def at_index(mesh, axis: str, devices, index: int) -> tuple[int, ...]:
+    """The devices of `devices` at index `index` along `axis` (under tp: those sharing one unit)."""
+    return tuple(r for r in devices if mesh.coords(r)[axis] == index)
+
+
 def _tensor_kind(tensor, name: str) -> str:
     return "divided" if name in tensor.dims else "summed" if name in tensor.summed else "whole"

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..frontend.capture import BATCH, BUFFER, PARAM, Program
-from .flat_layout import layout_unit
+from .flat_layout import at_index, layout_unit
 from .saved import SavedBytes
 from ..ir.tied import tie_ids, tied_params
 
@@ -363,11 +363,9 @@ def unit_layouts(compiled, program: Program, exclude=frozenset()) -> dict:
     ties, copies = tie_ids(ir), tied_params(ir)
     tensor = getattr(program, "tensor", None)
 
-    def group(region: int) -> tuple[int, ...]:
+    def group(region: int) -> tuple[int, ...]:        # under tp: one tp index's devices share a unit
         devices = ir.devices_of(region)
-        if tensor is None:
-            return devices
-        return tuple(r for r in devices if ir.mesh.coords(r)[tensor.axis] == 0)   # one tp index's devices
+        return devices if tensor is None else at_index(ir.mesh, tensor.axis, devices, 0)
     return {r.index: layout_unit(r.index, [p for p in r.owned if p not in exclude], program.params,
                                  group(r.index), ties,
                                  second_copies={p for p, owners in copies.items() if owners[0] != r.index},

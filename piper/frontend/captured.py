@@ -137,6 +137,12 @@ class Program:
         return Program(tuple(regions), values, params, {}, (spec, spec))
 
 
+def op_schema(node) -> str | None:
+    """The schema name of the op a graph node calls (`"piper::tp_copy"`, `"aten::view"`), or None."""
+    schema = getattr(node.target, "_schema", None)
+    return schema.name if schema is not None and node.op == "call_function" else None
+
+
 def _stack_line(node: fx.Node) -> str | None:
     return last_user_frame(node.meta.get("stack_trace") or "")
 

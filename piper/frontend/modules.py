@@ -115,6 +115,19 @@ def _wrap(module: torch.nn.Module) -> dict:
     return regions
 
 
+def set_forward(module: torch.nn.Module, fn) -> None:
+    """Make `fn(module, ...)` what `module` runs, inside any regions `annotate_modules` set on it
+    (capture's meta copy: `tensor_parallel`)."""
+    bound = types.MethodType(fn, module)
+    object.__setattr__(module, "_piper_inner_forward" if _ATTR in module.__dict__ else "forward", bound)
+
+
+def forward_of(module: torch.nn.Module):
+    """What `module` runs inside its regions: a forward set on the instance, else its class's."""
+    inner = module.__dict__.get("_piper_inner_forward" if _ATTR in module.__dict__ else "forward")
+    return inner or types.MethodType(type(module).forward, module)
+
+
 def _annotated_forward(self, *args, **kwargs):
     inner = self.__dict__.get("_piper_inner_forward")
     regions = self.__dict__.get(_ATTR) or {}

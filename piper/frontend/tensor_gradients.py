@@ -19,33 +19,12 @@ Two walks over the region graphs, in program order and back:
 from __future__ import annotations
 
 from ..diagnostics import error
+from .captured import op_schema
 
 _SAME = {"piper::tp_reduce", "piper::tp_gather", "piper::tp_collect", "piper::tp_max", "piper::tp_copy"}
 _DIVIDING = {"piper::tp_reduce_scatter", "piper::tp_offset"}
 _REDUCING_BACKWARD = {"piper::tp_copy", "piper::tp_gather"}
 WHOLE, PARTIAL, MIXED = "whole", "partial", "mixed"
-
-
-def _schema(node) -> str | None:
-    schema = getattr(node.target, "_schema", None)
-    return schema.name if schema is not None and node.op == "call_function" else None
-
-
-def _inputs(node):
-    out = []
-
-    def visit(a):
-        if hasattr(a, "op") and hasattr(a, "users"):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x)
-        elif isinstance(a, dict):
-            for x in a.values():
-                visit(x)
-    visit(node.args)
-    visit(node.kwargs)
-    return out
 
 
 def _merge(a, b):
@@ -72,13 +51,13 @@ def summed(program, dims: dict) -> frozenset:
         for n in nodes:
             if n.op in ("placeholder", "output"):
                 continue
-            name = _schema(n)
+            name = op_schema(n)
             if name in _SAME:
                 divided[n] = False
             elif name in _DIVIDING:
                 divided[n] = True
             else:
-                divided[n] = any(divided.get(i, False) for i in _inputs(n))
+                divided[n] = any(divided.get(i, False) for i in n.all_input_nodes)
         out = next(n for n in nodes if n.op == "output")
         outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
         for value, o in zip(region.outputs, outs):
@@ -97,8 +76,8 @@ def summed(program, dims: dict) -> frozenset:
         for n in reversed(nodes):
             if n.op in ("placeholder", "output") or n not in grad and not divided.get(n, False):
                 continue
-            name = _schema(n)
-            for i in _inputs(n):
+            name = op_schema(n)
+            for i in n.all_input_nodes:
                 if divided.get(i, False):
                     continue                 # a divided value's gradient is its own device's
                 if name in _REDUCING_BACKWARD:

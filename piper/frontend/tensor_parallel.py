@@ -30,14 +30,14 @@ placements at module boundaries, which is all a Megatron plan fixes, are these o
 """
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..diagnostics import Label, did_you_mean, error
-from .modules import match_names
+from .captured import op_schema
+from .modules import forward_of, match_names, set_forward
 
 KINDS = ("columns", "rows", "vocab")
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_head", "n_kv_heads",
@@ -166,11 +166,9 @@ def _wrap_parent(module: torch.nn.Module, plan) -> None:
     """SP: `module`'s forward gathers the sequence first (`_gathering_forward`)."""
     if "_piper_tp_parent" in module.__dict__:
         return
-    annotated = "_piper_regions" in module.__dict__
-    inner = module.__dict__.get("_piper_inner_forward" if annotated else "forward")
-    object.__setattr__(module, "_piper_tp_inner", inner or types.MethodType(type(module).forward, module))
+    object.__setattr__(module, "_piper_tp_inner", forward_of(module))
     object.__setattr__(module, "_piper_tp_parent", plan)
-    _set_forward(module, _gathering_forward)
+    set_forward(module, _gathering_forward)
 
 
 def merge_copies(gm) -> None:
@@ -178,8 +176,7 @@ def merge_copies(gm) -> None:
     its backward all-reduces their gradients once."""
     seen = {}
     for node in list(gm.graph.nodes):
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or schema.name != "piper::tp_copy":
+        if op_schema(node) != "piper::tp_copy":
             continue
         first = seen.setdefault(node.args[0], node)
         if first is not node:
@@ -187,15 +184,6 @@ def merge_copies(gm) -> None:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-
-
-def _set_forward(module: torch.nn.Module, fn) -> None:
-    """Give the meta copy's `module` the forward `fn`, inside any region `annotate_modules` set on it."""
-    bound = types.MethodType(fn, module)
-    if "_piper_regions" in module.__dict__:
-        object.__setattr__(module, "_piper_inner_forward", bound)
-    else:
-        object.__setattr__(module, "forward", bound)
 
 
 # -- applying a plan to capture's meta copy ----------------------------------------------------------------
@@ -218,10 +206,6 @@ def apply(model: torch.nn.Module, plan: TensorPlan) -> TensorLayout:
                             span=span, labels=(Label(kind_of[name][1], f"{kind_of[name][0]} here"),)
                             if kind_of[name][1] else (), hint="shard each module one way")
             kind_of[name] = (kind, span)
-    if plan.sequence and not any(k == "rows" for k, _ in kind_of.values()):
-        raise error("sequence-without-tp", "`shard sequence` but no module is sharded by rows", span=plan.sequence_span,
-                    hint="sequence parallelism shards the activations between a rows module and the next columns "
-                         "module: add `shard rows of ...` and `shard columns of ...`, or drop `shard sequence`")
     if plan.sequence and not any(k == "vocab" and isinstance(modules[n], torch.nn.Embedding)
                                  for n, (k, _) in kind_of.items()):
         raise error("sequence-needs-vocab", "`shard sequence` but no nn.Embedding is sharded by vocab: the "
@@ -232,6 +216,7 @@ def apply(model: torch.nn.Module, plan: TensorPlan) -> TensorLayout:
     dims: dict[str, int] = {}
     shapes: dict[str, tuple] = {}
     replaced: dict[int, torch.nn.Parameter] = {}
+    first_name: dict[int, str] = {}            # id of a divided parameter -> the name it was divided under
     for name, (kind, span) in kind_of.items():
         module = modules[name]
         fn, divided = _check_module(name, module, kind, plan, span)
@@ -246,11 +231,12 @@ def apply(model: torch.nn.Module, plan: TensorPlan) -> TensorLayout:
             setattr(module, pname, new)
             full = f"{name}.{pname}" if name else pname
             dims[full], shapes[full] = dim, tuple(old.shape)
+            first_name.setdefault(id(new), full)
         object.__setattr__(module, "_piper_tp", plan)
         if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
             object.__setattr__(module, "_piper_padding", module.padding_idx)
-        _set_forward(module, fn)
-    _tied_names(model, replaced, dims, shapes)
+        set_forward(module, fn)
+    _tied_names(model, first_name, dims, shapes)
     _divide_heads(modules, kind_of, plan)
     if plan.sequence:
         for name, (kind, span) in kind_of.items():
@@ -298,18 +284,12 @@ def _divisible(name, what, count, plan, span):
                     hint=f"use a tensor-parallel size that divides {count}, or leave `{name}` whole")
 
 
-def _tied_names(model, replaced, dims, shapes) -> None:
+def _tied_names(model, first_name: dict, dims, shapes) -> None:
     """A tied parameter (one tensor under two names) is divided once; both names say so."""
     for name, p in model.named_parameters(remove_duplicate=False):
-        for new in replaced.values():
-            if p is new and name not in dims:
-                first = next(k for k in dims if _param(model, k) is new)
-                dims[name], shapes[name] = dims[first], shapes[first]
-
-
-def _param(model, name):
-    module, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(module) if module else model, attr)
+        first = first_name.get(id(p))
+        if first is not None and name not in dims:
+            dims[name], shapes[name] = dims[first], shapes[first]
 
 
 def _divide_heads(modules, kind_of, plan) -> None:

@@ -19,6 +19,8 @@ graph-less copies of the program (`piper tune`'s cached profiles) keep.
 """
 from __future__ import annotations
 
+from .captured import op_schema
+
 # op -> ((forward kind, size from), (backward kind, size from)); kind: "reduce" (all-reduce) or "gather".
 _MOVES = {
     "piper::tp_copy": (None, ("reduce", "in")),
@@ -59,8 +61,7 @@ def read_traffic(program, n: int) -> dict[tuple[int, str], tuple[float, int]]:
         if region.graph is None:
             continue
         for node in region.graph.graph.nodes:
-            schema = getattr(node.target, "_schema", None)
-            moves = _MOVES.get(schema.name) if schema is not None and node.op == "call_function" else None
+            moves = _MOVES.get(op_schema(node))
             if moves is None:
                 continue
             sizes = {"in": _nbytes(node.args[0].meta.get("val")), "out": _nbytes(node.meta.get("val"))}

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from .captured import op_schema
+
 _aten = torch.ops.aten
 _PASS_THROUGH = {_aten.to.dtype, _aten._to_copy.default, _aten.contiguous.default, _aten.clone.default,
                  _aten.to.dtype_layout}
@@ -28,8 +30,7 @@ _ASSERT = getattr(_aten, "_assert_tensor_metadata", None)
 
 
 def _is_collect(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.name == "piper::tp_collect"
+    return op_schema(node) == "piper::tp_collect"
 
 
 def _users(node: fx.Node) -> list[fx.Node]:

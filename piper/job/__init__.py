@@ -35,8 +35,7 @@ from ..frontend.microbatches import microbatch_inputs
 from ..frontend.model_checks import check_loss_gradient, check_parameters
 from ..frontend.options import TrainingOptions, check_clip, check_nonfinite, compute_dtype
 from ..compiler.planning import build_strategy, compile_directives, plan  # noqa: F401 (piper.job.plan)
-from ..compiler.flat_layout import UnitLayout, layout_unit
-from .tensor_units import at_index
+from ..compiler.flat_layout import UnitLayout, at_index, layout_unit
 from ..ir.tied import state_keys, tie_ids, tied_params
 
 DEVICES = ("auto", "cpu", "cuda")

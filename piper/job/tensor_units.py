@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ..compiler.flat_layout import at_index
+
 
 def tensor_index(mesh, axis: str, rank: int) -> int:
     return mesh.coords(rank)[axis]
-
-
-def at_index(mesh, axis: str, devices, index: int) -> tuple[int, ...]:
-    """The devices of `devices` at tp index `index`."""
-    return tuple(r for r in devices if mesh.coords(r)[axis] == index)
 
 
 def layout_of(job, unit: int, rank: int):
