@@ -97,6 +97,22 @@ def _moe_batches(steps=2, batch=8):
     return [next(stream) for _ in range(steps)]
 
 
+def _tp():
+    from examples.llama_tp import make_model
+
+    return make_model(dtype=torch.float32, stages=2, dim=64, hidden=128)
+
+
+def _tp_batches(steps=2, batch=16):
+    from examples.llama_tp import batches
+
+    return batches(count=steps, batch=batch, seq=32)
+
+
+TP_PLAN = ('shard columns of "blocks.*.attn.q", "blocks.*.attn.k", "blocks.*.attn.v", "blocks.*.mlp.gate", '
+           '"blocks.*.mlp.up" over tp\nshard rows of "blocks.*.attn.o", "blocks.*.mlp.down" over tp\n'
+           'shard vocab of "embed", "head" over tp\nshard sequence over tp\n')
+
 # name -> (model, script, piper.compile options): each of precision=, recompute and
 # shard experts, alone and with the others' strategies.
 FEATURES = {
@@ -116,10 +132,15 @@ FEATURES = {
                              {"precision": "bf16"}),
     "1f1b zero3 expert_parallel (MoE)": (_moe, "mesh dp=2, pp=2\nuse one_f_one_b(microbatches=2) on pp\n"
                                                "use zero3() on dp\nuse expert_parallel() on dp\n", {}),
+    # Passes cut into pieces at their TP collectives, each piece saving on its own.
+    "tp sequence vocab (pieces)": (_tp, "mesh tp=2\nsplit MB into 2\n" + TP_PLAN, {}),
+    "1f1b tp recompute (pieces)": (_tp, "mesh pp=2, tp=2\nuse one_f_one_b(microbatches=4) on pp\n"
+                                        "recompute PP=*\n" + TP_PLAN, {}),
     "1f1b zero3 bf16 recompute": (lambda: gpt(2), "mesh dp=2, pp=2\nuse one_f_one_b(microbatches=4) on pp\n"
                                                   "use zero3() on dp\nrecompute PP=*\n", {"precision": "bf16"}),
 }
-DEFAULT_FEATURES = ("zero3 bf16", "zero_bubble recompute", "expert_parallel zero1 (MoE)")
+DEFAULT_FEATURES = ("zero3 bf16", "zero_bubble recompute", "expert_parallel zero1 (MoE)",
+                    "tp sequence vocab (pieces)")
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -127,7 +148,7 @@ DEFAULT_FEATURES = ("zero3 bf16", "zero_bubble recompute", "expert_parallel zero
                                   for c in FEATURES])
 def test_precision_recompute_and_experts_are_predicted_within_ten_percent(case, capsys):
     make, text, options = FEATURES[case]
-    batches = _moe_batches(batch=16) if make is _moe else gpt_batches(steps=2, batch=16)
+    batches = {_moe: _moe_batches, _tp: _tp_batches}.get(make, gpt_batches)(steps=2, batch=16)
     with piper.compile(make(), batches[0], strategy=load_strategy(text), timeout=120, **options) as job:
         predicted = predict_job(job)          # from the IR, the options and one forward per region
         for b in batches:

@@ -129,7 +129,7 @@ def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward, 
     ref_loss, ref_grads = _reference(model, region, batch, value)
     assert cuttable(region.graph) and count_exchanges(region.graph) == 2
     the_cut = cut(region.graph, 1)
-    assert [kind for kind, _ in the_cut.exchanges] == [DISPATCH, COMBINE] and len(the_cut.pieces) == 3
+    assert [e.kind for e in the_cut.exchanges] == [DISPATCH, COMBINE] and len(the_cut.pieces) == 3
     ex, pieces = FakeExecutor(model, region, recompute), Pieces({0: the_cut})
     ex.batch, ex.value = batch, value
     lg = expert_groups.lane_group([OneMember()], 0)
@@ -167,7 +167,7 @@ def test_two_layers_make_five_pieces_and_a_region_without_layers_is_not_cut():
 
     program = capture(Two().double(), (torch.randn(4, 8, dtype=torch.float64),))
     the_cut = cut(program.regions[0].graph, 2)
-    assert len(the_cut.pieces) == 5 and [k for k, _ in the_cut.exchanges] == [DISPATCH, COMBINE] * 2
+    assert len(the_cut.pieces) == 5 and [e.kind for e in the_cut.exchanges] == [DISPATCH, COMBINE] * 2
     # every piece reads only the region's inputs and what came before it
     for p, sources in enumerate(the_cut.inputs):
         assert all(s.kind == "arg" or (s.kind == "piece" and s.index < p) or (s.kind == "exchange" and s.index < p)

@@ -29,7 +29,7 @@ The prediction replays each device's plan the way the executor spends memory
   weight, their AdamW state, and their gradients from the unit's first
   backward until its update. A MoE region's saved activations assume every
   device receives its share of the routed token copies (the routing decides),
-  and, for a pass the runtime cuts into pieces at its all-to-alls
+  and, for a pass the runtime cuts into pieces at its collectives
   (`piper/runtime/moe/pieces.py`), what each piece saves on its own.
 
 The peak is sampled after every action, as `job.memory()[rank]["step_peak"]`
@@ -150,8 +150,9 @@ def run_regions(program: Program, *, backward: bool = False, timer=None, dtype=N
     (`job.timings(cpu=True)`): wall time would also hold whatever else the cores ran.
     `dtype` (16-bit): the parameters and floating-point inputs in it, as a worker computes
     under `precision=` (the program captured in that dtype, `piper.compile` does so).
-    `pieces`: regions the runtime runs cut at their all-to-alls (`shard experts`): their
-    saved bytes are the pieces' (`_pieces_saved`).
+    `pieces`: regions the runtime runs cut at their collectives: region -> (at its MoE layers,
+    at its TP collectives), or a set of regions cut at their MoE layers; their saved bytes are
+    the pieces' (`_pieces_saved`).
     """
     import time
 
@@ -178,29 +179,35 @@ def _storage_keys(tensors, exclude) -> dict[int, int]:
     return out
 
 
-def _pieces_saved(graph, args, exclude) -> int:
-    """What a region run as pieces cut at its all-to-alls saves (`piper/runtime/moe/pieces.py`):
-    each piece on its own, reading earlier pieces' and exchanges' outputs as leaves. The
-    exchanges are local here (a group of one): the rows stay, as new tensors."""
-    from ..ir.moe_cut import DISPATCH, Source, cut
+def _pieces_saved(graph, args, exclude, experts: bool = True, tensor: bool = False, size: int = 1) -> RegionBytes:
+    """What a region run as pieces cut at its collectives saves (`piper/runtime/moe/pieces.py`):
+    each piece on its own, reading earlier pieces' and exchanges' outputs as leaves (recomputed,
+    each piece keeps its own inputs and its rerun saves the rest: the sums over the pieces). The
+    exchanges are local here: a MoE group of one (the rows stay, as new tensors), TP's stand-in
+    group of `size` (`region_cut.local_exchange`: the collectives' shapes)."""
+    from ..ir.moe_cut import DISPATCH
+    from ..ir.region_cut import TP, Source, cut, local_exchange
 
-    c = cut(graph, 1)
+    c = cut(graph, 1, experts=experts, tensor=tensor)
     values: dict = {}
     grads: set = set()           # exchange outputs that carry a gradient back
 
     def exchange(k):
-        kind, sources = c.exchanges[k]
-        rows = values[sources[0]]
-        if rows.requires_grad:
+        e = c.exchanges[k]
+        rows = values[e.sources[0]]
+        if rows.requires_grad and e.kind != "tp_max":
             grads.add(Source("exchange", k, 0))
+        if e.op == TP:
+            values[Source("exchange", k, 0)] = local_exchange(e.kind, rows.detach(), e.args, size)
+            return
         values[Source("exchange", k, 0)] = rows.detach().clone()
-        if kind == DISPATCH:
-            counts = values[sources[1]]
+        if e.kind == DISPATCH:
+            counts = values[e.sources[1]]
             whole = counts.view(1, -1).sum(1)
             values.update({Source("exchange", k, 1): counts.clone(), Source("exchange", k, 2): whole,
                            Source("exchange", k, 3): whole.clone()})
 
-    total = 0
+    total = RegionBytes(0)
     for piece, gm in enumerate(c.pieces):
         inputs = []
         for source in c.inputs[piece]:
@@ -213,9 +220,11 @@ def _pieces_saved(graph, args, exclude) -> int:
             if torch.is_tensor(value) and (value.requires_grad or source in grads):
                 value = value.detach().requires_grad_()
             inputs.append(value)
-        with torch.enable_grad(), SavedBytes(exclude) as counted:
+        kept = _storage_keys(inputs, exclude)      # what a recomputed piece keeps (`piece_forward`)
+        with torch.enable_grad(), _SavedAndInputs(exclude, set(kept)) as counted:
             outs = gm(*inputs)
-        total += counted.size
+        total = RegionBytes(total.saved + counted.size, total.inputs + sum(kept.values()),
+                            total.rerun + counted.size - counted.of_inputs)
         for j, out in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
             values[Source("piece", piece, j)] = out
     return total
@@ -227,6 +236,8 @@ def _run_regions(program, backward, timer, clock, dtype=None, pieces=frozenset()
     buffers = {n: _zeros(s) for n, s in program.buffers.items()}
     batch = [_zeros(s, dtype=dtype) for s in program.batch]
     exclude = {p.untyped_storage()._cdata for p in params.values()}
+    tensor = getattr(program, "tensor", None)
+    tp_size = tensor.size if tensor is not None else 1
     out_of: dict[int, torch.Tensor] = {}
     saved: dict[int, RegionBytes] = {}
     ran = []
@@ -250,8 +261,11 @@ def _run_regions(program, backward, timer, clock, dtype=None, pieces=frozenset()
             outs = region.graph(*args)
         if timer is not None:
             timer(region.index, "F", clock() - start)
-        size = _pieces_saved(region.graph, args, exclude) if region.index in pieces else counted.size
-        saved[region.index] = RegionBytes(size, sum(inputs.values()), counted.size - counted.of_inputs)
+        if region.index in pieces:       # {region: (cut at its MoE layers, at its TP collectives)}, or a set: MoE
+            experts, tensor = pieces[region.index] if isinstance(pieces, dict) else (True, False)
+            saved[region.index] = _pieces_saved(region.graph, args, exclude, experts, tensor, tp_size)
+        else:
+            saved[region.index] = RegionBytes(counted.size, sum(inputs.values()), counted.size - counted.of_inputs)
         for v, o in zip(region.outputs, outs):
             out_of[v] = o
         ran.append((region, outs))
@@ -270,7 +284,7 @@ def _run_regions(program, backward, timer, clock, dtype=None, pieces=frozenset()
 
 def region_bytes(program: Program, precision=None, pieces=frozenset()) -> dict[int, RegionBytes]:
     """Region -> what its forward holds for backward per microbatch (`RegionBytes`, parameters excluded);
-    `pieces`: the regions run cut at their all-to-alls."""
+    `pieces`: the regions run cut at their collectives (as `run_regions` takes them)."""
     if any(r.graph is None for r in program.regions):        # an abstract chain: no graphs to run
         return {r.index: RegionBytes(0) for r in program.regions}
     with torch.random.fork_rng(devices=[]):
@@ -407,9 +421,13 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
     from .slots import spans, whole_backwards
 
     dtype = compute_dtype(precision)
-    if saved is None:             # MoE regions the plans run as pieces save as their pieces do
-        cut = {n.region for n in compiled.ir.nodes if n.is_compute and n.value}
-        saved = region_bytes(program, dtype, frozenset(cut))
+    if saved is None:             # regions the plans run as pieces save as their pieces do
+        cut: dict[int, tuple[bool, bool]] = {}
+        for n in compiled.ir.nodes:
+            if n.value is not None and n.op in ("ALL_TO_ALL", "TP"):
+                at_moe, at_tp = cut.get(n.region, (False, False))
+                cut[n.region] = (at_moe or n.op == "ALL_TO_ALL", at_tp or n.op == "TP")
+        saved = region_bytes(program, dtype, cut)
     saved = {r: RegionBytes.of(b) for r, b in saved.items()}
     states = optimizer_states(optimizer)
     ir = compiled.ir

@@ -23,17 +23,15 @@ def compile_directives(program, mesh, directives) -> Compiled:
         ir = apply_all(initial_ir(program, mesh), directives)
         check_lowering(ir)
         compiled = compile_ir(ir)
-        if ir.sharded("experts") is not None:      # expert parallelism: check it, add ALL_TO_ALLs
+        if ir.sharded("experts") is not None:      # expert parallelism: check it
             from ..ir import experts
 
             experts.check(program, compiled.ir)
-            from .moe_exchanges import add_all_to_alls
-
-            compiled = add_all_to_alls(compiled, program)
-        if ir.tensor_axis() is not None:            # tensor parallelism: its collectives as TP nodes
+        if ir.sharded("experts") is not None or ir.tensor_axis() is not None:
+            from .cut_passes import add_exchanges      # passes cut at their all-to-alls and TP collectives
             from .tensor_exchanges import add_tp_collectives
 
-            compiled = add_tp_collectives(compiled, program)
+            compiled = add_tp_collectives(add_exchanges(compiled, program), program)
         check(compiled)       # raises on deadlock before anything runs
     compiled.warnings = at_use_sites(compiled.warnings, directives)   # at the user's `use` lines
     return compiled

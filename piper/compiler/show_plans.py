@@ -17,10 +17,13 @@ legend (region R, microbatch M, value V, peer region P):
   RREDUCE_SCATTER    reduce-scatter them (ZeRO-2/3); _BM: after microbatch M's backward
   RALL_GATHER    all-gather region R's parameters after the update (ZeRO-1/2);
                  RALL_GATHER_FM before its forward of microbatch M (ZeRO-3)
-  RALL_TO_ALL_FM.K   expert exchange K of a pass cut at its all-to-alls (even K: a MoE layer's
-                 dispatch, odd: its combine; _BM.K / _BIM.K: their backward); RFM.K: piece K of the
-                 pass between them (RFM itself is piece 0). RALL_TO_ALL_FM alone: the all-to-alls
-                 of a pass that is not cut, issued from inside its compute"""
+  RALL_TO_ALL_FM.K   exchange K of a pass cut at its collectives: a MoE layer's dispatch, then
+                 its combine (_BM.K / _BIM.K: their backward); RFM.K: piece K of the pass between
+                 them (RFM itself is piece 0). RALL_TO_ALL_FM alone: the all-to-alls of a pass
+                 that is not cut, issued from inside its compute
+  RTP_FM.K       exchange K: a tensor-parallel collective (Megatron's f/g all-reduce, or under
+                 `shard sequence` an all-gather / reduce-scatter; _BM.K: the backward's). RTP_FM
+                 alone: the TP collectives a pass not cut issues from inside its compute"""
 
 
 def _title(compiled, rank: int) -> str:

@@ -75,11 +75,11 @@ def _fuse_overlaps(plan: tuple, groups) -> tuple:
             continue
         at = sorted(index[k] for k in group)
         lo, hi = at[0], at[-1]
-        # A pass cut at its all-to-alls: its pieces and exchanges join the unit (a slot's time, as
+        # A pass cut at its collectives: its pieces and exchanges join the unit (a slot's time, as
         # `job.timings()` measures it, holds them).
         pieces = {i for i, a in enumerate(plan) if isinstance(a, Action) and a.node.value is not None
-                  and (a.node.is_compute or a.node.op == "ALL_TO_ALL")
-                  and node_key(a.node.phase if a.node.op == "ALL_TO_ALL" else a.node.op, a.node.region,
+                  and (a.node.is_compute or a.node.op in _OWN_STREAM)
+                  and node_key(a.node.phase if a.node.op in _OWN_STREAM else a.node.op, a.node.region,
                                a.node.mb) in group}
         if pieces:
             at = sorted(set(at) | pieces)
@@ -300,7 +300,7 @@ class _Run(_Collectives):
                     line.append((t, t + cost, node.key))
                 now = t + cost
                 spent += cost
-            elif op == "TP" or op == "ALL_TO_ALL" and node.value is None:
+            elif op in _OWN_STREAM and node.value is None:     # a marker: the device waits for them
                 t = self.all_to_alls_inside(rank, a, now)
                 if t is None:
                     break             # until every member of the expert group is there

@@ -164,13 +164,13 @@ def spans(plan, slots, units_of: dict[int, set], feeds: dict[int, set] | None = 
 
 
 def interleaved(span: Span) -> tuple:
-    """An overlapped slot's lanes as one thread's order, switching lanes after each expert exchange.
+    """An overlapped slot's lanes as one thread's order, switching lanes after each exchange (expert or TP).
 
         lanes:  F0 X_F0.0 F0.1 X_F0.1 F0.2 SEND_F0 | B1.2 X_B1.1 B1.1 X_B1.0 B1 SEND_B1
         order:  F0 X_F0.0 B1.2 X_B1.1 F0.1 X_F0.1 B1.1 X_B1.0 F0.2 SEND_F0 B1 SEND_B1
 
     An exchange is issued and not waited for, so the other item's next piece
-    runs while its tokens travel (DualPipe's overlapped forward and backward,
+    runs while its data travels (DualPipe's overlapped forward and backward,
     from the plan's pieces). Each lane keeps its own order; every replica
     derives the same order, so each expert group sees the same collectives in
     the same sequence on every member. Used where the lanes do not run at once.
@@ -189,7 +189,7 @@ def interleaved(span: Span) -> tuple:
         chunks, chunk = [], []
         for a in lane:
             chunk.append(a)
-            if a.node.op == "ALL_TO_ALL" and a.node.value is not None:
+            if _exchange(a.node):
                 chunks.append(chunk)
                 chunk = []
         chunks.append(chunk)
@@ -202,6 +202,11 @@ def interleaved(span: Span) -> tuple:
     return tuple(out)
 
 
+def _exchange(node) -> bool:
+    """An exchange between the pieces of a pass cut at its collectives (expert or tensor-parallel)."""
+    return node.op in ("ALL_TO_ALL", "TP") and node.value is not None
+
+
 def exchanges(span: Span) -> bool:
-    """Whether any lane of the slot issues expert exchanges (`interleaved` changes its order)."""
-    return any(a.node.op == "ALL_TO_ALL" and a.node.value is not None for lane in span.lanes for a in lane)
+    """Whether any lane of the slot issues exchanges between pieces (`interleaved` changes its order)."""
+    return any(_exchange(a.node) for lane in span.lanes for a in lane)

@@ -84,13 +84,21 @@ def comm_cost(compiled, program, *, bandwidth: float, precision=None, value_scal
                        next((program.params[p].dtype for p in r.owned), torch.float32))
              for r in compiled.ir.regions}
     values = {(v.producer, v.index): (v.spec.nbytes * value_scale, v.spec.dtype) for v in program.values}
-    from ..frontend.tensor_traffic import traffic
+    from ..frontend.tensor_traffic import exchange_bytes, traffic
 
     tensor = traffic(program)      # (region, F | B) -> (bytes, collectives) of its TP collectives
+    per_op = exchange_bytes(program)
+    tp_index = _tp_ordinals(compiled.order) if per_op else {}
 
     def cost(node) -> float:
         if node.op == "TP":
-            size, _ = tensor.get((node.region, "F" if node.phase == "F" else "B"), (0.0, 0))
+            phase = 0 if node.phase == "F" else 1
+            if node.value is not None:        # one exchange of a pass cut at its TP collectives
+                moves = per_op.get(node.region, ())
+                i = tp_index.get((node.region, node.value))
+                size = moves[i][phase] if i is not None and i < len(moves) else None
+                return (size or 0.0) * value_scale / bandwidth
+            size, _ = tensor.get((node.region, "FB"[phase]), (0.0, 0))
             return size * value_scale / bandwidth
         if node.op in ("SEND", "RECV"):
             producer = node.region if (node.op == "SEND") == (node.phase == "F") else node.peer
@@ -101,3 +109,20 @@ def comm_cost(compiled, program, *, bandwidth: float, precision=None, value_scal
         return comm_bytes(node, unit_bytes=size, unit_dtype=dtype, precision=precision) / bandwidth
 
     return cost
+
+
+def _tp_ordinals(order) -> dict[tuple[int, int], int]:
+    """(region, exchange k) -> which of the region's TP ops exchange k is (a pass cut at its
+    all-to-alls and its TP collectives numbers both)."""
+    ops: dict[int, dict[int, str]] = {}
+    for n in order:
+        if n.value is not None and n.op in ("TP", "ALL_TO_ALL") and n.phase == "F":
+            ops.setdefault(n.region, {})[n.value] = n.op
+    out = {}
+    for region, by_k in ops.items():
+        i = 0
+        for k in sorted(by_k):
+            if by_k[k] == "TP":
+                out[(region, k)] = i
+                i += 1
+    return out

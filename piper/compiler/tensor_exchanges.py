@@ -1,5 +1,8 @@
-"""The compiler's pass for tensor parallelism: a `TP` node after each pass whose compute issues
-tensor-parallel collectives, so the plans, `piper show`, the order check and the costs have them.
+"""The compiler's pass for tensor parallelism: a `TP` marker after each pass whose compute issues
+tensor-parallel collectives from inside its graph, so the plans, `piper show`, the order check and
+the costs have them. A region with its graph is cut at its collectives instead (each one a `TP`
+exchange between pieces: `piper.compiler.cut_passes`); what keeps markers is a pass the cut
+leaves whole: an abstract program's (`piper check --regions`, `piper tune`'s cached profiles).
 
     compiled = add_tp_collectives(compiled, program)     # under tensor parallelism, after `compile_ir`
 
@@ -13,7 +16,7 @@ group as the compute reaches them. `0TP_F3` stands for those of one pass (how ma
 bytes: `piper.frontend.tensor_traffic.traffic`): every device of the region issues the same ones in the
 same order, which `piper check`'s collective-order check verifies, and `job.timings()` holds
 their seconds under this key (moved out of the compute's own), which `simulate(...,
-comm_cost=...)` prices. After a pass cut at its expert all-to-alls it follows the pass's last piece.
+comm_cost=...)` prices. After a pass cut at its expert all-to-alls alone it follows the pass's last piece.
 """
 from __future__ import annotations
 
@@ -37,12 +40,14 @@ def add_tp_collectives(compiled, program: Program):
         # An abstract program (`piper check --regions`): every pass of every region stands for its
         # TP collectives, unpriced.
         moves = {(r.index, phase): (0.0, 0) for r in program.regions for phase in "FB"}
-    if not moves:
-        return compiled
     order = list(compiled.order)
+    cut = {n.region for n in order if n.op == "TP" and n.value is not None}     # its collectives are exchanges
+    if not moves or cut >= {region for region, _ in moves}:
+        return compiled
     last: dict[str, int] = {}
     for i, n in enumerate(order):
-        if n.is_compute and n.op in _PHASE and (n.region, _PHASE[n.op]) in moves and len(n.devices or ()) > 1:
+        if (n.region not in cut and n.is_compute and n.op in _PHASE and (n.region, _PHASE[n.op]) in moves
+                and len(n.devices or ()) > 1):
             last[node_key(n.op, n.region, n.mb)] = i
     after = {i: key for key, i in last.items()}
     out, edges = [], []

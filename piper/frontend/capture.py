@@ -103,10 +103,11 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = (),
     program.undivided_experts = undivided
     if layout is not None:
         from .tensor_gradients import summed
-        from .tensor_traffic import read_traffic
+        from .tensor_traffic import read_moves, read_traffic
 
-        program.tensor = replace(layout, summed=summed(program, layout.dims),
-                                 traffic=read_traffic(program, layout.size))
+        moves = read_moves(program, layout.size)
+        program.tensor = replace(layout, summed=summed(program, layout.dims), exchanges=moves,
+                                 traffic=read_traffic(moves))
     return program
 
 

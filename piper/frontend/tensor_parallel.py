@@ -72,6 +72,7 @@ class TensorLayout:
     sequence: bool = False
     modules: dict = field(default_factory=dict)       # module name -> its kind
     traffic: dict = field(default_factory=dict)       # (region, F | B) -> (bytes, collectives): `tensor_traffic`
+    exchanges: dict = field(default_factory=dict)     # region -> (F bytes, B bytes) per TP op, in graph order
 
 
 def plan_of(directives, mesh) -> TensorPlan | None:

@@ -14,8 +14,9 @@ reduce-scatter along a dimension, so the runtime runs it as an all-reduce and ke
 
     traffic(program)[(3, "F")] == (bytes, collectives)     # region 3's forward, per microbatch
 
-Read once at capture, while the program has its graphs, into `TensorLayout.traffic`, which
-graph-less copies of the program (`piper tune`'s cached profiles) keep.
+Read once at capture, while the program has its graphs, into `TensorLayout.exchanges` (per op)
+and `TensorLayout.traffic` (per pass), which graph-less copies of the program (`piper tune`'s
+cached profiles) keep.
 """
 from __future__ import annotations
 
@@ -54,21 +55,38 @@ def traffic(program) -> dict[tuple[int, str], tuple[float, int]]:
     return dict(tensor.traffic)
 
 
-def read_traffic(program, n: int) -> dict[tuple[int, str], tuple[float, int]]:
-    """`traffic` read off the program's region graphs, for tp size `n`."""
-    out: dict[tuple[int, str], tuple[float, int]] = {}
+def exchange_bytes(program) -> dict[int, tuple[tuple, ...]]:
+    """Region -> (forward bytes, backward bytes) one device moves in each of its TP ops, in graph
+    order (None: that direction issues no collective): what each `TP` exchange of a region cut
+    at them moves (`piper.ir.region_cut`)."""
+    tensor = getattr(program, "tensor", None)
+    return dict(tensor.exchanges) if tensor is not None else {}
+
+
+def read_moves(program, n: int) -> dict[int, tuple[tuple, ...]]:
+    """`exchange_bytes` read off the program's region graphs, for tp size `n`."""
+    out: dict[int, tuple[tuple[float, float], ...]] = {}
     for region in program.regions:
         if region.graph is None:
             continue
+        moves = []
         for node in region.graph.graph.nodes:
-            moves = _MOVES.get(op_schema(node))
-            if moves is None:
+            move = _MOVES.get(op_schema(node))
+            if move is None:
                 continue
             sizes = {"in": _nbytes(node.args[0].meta.get("val")), "out": _nbytes(node.meta.get("val"))}
-            for phase, move in zip("FB", moves):
-                if move is None:
-                    continue
-                kind, side = move
-                size, count = out.get((region.index, phase), (0.0, 0))
-                out[(region.index, phase)] = (size + _moved(kind, sizes[side], n), count + 1)
+            moves.append(tuple(None if m is None else _moved(m[0], sizes[m[1]], n) for m in move))
+        if moves:
+            out[region.index] = tuple(moves)
+    return out
+
+
+def read_traffic(moves: dict[int, tuple[tuple, ...]]) -> dict[tuple[int, str], tuple[float, int]]:
+    """`traffic` from `read_moves`' per-op bytes: each pass's sum and count of collectives."""
+    out: dict[tuple[int, str], tuple[float, int]] = {}
+    for region, per_op in moves.items():
+        for i, phase in enumerate("FB"):
+            issued = [m[i] for m in per_op if m[i] is not None]
+            if issued:
+                out[(region, phase)] = (sum(issued), len(issued))
     return out

@@ -13,8 +13,9 @@ PyTorch's pipelining actions:
     0ALL_REDUCE    gradients of region 0's parameters (REDUCE_SCATTER likewise)
     0ALL_GATHER    parameters of region 0 after the update (ZeRO-1/2)
     0ALL_GATHER_F3 parameters of region 0 before 0F3 (ZeRO-3; _B3, _BI3, _BW3 too)
-    0F3.1          piece 1 of 0F3, a pass cut at its expert all-to-alls (`piper.ir.moe_cut`)
+    0F3.1          piece 1 of 0F3, a pass cut at its collectives (`piper.ir.region_cut`)
     0ALL_TO_ALL_F3.0  exchange 0 of 0F3 (a MoE layer's dispatch; .1 its combine; _B3.1 their backward)
+    0TP_F3.2       exchange 2 of 0F3: a tensor-parallel collective (0TP_F3 alone: those of a pass not cut)
 
 `format_ir` prints an IR as text and `parse_ir` reads it back.
 """

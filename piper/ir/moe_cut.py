@@ -21,44 +21,14 @@ the plan must hold (`count_exchanges`).
 """
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass
-
 import torch
 from torch import fx
 
+from . import region_cut
+from .region_cut import ALL_TO_ALL, Cut, Source  # noqa: F401 - the cut's types, importable from here
+
 DISPATCH = "dispatch"        # rows to their experts' devices (counts exchanged first)
 COMBINE = "combine"          # the experts' results back home
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a piece's (or an exchange's) input comes from.
-
-    `kind` is "arg" (the region's input `index`), "piece" (output `out` of piece
-    `index`) or "exchange" (output `out` of exchange `index`: a dispatch gives
-    (rows, counts per source and local expert, send splits, receive splits), a
-    combine gives (rows,)).
-    """
-
-    kind: str
-    index: int
-    out: int = 0
-
-
-@dataclass
-class Cut:
-    """A region graph cut at its exchanges (see the module docstring)."""
-
-    pieces: list                     # fx.GraphModule per piece, in run order
-    inputs: list                     # per piece: the Source of each of its placeholders
-    exchanges: list                  # per exchange: (DISPATCH | COMBINE, the Sources of its inputs)
-    outputs: list                    # the region's outputs, as Sources
-    size: int                        # members of the expert group the cut was made for
-
-    def args_used(self, piece: int) -> list[int]:
-        """The region inputs piece `piece` reads (positions in the region's inputs)."""
-        return [s.index for s in self.inputs[piece] if s.kind == "arg"]
 
 
 # -- the local halves (plain differentiable torch: autograd does their backward) -------------------------
@@ -98,140 +68,43 @@ def home_rows(rows: torch.Tensor, gates: torch.Tensor, order: torch.Tensor):
     return out, flat
 
 
-# -- the cut ------------------------------------------------------------------------------------------
+# -- the cut (`piper.ir.region_cut` walks the graph; these make a layer's halves and exchange) ----------
 
-def _is(node: fx.Node, name: str) -> bool:
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.name == f"piper::{name}"
+def cut_dispatch(b, env, node, size: int) -> tuple:
+    """A dispatch: sort (local) | exchange | regroup (local); what its getitems read."""
+    x, experts, num_experts = node.args
+    sorted_ = b.call(sort_tokens, (b.use(env[x]), b.use(env[experts]), num_experts))
+    rows, counts, order = (b.item(sorted_, i) for i in range(3))
+    k = b.exchange(DISPATCH, (rows, counts))
+    received, recv_counts = Source("exchange", k, 0), Source("exchange", k, 1)
+    grouped = b.call(regroup_rows, (b.use(received), b.use(recv_counts), size))
+    routed, local_counts, regroup = (b.item(grouped, i) for i in range(3))
+    return (routed, local_counts, order, regroup, Source("exchange", k, 2), Source("exchange", k, 3))
+
+
+def cut_combine(b, env, node) -> tuple:
+    """A combine: unregroup (local) | exchange | home (the weighted sum, local)."""
+    y, gates, order, regroup, send_splits, recv_splits = node.args
+    back = b.call(unregroup_rows, (b.use(env[y]), b.use(env[regroup])))
+    k = b.exchange(COMBINE, (back, env[send_splits], env[recv_splits]))
+    home = b.call(home_rows, (b.use(Source("exchange", k, 0)), b.use(env[gates]), b.use(env[order])))
+    return (b.item(home, 0), b.item(home, 1))
 
 
 def cuttable(gm: fx.GraphModule) -> bool:
-    """Whether `gm`'s MoE layers can be cut: dispatches and combines alternate in graph
-    order (each layer's combine before the next layer's dispatch), and their results
-    are read only through `getitem`."""
-    open_layer = False
-    found = False
-    for node in gm.graph.nodes:
-        if _is(node, "moe_dispatch") or _is(node, "moe_combine"):
-            if _is(node, "moe_dispatch") == open_layer:
-                return False
-            open_layer = not open_layer
-            found = True
-            if any(u.target is not operator.getitem for u in node.users):
-                return False
-    return found and not open_layer
+    """Whether `gm` has MoE layers that can be cut: dispatches and combines alternate in graph
+    order (each layer's combine before the next layer's dispatch), their results read only
+    through `getitem`."""
+    return region_cut.cuttable(gm, experts=True) and ALL_TO_ALL in region_cut.exchange_ops(
+        gm, experts=True, tensor=False)
 
 
 def count_exchanges(gm: fx.GraphModule) -> int:
     """How many exchanges `cut` makes of `gm` (0: nothing to cut)."""
-    if not cuttable(gm):
-        return 0
-    return sum(1 for n in gm.graph.nodes if _is(n, "moe_dispatch") or _is(n, "moe_combine"))
-
-
-class _Results(tuple):
-    """The results of a cut dispatch or combine, as the region graph's getitems read them."""
-
-
-class _Builder:
-    """Builds the pieces' graphs while walking the region graph once, in order."""
-
-    def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
-        self.graphs: list[fx.Graph] = []
-        self.inputs: list[list[Source]] = []
-        self.placeholders: list[dict[Source, fx.Node]] = []
-        self.outputs: list[list[fx.Node]] = []
-        self.exchanges: list[tuple[str, list[Source]]] = []
-        self.new_piece()
-
-    @property
-    def piece(self) -> int:
-        return len(self.graphs) - 1
-
-    def new_piece(self) -> None:
-        self.graphs.append(fx.Graph())
-        self.inputs.append([])
-        self.placeholders.append({})
-        self.outputs.append([])
-
-    def source(self, value) -> Source:
-        """`value` (a Source, or (piece, node) made in a piece) as a Source: a piece output if need be."""
-        if isinstance(value, Source):
-            return value
-        piece, node = value
-        outs = self.outputs[piece]
-        if node not in outs:
-            outs.append(node)
-        return Source("piece", piece, outs.index(node))
-
-    def use(self, value) -> fx.Node:
-        """`value` inside the current piece: its own node, or a placeholder for it."""
-        if isinstance(value, tuple) and not isinstance(value, Source) and value[0] == self.piece:
-            return value[1]
-        src = self.source(value)
-        found = self.placeholders[self.piece].get(src)
-        if found is None:
-            name = f"in_{len(self.inputs[self.piece])}"
-            found = self.graphs[self.piece].placeholder(name)
-            self.placeholders[self.piece][src] = found
-            self.inputs[self.piece].append(src)
-        return found
-
-    def call(self, fn, args) -> tuple[int, fx.Node]:
-        return self.piece, self.graphs[self.piece].call_function(fn, tuple(args))
-
-    def item(self, value, i: int):
-        piece, node = value
-        return piece, self.graphs[piece].call_function(operator.getitem, (node, i))
-
-    def exchange(self, kind: str, inputs) -> int:
-        self.exchanges.append((kind, [self.source(v) for v in inputs]))
-        self.new_piece()
-        return len(self.exchanges) - 1
+    return len(region_cut.exchange_ops(gm, experts=True, tensor=False)) if cuttable(gm) else 0
 
 
 def cut(gm: fx.GraphModule, size: int) -> Cut:
-    """Cut `gm` (a region graph, `cuttable`) for an expert group of `size` members."""
+    """Cut `gm` (a region graph, `cuttable`) at its MoE layers alone, for an expert group of `size` members."""
     assert cuttable(gm), "the compiler cuts only regions whose MoE layers alternate dispatch/combine"
-    b = _Builder(gm)
-    env: dict[fx.Node, object] = {}       # region node -> Source, (piece, node), or a tuple of those
-    arg = 0
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = Source("arg", arg)
-            arg += 1
-        elif node.op == "output":
-            outs = node.args[0]
-            outputs = [b.source(env[o]) for o in (outs if isinstance(outs, (tuple, list)) else (outs,))]
-        elif _is(node, "moe_dispatch"):
-            x, experts, num_experts = node.args
-            sorted_ = b.call(sort_tokens, (b.use(env[x]), b.use(env[experts]), num_experts))
-            rows, counts, order = (b.item(sorted_, i) for i in range(3))
-            k = b.exchange(DISPATCH, (rows, counts))
-            received, recv_counts = Source("exchange", k, 0), Source("exchange", k, 1)
-            grouped = b.call(regroup_rows, (b.use(received), b.use(recv_counts), size))
-            routed, local_counts, regroup = (b.item(grouped, i) for i in range(3))
-            env[node] = _Results((routed, local_counts, order, regroup, Source("exchange", k, 2),
-                                  Source("exchange", k, 3)))
-        elif _is(node, "moe_combine"):
-            y, gates, order, regroup, send_splits, recv_splits = node.args
-            back = b.call(unregroup_rows, (b.use(env[y]), b.use(env[regroup])))
-            k = b.exchange(COMBINE, (back, env[send_splits], env[recv_splits]))
-            home = b.call(home_rows, (b.use(Source("exchange", k, 0)), b.use(env[gates]), b.use(env[order])))
-            env[node] = _Results((b.item(home, 0), b.item(home, 1)))
-        elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in env:
-            value = env[node.args[0]]
-            if isinstance(value, _Results):        # a result of a cut dispatch/combine
-                env[node] = value[node.args[1]]
-            else:                                  # stays with what it indexes (never a tuple between pieces)
-                env[node] = b.item(value, node.args[1])
-        else:
-            new = b.graphs[b.piece].node_copy(node, lambda n: b.use(env[n]))
-            env[node] = (b.piece, new)
-    pieces = []
-    for graph, outs in zip(b.graphs, b.outputs):
-        graph.output(tuple(outs))
-        pieces.append(fx.GraphModule(gm, graph))
-    return Cut(pieces, b.inputs, b.exchanges, outputs, size)
+    return region_cut.cut(gm, size, experts=True, tensor=False)

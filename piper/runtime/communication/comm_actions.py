@@ -83,13 +83,16 @@ class CommActions:
 
     def _all_to_all(self, action) -> None:
         """An exchange between the pieces of a cut pass (`moe.pieces`); else a marker: the compute
-        before it issued its all-to-alls from its graph (`piper.compiler.moe_exchanges.add_all_to_alls`)."""
+        before it issued its all-to-alls from its graph (`piper.compiler.cut_passes.add_exchanges`)."""
         if action.node.value is not None:
-            self.moe.exchange(self, action)
+            self.pieces.exchange(self, action)
 
     def _tp(self, action) -> None:
-        """A marker: the compute before it issued its tensor-parallel collectives from its graph
-        (`piper.compiler.tensor_exchanges`); their seconds are its timing (`step_loop`)."""
+        """A TP collective between the pieces of a cut pass (`moe.tensor_exchanges`); else a marker:
+        the compute before it issued its tensor-parallel collectives from its graph
+        (`piper.compiler.tensor_exchanges`), whose seconds are its timing (`step_loop`)."""
+        if action.node.value is not None:
+            return self.pieces.exchange(self, action)
         self.timings[action.key] = self._tp_seconds.pop(action.key, 0.0)
 
     def _all_gather(self, action) -> None:

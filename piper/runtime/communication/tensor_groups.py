@@ -43,23 +43,41 @@ class TensorGroup:
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         start = time.perf_counter()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        self.all_reduce_async(t, op).wait()
         tensor_context.add_seconds(time.perf_counter() - start)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         start = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        work, result = self.all_gather_async(x, dim)
+        work.wait()
         tensor_context.add_seconds(time.perf_counter() - start)
-        return torch.cat(parts, dim)
+        return result()
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum `x` over the group and keep this device's chunk along `dim`."""
         start = time.perf_counter()
-        total = x.contiguous().clone()
-        dist.all_reduce(total, group=self.group)      # Gloo has no reduce_scatter of chunks along a dim
+        work, result = self.reduce_scatter_async(x, dim)
+        work.wait()
         tensor_context.add_seconds(time.perf_counter() - start)
-        return total.chunk(self.size, dim)[self.index].contiguous()
+        return result()
+
+    # Issued without waiting (the exchanges between a cut region's pieces): (work, the result once done).
+
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum"):
+        """Sum (or max) `t` over the group in place; the work handle."""
+        reduce = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        return dist.all_reduce(t, op=reduce, group=self.group, async_op=True)
+
+    def all_gather_async(self, x: torch.Tensor, dim: int):
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        work = dist.all_gather(parts, x.contiguous(), group=self.group, async_op=True)
+        return work, lambda: torch.cat(parts, dim)
+
+    def reduce_scatter_async(self, x: torch.Tensor, dim: int):
+        total = x.contiguous().clone()
+        # Gloo has no reduce-scatter of chunks along a dim: an all-reduce, keeping this device's chunk.
+        work = dist.all_reduce(total, group=self.group, async_op=True)
+        return work, lambda: total.chunk(self.size, dim)[self.index].contiguous()
 
 
 def make_groups(spec: TensorSpec | None, rank: int) -> list[TensorGroup]:

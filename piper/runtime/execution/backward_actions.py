@@ -24,8 +24,8 @@ class BackwardActions(GradientRouting):
 
     def _b(self, action) -> None:
         node = action.node
-        if node.region in self.moe:       # a piece of a pass cut at its all-to-alls
-            return self.moe.backward(self, action)
+        if node.region in self.pieces:    # a piece of a pass cut at its collectives
+            return self.pieces.backward(self, action)
         region = self.spec.regions[node.region]
         outs, leaves = self.saved.pop((node.region, node.mb))
         outs = self._recomputed(region, node, outs)
@@ -40,8 +40,8 @@ class BackwardActions(GradientRouting):
 
     def _bi(self, action) -> None:
         node = action.node
-        if node.region in self.moe:
-            return self.moe.backward(self, action, inputs_only=self.moe.pass_key(node) not in self._whole)
+        if node.region in self.pieces:
+            return self.pieces.backward(self, action, inputs_only=self.pieces.pass_key(node) not in self._whole)
         if action.key in self._whole:      # the item was a whole `B(...)`: one autograd pass
             return self._b(action)
         region = self.spec.regions[node.region]
@@ -64,8 +64,8 @@ class BackwardActions(GradientRouting):
 
     def _bw(self, action) -> None:
         node = action.node
-        if node.region in self.moe:
-            return self.moe.backward_weights(self, action, skip=action.key in self._skip)
+        if node.region in self.pieces:
+            return self.pieces.backward_weights(self, action, skip=action.key in self._skip)
         if action.key not in self._skip:   # else its BI ran the whole backward
             region = self.spec.regions[node.region]
             state = self.saved.pop((node.region, node.mb))

@@ -66,7 +66,7 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
             unit.tensor_groups = self.tensor_groups     # "summed" buckets are all-reduced over tp first
         self.experts = (Experts(spec.experts, spec.rank, init.get("experts", {}), spec.optimizer, self.device)
                         if spec.experts is not None else None)
-        self.moe = cut_regions(spec, self.experts)        # regions run as pieces and exchanges (`moe.pieces`)
+        self.pieces = cut_regions(spec, self.experts)     # regions run as pieces and exchanges (`moe.pieces`)
         self.buffers = {k: v.to(self.device) for k, v in spec.buffers.items()}
         self.by_value = {(p, i): v for v, (p, i, *_rest) in spec.values.items()}
         self.pending: dict[str, tuple[list, object]] = {}

@@ -40,8 +40,8 @@ class ForwardActions:
 
     def _f(self, action) -> None:
         node = action.node
-        if node.region in self.moe:       # a piece of a pass cut at its all-to-alls
-            return self.moe.forward(self, action)
+        if node.region in self.pieces:    # a piece of a pass cut at its collectives
+            return self.pieces.forward(self, action)
         region = self.spec.regions[node.region]
         args, leaves = self._args(region, node.mb)
         if region.recompute:

@@ -26,7 +26,7 @@ class Lanes:
                  for r, region in spec.regions.items()}
         self._spans = spans(spec.plan, spec.slots, units_of, feeds) if concurrent else {}
         # In turn on CPU, the items of a slot that exchange tokens switch at each exchange (`interleaved`).
-        self._interleave = not concurrent and self.device.type == "cpu" and bool(self.moe)
+        self._interleave = not concurrent and self.device.type == "cpu" and bool(self.pieces)
         if self._interleave:
             self._spans = {i: s for i, s in spans(spec.plan, spec.slots, units_of, feeds).items() if exchanges(s)}
         # Units the compute (or overlapped slot) starting at each plan position reads (`_settle_reductions`).

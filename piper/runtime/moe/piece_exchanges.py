@@ -1,7 +1,8 @@
-"""The all-to-all exchanges between the pieces of a cut region, forward and backward.
+"""The exchanges between the pieces of a cut region, forward and backward: a MoE layer's
+all-to-alls, and the collectives of tensor parallelism (`tensor_exchanges`).
 
 Mixed into `Pieces` (`pieces`). An exchange is issued asynchronously on the
-expert group of the calling lane; the plan's next piece waits for it.
+expert or tensor group of the calling lane; the plan's next piece waits for it.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 
 from ...ir.moe_cut import DISPATCH, Source
 from ... import expert_context as expert_groups
+from ...ir.region_cut import TP
 from .cut_pass import _add, _Pass
+from .tensor_exchanges import tensor_exchange
 
 
 class PieceExchanges:
@@ -20,20 +23,24 @@ class PieceExchanges:
         piece waits for it."""
         node = action.node
         k, run = node.value, self.passes[(node.region, node.mb)]
-        kind, sources = self.cuts[node.region].exchanges[k]
-        group = expert_groups.current()
+        exchange = self.cuts[node.region].exchanges[k]
+        kind, sources = exchange.kind, exchange.sources
         start = time.perf_counter()
-        if node.phase == "F":
-            work, then = _send_rows(run, k, kind, sources, group), None
+        if exchange.op == TP:
+            works, then = tensor_exchange(ex, run, k, exchange, forward=node.phase == "F",
+                                          recomputed=ex.spec.regions[node.region].recompute)
+        elif node.phase == "F":
+            works, then = [_send_rows(run, k, kind, sources, expert_groups.current())], None
         else:
-            work, then = _send_gradients(ex, run, k, kind, sources, group)
+            work, then = _send_gradients(ex, run, k, kind, sources, expert_groups.current())
+            works = [work]
         key = action.key
 
         def done():
             ex.timings[key] = time.perf_counter() - start        # issue to arrival (`comm_cost`)
             if then is not None:
                 then()
-        ex.pending[key] = ([work], done)
+        ex.pending[key] = (works, done)
 
 
 def _send_rows(run: _Pass, k: int, kind, sources, group):

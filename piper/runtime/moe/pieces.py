@@ -1,5 +1,9 @@
-"""Running a region cut at its all-to-alls (`piper.ir.moe_cut`): its pieces and the
+"""Running a region cut at its collectives (`piper.ir.region_cut`): its pieces and the
 exchanges between them, each one action of the plan.
+
+Under tensor parallelism the same holds for the TP collectives: a block under `shard
+columns/rows` runs as `0F3 0TP_F3.0 0F3.1 0TP_F3.1 0F3.2 ...`, each `TP` exchange one
+all-reduce, all-gather or reduce-scatter issued by the plan (`tensor_exchanges`).
 
 Under `shard experts` the plan holds, for one forward of a region with one MoE
 layer (keys as `piper show` prints them):
@@ -26,7 +30,7 @@ reached, so all members of a group issue the same collectives in the same order.
 from __future__ import annotations
 
 from ...ir.dag import node_key
-from ...ir.moe_cut import Cut, cut
+from ...ir.region_cut import Cut, cut
 from .cut_pass import PARAM, VALUE, _Pass  # noqa: F401 - the pass and its input kinds stay importable from here
 from .piece_backward import PieceBackward
 from .piece_exchanges import PieceExchanges
@@ -60,10 +64,13 @@ class Pieces(PieceForward, PieceExchanges, PieceBackward, PieceSplitBackward):
 
 
 def cut_regions(spec, experts) -> Pieces:
-    """The regions this device's plan runs as pieces (its plan names a piece of them), cut for
-    this device's expert group."""
+    """The regions this device's plan runs as pieces (its plan names a piece of them), cut as the
+    compiler cut them (`piper.compiler.exchanges`): at the MoE layers under `shard experts`, for
+    this device's expert group, and at the TP collectives under tensor parallelism."""
     regions = {a.node.region for a in spec.plan if a.node.is_compute and a.node.value}
     if not regions:
         return Pieces({})
-    size = experts.lanes[0].size
-    return Pieces({r: cut(spec.regions[r].graph, size) for r in sorted(regions)})
+    size = experts.lanes[0].size if experts is not None else 1
+    tensor = getattr(spec, "tensor", None) is not None
+    return Pieces({r: cut(spec.regions[r].graph, size, experts=experts is not None, tensor=tensor)
+                   for r in sorted(regions)})
