@@ -35,7 +35,9 @@ class Alone:
         return torch.cat([x] * self.size, dim)
 
     def reduce_scatter(self, x, dim: int):
-        return x.chunk(self.size, dim)[0].contiguous()
+        # A copy, never a view: a custom op's output may not alias its input (a batch of one's
+        # chunk along dim 1 is contiguous already).
+        return x.chunk(self.size, dim)[0].clone()
 
 
 @contextlib.contextmanager

@@ -115,3 +115,14 @@ def test_an_overlapped_slot_on_one_thread_switches_items_at_their_tp_collectives
                 lane = next(i for i, keys in enumerate(lanes) if before in keys)
                 switched += after not in lanes[lane]
     assert switched > 0
+
+
+def test_piper_simulate_prices_the_4d_example_with_its_model(capsys, monkeypatch):
+    """The simulator's profile runs each region on one process with TP's stand-in group: its
+    reduce-scatter of a batch of one along the sequence is a copy (a custom op's output may not
+    alias its input)."""
+    from piper.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    assert main(["simulate", "examples/llama_tp_4d.pps", "--model", "examples/llama_tp.py:make_model"]) == 0
+    assert "predicted step" in capsys.readouterr().out

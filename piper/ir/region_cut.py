@@ -106,7 +106,7 @@ def local_exchange(kind: str, x: torch.Tensor, args: tuple, size: int) -> torch.
     if kind in ("tp_gather", "tp_collect"):
         return torch.cat([x] * size, args[0])
     if kind == "tp_reduce_scatter":
-        return x.chunk(size, args[0])[0].contiguous()
+        return x.chunk(size, args[0])[0].clone()
     return x.detach().clone()
 
 
