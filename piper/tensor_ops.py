@@ -11,6 +11,7 @@ parallel forms):
     tp_gather(x, dim, n)        forward: all-gather      backward: reduce-scatter  (SP: a columns module's input)
     tp_reduce_scatter(x, dim, n) forward: reduce-scatter backward: all-gather      (SP: a rows module's output)
     tp_collect(x, dim, n)       forward: all-gather      backward: this device's slice (logits used whole)
+    tp_split(x, dim, n)         forward: this device's slice  backward: all-gather (SP beginning at a block)
     tp_max(x)                   forward: all-reduce max, no gradient (the vocab-parallel loss's shift)
     tp_offset(x, per)           this device's index along tp times `per` (where its vocabulary rows start)
 
@@ -162,6 +163,29 @@ def _collect_backward(ctx, grad):
 
 
 tp_collect.register_autograd(_collect_backward, setup_context=_dim_setup)
+
+
+# -- SP beginning at a block's input: the whole sequence before it, this device's part after ----------------
+
+@torch.library.custom_op("piper::tp_split", mutates_args=())
+def tp_split(x: Tensor, dim: int, size: int) -> Tensor:
+    """This device's chunk of `x` along `dim` (a copy: a custom op's output may not alias its input)."""
+    group = _group()
+    if group is None or group.size == 1:
+        return x.clone()
+    return x.chunk(group.size, dim)[group.index].clone()
+
+
+@tp_split.register_fake
+def _(x, dim, size):
+    return _resized(x, dim, over=size)
+
+
+def _split_backward(ctx, grad):
+    return _gather(grad, ctx.dim, ctx.size), None, None
+
+
+tp_split.register_autograd(_split_backward, setup_context=_dim_setup)
 
 
 # -- the vocab-parallel loss's helpers ---------------------------------------------------------------------

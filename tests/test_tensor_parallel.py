@@ -231,16 +231,24 @@ def hf_llama():
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_hugging_face_llama_under_pp2_x_tp2_by_module_path():
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp+sp"])
+def test_hugging_face_llama_under_pp2_x_tp2_by_module_path(sequence):
+    """With SP, the sequence shards begin at the first decoder layer: Hugging Face makes the
+    positions and the causal mask from the embedding's output, which stays whole."""
     model = hf_llama()
-    plan = load_strategy("use one_f_one_b(microbatches=2) on pp\nuse llama_tensor_parallel() on tp\n")
+    plan = load_strategy("use one_f_one_b(microbatches=2) on pp\n"
+                         f"use llama_tensor_parallel(sequence={str(sequence).lower()}) on tp\n")
     seen = {}
     assert_same(train_both(model, plan, mesh={"pp": 2, "tp": 2}, batches=batches(batch=4, vocab=VOCAB),
                            optimizer=ADAMW, progress=False,
                            job_hook=lambda job: seen.update(program=job.program)))
+    layout = seen["program"].tensor
     assert {"m.model.layers.1.self_attn.k_proj.weight", "m.model.layers.0.mlp.down_proj.weight",
-            "m.model.embed_tokens.weight", "m.lm_head.weight"} <= set(seen["program"].tensor.dims)
+            "m.model.embed_tokens.weight", "m.lm_head.weight"} <= set(layout.dims)
     assert len(seen["program"].regions) == 2 and VOCAB not in last_dims(seen["program"]), "the loss is on shards"
+    assert layout.sequence_from == ("m.model.layers.0" if sequence else "")
+    if sequence:      # the norms run on sequence shards: their gradients are summed over tp
+        assert {"m.model.layers.0.input_layernorm.weight", "m.model.norm.weight"} <= layout.summed
 
 
 # ---- the vocab-parallel loss on one device (no tensor group: the collectives are the identity)

@@ -2,7 +2,8 @@
 tensor-parallel collectives from inside its graph, so the plans, `piper show`, the order check and
 the costs have them. A region with its graph is cut at its collectives instead (each one a `TP`
 exchange between pieces: `piper.compiler.cut_passes`); what keeps markers is a pass the cut
-leaves whole: an abstract program's (`piper check --regions`, `piper tune`'s cached profiles).
+leaves whole: an abstract program's (`piper check --regions`, `piper tune`'s cached profiles),
+or a region whose MoE layers cannot be cut.
 
     compiled = add_tp_collectives(compiled, program)     # under tensor parallelism, after `compile_ir`
 
@@ -16,7 +17,7 @@ group as the compute reaches them. `0TP_F3` stands for those of one pass (how ma
 bytes: `piper.frontend.tensor_traffic.traffic`): every device of the region issues the same ones in the
 same order, which `piper check`'s collective-order check verifies, and `job.timings()` holds
 their seconds under this key (moved out of the compute's own), which `simulate(...,
-comm_cost=...)` prices. After a pass cut at its expert all-to-alls alone it follows the pass's last piece.
+comm_cost=...)` prices.
 """
 from __future__ import annotations
 

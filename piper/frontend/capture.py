@@ -7,12 +7,14 @@ regions (any number of them, so skip connections just work).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import warnings
 from dataclasses import replace
 
 from .annotate import reset_counters
-from ..diagnostics import error
+from ..diagnostics import PiperError, error
 from .frames import last_user_frame
 from .captured import (BATCH, BUFFER, MAX_REGIONS, PARAM, VALUE, Program, Region, RegionInput, TensorSpec,  # noqa: F401
                        Value, _mutation_error, _stack_line, fx, torch)
@@ -32,6 +34,21 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
         memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
             t, torch.nn.Parameter) else meta
     return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Torch's own error logs of a failed trace off: for a first try whose failure capture answers
+    by trying another way (they would read as an error of a capture that then succeeds)."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.export", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _export(model, example_inputs, names=(), tensor=None):
@@ -92,7 +109,26 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = (),
 
         layout = tensor_parallel.apply(meta_model, tensor)
     meta_inputs = tuple(x.detach().to("meta") for x in example_inputs)
-    exported = _export(meta_model, meta_inputs, names, tensor)
+    try:
+        with _quiet_torch_logs() if layout is not None and tensor.sequence else contextlib.nullcontext():
+            exported = _export(meta_model, meta_inputs, names, tensor)
+    except PiperError as err:
+        if layout is None or not tensor.sequence or err.code != "tp-capture":
+            raise
+        # SP from the embedding did not trace (Hugging Face models make positions and the causal
+        # mask from the embedding's output): begin the sequence shards at the first block instead.
+        from . import tensor_parallel
+
+        meta_model = _meta_copy(model)
+        _no_kv_cache(meta_model)
+        undivided = use_piper_experts(meta_model)
+        layout = tensor_parallel.apply(meta_model, tensor, from_block=True)
+        if layout.sequence_from is None:
+            raise
+        try:
+            exported = _export(meta_model, meta_inputs, names, tensor)
+        except PiperError:
+            raise err from None
     if layout is not None:
         from . import tensor_parallel, vocab_loss
 

@@ -10,9 +10,10 @@ Two walks over the region graphs, in program order and back:
 
 - forward, which values are *divided* (differ along tp): a divided parameter's, and any op's
   output that reads one; `tp_reduce`, `tp_gather`, `tp_collect`, `tp_max` and `tp_copy` give
-  the same value on every device; `tp_reduce_scatter` and `tp_offset` divided ones;
+  the same value on every device; `tp_reduce_scatter`, `tp_split` and `tp_offset` divided ones;
 - backward, what gradient each same-on-every-device value receives: *whole* through ops every
-  device runs alike and through `tp_copy`/`tp_gather` (whose backward reduces over tp),
+  device runs alike and through `tp_copy`/`tp_gather` (whose backward reduces over tp) and
+  `tp_split` (whose backward gathers the parts),
   *partial* through an op on divided data. A parameter that receives partial gradients is
   summed; one that receives both kinds cannot be made whole by a sum (`tp-mixed-use`).
 """
@@ -22,8 +23,8 @@ from ..diagnostics import error
 from .captured import op_schema
 
 _SAME = {"piper::tp_reduce", "piper::tp_gather", "piper::tp_collect", "piper::tp_max", "piper::tp_copy"}
-_DIVIDING = {"piper::tp_reduce_scatter", "piper::tp_offset"}
-_REDUCING_BACKWARD = {"piper::tp_copy", "piper::tp_gather"}
+_DIVIDING = {"piper::tp_reduce_scatter", "piper::tp_offset", "piper::tp_split"}
+_REDUCING_BACKWARD = {"piper::tp_copy", "piper::tp_gather", "piper::tp_split"}   # their input's gradient: whole
 WHOLE, PARTIAL, MIXED = "whole", "partial", "mixed"
 
 

@@ -12,7 +12,9 @@ ColwiseParallel / RowwiseParallel / SequenceParallel with local outputs):
     columns:  linear(tp_copy(x), W_i, b_i)                  SP: linear(tp_gather(x, seq), W_i, b_i)
     rows:     tp_reduce(linear(x, W_i)) + b                 SP: tp_reduce_scatter(linear(x, W_i), seq) + b
     vocab, an nn.Embedding: this device's rows looked up, other tokens give zeros, summed over tp
-              (SP: reduce-scattered along the sequence, where the sequence shards begin)
+              (SP: reduce-scattered along the sequence, where the sequence shards begin; or,
+              where the model reads the sequence's length before its first block, summed
+              whole, the block cutting its input with tp_split: `apply(..., from_block=True)`)
     vocab, an nn.Linear (the output layer): its vocabulary columns of the logits; where they go
               straight into cross_entropy the loss is computed on the shards (`vocab_loss`),
               elsewhere they are gathered.
@@ -73,6 +75,7 @@ class TensorLayout:
     modules: dict = field(default_factory=dict)       # module name -> its kind
     traffic: dict = field(default_factory=dict)       # (region, F | B) -> (bytes, collectives): `tensor_traffic`
     exchanges: dict = field(default_factory=dict)     # region -> (F bytes, B bytes) per TP op, in graph order
+    sequence_from: str | None = ""                    # SP: "" from the embedding, else the block it begins at
 
 
 def plan_of(directives, mesh) -> TensorPlan | None:
@@ -108,6 +111,17 @@ def _columns_forward(self, x):
     return F.linear(x, self.weight, self.bias)
 
 
+def _on_first_tensor(fn, args, kwargs):
+    """`args`, `kwargs` with `fn` applied to the first tensor among them."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (*args[:i], fn(a), *args[i + 1:]), kwargs
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return args, {**kwargs, k: fn(v)}
+    return args, kwargs
+
+
 def _gathering_forward(self, *args, **kwargs):
     """SP: the module holding columns projections (attention, an MLP) gathers the sequence of
     its first tensor argument once, so its code sees whole sequences (torchtitan's
@@ -115,19 +129,18 @@ def _gathering_forward(self, *args, **kwargs):
     from .. import tensor_ops
 
     plan = self._piper_tp_parent
-
-    def gathered(x):
-        return tensor_ops.tp_gather(x, SEQUENCE_DIM, plan.size)
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            args = (*args[:i], gathered(a), *args[i + 1:])
-            break
-    else:
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor):
-                kwargs = {**kwargs, k: gathered(v)}
-                break
+    args, kwargs = _on_first_tensor(lambda x: tensor_ops.tp_gather(x, SEQUENCE_DIM, plan.size), args, kwargs)
     return self._piper_tp_inner(*args, **kwargs)
+
+
+def _splitting_forward(self, *args, **kwargs):
+    """SP beginning at the first block: its first tensor argument (the residual stream, whole
+    until here) is cut to this device's part of the sequence."""
+    from .. import tensor_ops
+
+    plan = self._piper_tp_split
+    args, kwargs = _on_first_tensor(lambda x: tensor_ops.tp_split(x, SEQUENCE_DIM, plan.size), args, kwargs)
+    return self._piper_tp_split_inner(*args, **kwargs)
 
 
 def _rows_forward(self, x):
@@ -150,7 +163,9 @@ def _vocab_embedding_forward(self, ids):
     if self.padding_idx is not None:     # nn.Embedding's padding row is looked up but gets no gradient
         out = torch.where((ids == self._piper_padding).unsqueeze(-1), out.detach(), out)
     out = torch.where(mine.unsqueeze(-1), out, torch.zeros_like(out))      # another device's token: zeros
-    return tensor_ops.tp_reduce_scatter(out, SEQUENCE_DIM, plan.size) if plan.sequence else tensor_ops.tp_reduce(out)
+    if plan.sequence and not getattr(self, "_piper_tp_whole", False):      # the sequence shards begin here
+        return tensor_ops.tp_reduce_scatter(out, SEQUENCE_DIM, plan.size)
+    return tensor_ops.tp_reduce(out)
 
 
 def _vocab_linear_forward(self, x):
@@ -189,8 +204,16 @@ def merge_copies(gm) -> None:
 
 # -- applying a plan to capture's meta copy ----------------------------------------------------------------
 
-def apply(model: torch.nn.Module, plan: TensorPlan) -> TensorLayout:
-    """Divide the meta copy `model` as `plan` says; returns what the program will hold."""
+def apply(model: torch.nn.Module, plan: TensorPlan, *, from_block: bool = False) -> TensorLayout:
+    """Divide the meta copy `model` as `plan` says; returns what the program will hold.
+
+    Under `shard sequence` the sequence shards begin where the vocab-parallel embedding
+    reduce-scatters its lookups; with `from_block`, at the input of the first block (the
+    module holding the first attention or MLP) instead: the embedding's lookups are summed
+    whole and the block cuts the residual stream (`tp_split`). Capture takes that where the
+    model's code between the two reads the sequence's length (Hugging Face models make their
+    positions and causal mask from the embedding's output). `TensorLayout.sequence_from`
+    names the block (None where there is none to begin at)."""
     modules = dict(model.named_modules())
     names = [n for n in modules if n]
     kind_of: dict[str, tuple[str, object]] = {}
@@ -249,8 +272,26 @@ def apply(model: torch.nn.Module, plan: TensorPlan) -> TensorLayout:
                                 span=span, hint="shard the projections of a block, or drop `shard sequence`")
                 _wrap_parent(modules[parent], plan)
     _check_pairs(kind_of, plan)
+    begins = _begin_at_block(modules, names, kind_of, plan) if plan.sequence and from_block else ""
     return TensorLayout(plan.axis, plan.size, dims, shapes, frozenset(), plan.sequence,
-                        {n: k for n, (k, _) in kind_of.items()})
+                        {n: k for n, (k, _) in kind_of.items()}, sequence_from=begins)
+
+
+def _begin_at_block(modules, names, kind_of, plan) -> str | None:
+    """`from_block`: the first block cuts the sequence, the embeddings stay whole; the block's name
+    (None: the first columns module has no block above its parent)."""
+    first = min((n for n, (k, _) in kind_of.items() if k == "columns"), key=names.index)
+    block = first.rpartition(".")[0].rpartition(".")[0]
+    if not block:
+        return None
+    for name, (kind, _) in kind_of.items():
+        if kind == "vocab" and isinstance(modules[name], torch.nn.Embedding):
+            object.__setattr__(modules[name], "_piper_tp_whole", True)
+    module = modules[block]
+    object.__setattr__(module, "_piper_tp_split_inner", forward_of(module))
+    object.__setattr__(module, "_piper_tp_split", plan)
+    set_forward(module, _splitting_forward)
+    return block
 
 
 def _check_module(name, module, kind, plan, span):

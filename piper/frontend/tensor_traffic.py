@@ -11,6 +11,7 @@ reduce-scatter along a dimension, so the runtime runs it as an all-reduce and ke
     tp_reduce_scatter forward all-reduce of full   backward all-gather (full)
     tp_collect       forward all-gather (full)     backward 0
     tp_max           forward all-reduce of x       backward 0
+    tp_split         forward 0 (a local slice)     backward all-gather (full)
 
     traffic(program)[(3, "F")] == (bytes, collectives)     # region 3's forward, per microbatch
 
@@ -30,6 +31,7 @@ _MOVES = {
     "piper::tp_reduce_scatter": (("reduce", "in"), ("gather", "in")),
     "piper::tp_collect": (("gather", "out"), None),
     "piper::tp_max": (("reduce", "in"), None),
+    "piper::tp_split": (None, ("gather", "in")),
 }
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 # The TP ops cut at (`piper.tensor_ops`); `tp_offset` moves nothing and stays in its piece.
-TP_KINDS = ("tp_copy", "tp_reduce", "tp_gather", "tp_reduce_scatter", "tp_collect", "tp_max")
+TP_KINDS = ("tp_copy", "tp_reduce", "tp_gather", "tp_reduce_scatter", "tp_collect", "tp_max", "tp_split")
 TP, ALL_TO_ALL = "TP", "ALL_TO_ALL"          # the plan's node ops for the two kinds of exchange
 
 
@@ -105,7 +105,7 @@ def local_exchange(kind: str, x: torch.Tensor, args: tuple, size: int) -> torch.
     others (`piper.tensor_context.Alone`): the shapes of the collective, this device's values."""
     if kind in ("tp_gather", "tp_collect"):
         return torch.cat([x] * size, args[0])
-    if kind == "tp_reduce_scatter":
+    if kind in ("tp_reduce_scatter", "tp_split"):
         return x.chunk(size, args[0])[0].clone()
     return x.detach().clone()
 

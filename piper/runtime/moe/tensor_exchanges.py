@@ -9,6 +9,7 @@ lane's tensor group (`piper.tensor_context`), the piece after it waiting for it.
     tp_reduce_scatter  reduce-scatter along dim      all-gather            (SP: a rows module's output)
     tp_collect         all-gather along dim          this device's slice   (logits used whole)
     tp_max             all-reduce max                none (no gradient)    (the vocab loss's shift)
+    tp_split           this device's slice           all-gather            (SP beginning at a block)
 
 The same as `piper.tensor_ops`' autograd, issued by the plan instead of from inside a graph.
 Every member of a group runs the same pieces of the same graph, so which exchanges carry a
@@ -42,6 +43,9 @@ def _forward(run: _Pass, k: int, exchange: Exchange, group, recomputed: bool):
     kind, args = exchange.kind, exchange.args
     if kind == "tp_copy" or group is None or group.size == 1:
         run.values[out] = x if kind == "tp_copy" else local_exchange(kind, x, args, 1)
+        return [], None
+    if kind == "tp_split":
+        run.values[out] = x.chunk(group.size, args[0])[group.index].contiguous()
         return [], None
     if kind in ("tp_reduce", "tp_max"):
         total = x.contiguous().clone()
@@ -82,6 +86,6 @@ def _backward(ex, run: _Pass, k: int, exchange: Exchange, group):
         work, result = group.all_reduce_async(total), (lambda: total)
     elif kind == "tp_gather":
         work, result = group.reduce_scatter_async(grad, args[0])
-    else:                                            # tp_reduce_scatter
+    else:                                            # tp_reduce_scatter, tp_split
         work, result = group.all_gather_async(grad, args[0])
     return [work], lambda: deliver(result())
