@@ -34,6 +34,12 @@ def test_check_imports_neither_torch_nor_ray(extra):
     assert result == {"status": 0, "heavy": []}
 
 
+def test_check_of_a_4d_plan_with_tensor_parallelism_imports_neither():
+    # The compiler's cut of passes at their collectives reads graphs only where there are some.
+    result = _check("examples/llama_tp_4d.pps", "--regions", "PP=2")
+    assert result == {"status": 0, "heavy": []}
+
+
 def test_check_of_a_bigger_plan_imports_neither(tmp_path):
     script = tmp_path / "big.pps"
     script.write_text("mesh dp=2, pp=8\nuse interleaved_1f1b(microbatches=16) on pp\nuse zero3() on dp\n")

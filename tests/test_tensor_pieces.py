@@ -126,3 +126,22 @@ def test_piper_simulate_prices_the_4d_example_with_its_model(capsys, monkeypatch
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)
     assert main(["simulate", "examples/llama_tp_4d.pps", "--model", "examples/llama_tp.py:make_model"]) == 0
     assert "predicted step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sequence", [True, False], ids=["sp", "no-sp"])
+def test_what_only_an_exchange_reads_may_be_let_go_once_it_has_read_it(sequence):
+    """`Cut.freeable`: the runtime drops the data of a piece's output once the TP exchange that
+    alone reads it has read it (the output itself stays: its backward starts there). Never
+    tp_copy's input (its result is that tensor), nor a value that passes through a piece."""
+    _, program = compiled(sequence=sequence)
+    for region in program.regions:
+        the_cut = cut(region.graph, 1, experts=False, tensor=True)
+        kinds = {e.sources[0]: e.kind for e in the_cut.exchanges}
+        assert the_cut.freeable <= set(kinds)
+        assert not [s for s in the_cut.freeable if kinds[s] == "tp_copy"]
+        # every rows module's partial sums and (under SP) every gathered norm output
+        collectives = {"tp_reduce_scatter", "tp_gather"} if sequence else {"tp_reduce"}
+        assert {s for s, k in kinds.items() if k in collectives} <= the_cut.freeable, region.index
+        for s in the_cut.freeable:
+            produced = the_cut.pieces[s.index].graph.output_node().args[0][s.out]
+            assert produced.op != "placeholder"

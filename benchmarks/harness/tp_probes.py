@@ -1,8 +1,8 @@
 """What a tensor-parallel step communicates, counted on both sides (suite 16, `tensor-parallel`), and
 what Gloo's collectives cost at an activation's size.
 
-- Piper: `install_tp_counter` wraps the worker's `TensorGroup` collectives (the ones
-  `piper.tensor_ops`' in-graph ops and the tp-summed gradients issue) for its next step;
+- Piper: `install_tp_counter` wraps the worker's `TensorGroup` collectives (the ones the TP
+  exchanges between a cut region's pieces and the tp-summed gradients issue) for its next step;
   `read_tp_counter` gives {kind: [calls, bytes, seconds]} and restores them.
 - torch: `install_comm_counter_torch` runs the actor's next step under a dispatch mode that
   lets DTensor desugar each op into local ops (as CommDebugMode does) and records every
@@ -26,27 +26,41 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 # -- Piper ----------------------------------------------------------------------------------------
 
+class _Timed:
+    """A collective's work handle that adds the seconds from its issue until its wait returns."""
+
+    def __init__(self, work, entry, start):
+        self.work, self.entry, self.start = work, entry, start
+
+    def wait(self):
+        out = self.work.wait()
+        self.entry[2] += time.perf_counter() - self.start
+        return out
+
+
 def install_tp_counter(worker) -> None:
-    """Into a Piper worker: count its tensor-parallel collectives until `read_tp_counter`."""
+    """Into a Piper worker: count its tensor-parallel collectives until `read_tp_counter` (each
+    issued by `TensorGroup.*_async`, from a TP exchange of a cut region, an in-graph TP op or the
+    tp-summed gradients), with the seconds from each one's issue until its wait returned."""
     from piper.runtime.communication.tensor_groups import TensorGroup
 
     counts: dict[str, list] = {}
-    originals = {name: getattr(TensorGroup, name) for name in KINDS}
+    originals = {name: getattr(TensorGroup, f"{name}_async") for name in KINDS}
 
     def counted(name, fn):
         def wrapper(self, x, *args, **kwargs):
             kind = f"{name} (max)" if kwargs.get("op", args[0] if args else "sum") == "max" else name
-            t0 = time.perf_counter()
-            out = fn(self, x, *args, **kwargs)
             entry = counts.setdefault(kind, [0, 0, 0.0])
             entry[0] += 1
             entry[1] += x.numel() * x.element_size()
-            entry[2] += time.perf_counter() - t0
-            return out
+            out = fn(self, x, *args, **kwargs)
+            if isinstance(out, tuple):
+                return _Timed(out[0], entry, time.perf_counter()), out[1]
+            return _Timed(out, entry, time.perf_counter())
         return wrapper
 
     for name, fn in originals.items():
-        setattr(TensorGroup, name, counted(name, fn))
+        setattr(TensorGroup, f"{name}_async", counted(name, fn))
     worker._tp_counter = (counts, originals)
 
 
@@ -55,7 +69,7 @@ def read_tp_counter(worker) -> dict:
 
     counts, originals = worker._tp_counter
     for name, fn in originals.items():
-        setattr(TensorGroup, name, fn)
+        setattr(TensorGroup, f"{name}_async", fn)
     del worker._tp_counter
     return counts
 

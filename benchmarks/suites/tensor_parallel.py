@@ -114,7 +114,7 @@ def _tp_tables(ctx, result, warmup: int, steps: int):
                    "max |Δloss|", "torch peak MiB", "Piper peak MiB", "Piper job.memory step_peak MiB"])
     comm = Table("(a) Collectives per step (one further untimed step; per rank, alike on every rank): calls, "
                  "MiB sent in, ms until each returned", ["tp", "plan", "torch collectives", "torch DTensor ops",
-                                                        "Piper collectives", "Piper in-graph TP ops per forward",
+                                                        "Piper collectives", "Piper TP ops per forward",
                                                         "ms in collectives torch / Piper",
                                                         "torch's other extra time per DTensor op"])
     costs = Table(f"(b) Gloo at the activation's size (batch x seq x dim = {batch} x {seq} x {sizes['dim']} "
@@ -304,11 +304,13 @@ def _comm_notes() -> list[str]:
         "torch: every c10d / functional collective the step dispatches after DTensor desugars its ops (a "
         "TorchDispatchMode, as CommDebugMode), and how many ops went through DTensor's dispatch (its per-op "
         "host cost: sharding propagation, redistribution); ms is the time until each collective and its wait "
-        "returned. Piper: the worker's TensorGroup calls (from the in-graph piper::tp_* ops and the tp-summed "
-        "gradients); Piper's reduce-scatter is an all-reduce + chunk on Gloo, all_reduce (max) the vocab loss's max.",
-        "Piper in-graph TP ops: the piper::tp_* nodes of the captured region graphs (one forward; each has "
-        "its backward collective: tp_copy's is an all-reduce, tp_gather's a reduce-scatter, tp_reduce_scatter's "
-        "an all-gather). tp_copy clones its input in the forward.",
+        "returned. Piper: the worker's TensorGroup calls (the TP exchanges between the pieces of each cut region, "
+        "and the tp-summed gradients), ms from each one's issue until its wait returned (what the plan runs in "
+        "between overlaps it); Piper's reduce-scatter is an all-reduce + chunk on Gloo, all_reduce (max) the vocab "
+        "loss's max.",
+        "Piper TP ops: the piper::tp_* nodes of the captured region graphs (one forward); each but tp_offset is "
+        "one TP exchange of the plan, forward and backward (tp_copy's forward moves nothing and its backward is an "
+        "all-reduce, tp_gather's a reduce-scatter, tp_reduce_scatter's an all-gather).",
         "torch's other extra time per DTensor op: (torch's median step - its ms in collectives) - (Piper's median "
         "step - its ms in collectives), over torch's DTensor ops per step: the host time each DTensor op costs "
         "beyond the same local computation, if that is where the rest of the gap lies (an estimate: the "

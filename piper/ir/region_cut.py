@@ -28,10 +28,13 @@ hold (`exchange_ops`).
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-from torch import fx
+if TYPE_CHECKING:       # torch only where a graph is cut: `piper check --regions` plans without it
+    import torch
+    from torch import fx
 
 # The TP ops cut at (`piper.tensor_ops`); `tp_offset` moves nothing and stays in its piece.
 TP_KINDS = ("tp_copy", "tp_reduce", "tp_gather", "tp_reduce_scatter", "tp_collect", "tp_max", "tp_split")
@@ -77,6 +80,7 @@ class Cut:
     exchanges: list                  # per exchange: an `Exchange`
     outputs: list                    # the region's outputs, as Sources
     size: int                        # members of the expert group the cut was made for
+    freeable: frozenset = frozenset()    # piece outputs a TP exchange alone reads, and not as its own result
     ops: tuple = field(init=False)
 
     def __post_init__(self):
@@ -103,6 +107,8 @@ def tp_kind(node: fx.Node) -> str | None:
 def local_exchange(kind: str, x: torch.Tensor, args: tuple, size: int) -> torch.Tensor:
     """What TP exchange `kind` gives on a stand-in group of `size` members with no data of the
     others (`piper.tensor_context.Alone`): the shapes of the collective, this device's values."""
+    import torch
+
     if kind in ("tp_gather", "tp_collect"):
         return torch.cat([x] * size, args[0])
     if kind in ("tp_reduce_scatter", "tp_split"):
@@ -118,6 +124,9 @@ class Builder:
     """Builds the pieces' graphs while walking the region graph once, in order."""
 
     def __init__(self, gm: fx.GraphModule):
+        from torch import fx
+
+        self._fx = fx
         self.gm = gm
         self.graphs: list[fx.Graph] = []
         self.inputs: list[list[Source]] = []
@@ -131,7 +140,7 @@ class Builder:
         return len(self.graphs) - 1
 
     def new_piece(self) -> None:
-        self.graphs.append(fx.Graph())
+        self.graphs.append(self._fx.Graph())
         self.inputs.append([])
         self.placeholders.append({})
         self.outputs.append([])
@@ -175,8 +184,15 @@ class Builder:
         pieces = []
         for graph, outs in zip(self.graphs, self.outputs):
             graph.output(tuple(outs))
-            pieces.append(fx.GraphModule(self.gm, graph))
-        return Cut(pieces, self.inputs, self.exchanges, outputs, size)
+            pieces.append(self._fx.GraphModule(self.gm, graph))
+        uses = Counter(outputs)
+        for sources in self.inputs + [e.sources for e in self.exchanges]:
+            uses.update(sources)
+        # Data the runtime may let go once the exchange has read it (tp_copy's result is its input).
+        freeable = frozenset(e.sources[0] for e in self.exchanges
+                             if e.op == TP and e.kind != "tp_copy" and uses[e.sources[0]] == 1
+                             and self.outputs[e.sources[0].index][e.sources[0].out].op != "placeholder")
+        return Cut(pieces, self.inputs, self.exchanges, outputs, size, freeable)
 
 
 def cuttable(gm: fx.GraphModule, *, experts: bool) -> bool:

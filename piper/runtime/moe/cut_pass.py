@@ -24,6 +24,7 @@ class _Pass:
         self.input_grads: dict[int, torch.Tensor] = {}  # value id -> gradient (BI)
         self.weight_states: dict[int, object] = {}      # piece -> what its BW needs (BI)
         self.kept: dict[int, object] = {}               # piece -> its inputs (a recomputed region)
+        self.saved: dict[int, set] = {}                 # piece -> storages its autograd graph saved
         self.seeded = False
 
 

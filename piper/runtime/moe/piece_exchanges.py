@@ -28,7 +28,8 @@ class PieceExchanges:
         start = time.perf_counter()
         if exchange.op == TP:
             works, then = tensor_exchange(ex, run, k, exchange, forward=node.phase == "F",
-                                          recomputed=ex.spec.regions[node.region].recompute)
+                                          recomputed=ex.spec.regions[node.region].recompute,
+                                          freeable=exchange.sources[0] in self.cuts[node.region].freeable)
         elif node.phase == "F":
             works, then = [_send_rows(run, k, kind, sources, expert_groups.current())], None
         else:

@@ -43,6 +43,7 @@ class PieceForward:
             with torch.set_grad_enabled(not ex._evaluating), SavedBytes(ex._param_storages) as saved:
                 outs = _no_views(cut.pieces[piece](*inputs))
             size = saved.size
+            run.saved[piece] = saved._seen
         run.outs[piece] = outs
         for j, out in enumerate(outs):
             run.values[Source("piece", piece, j)] = out

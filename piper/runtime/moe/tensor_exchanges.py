@@ -24,14 +24,40 @@ from ...ir.region_cut import Exchange, Source, local_exchange
 from .cut_pass import _add, _Pass
 
 
-def tensor_exchange(ex, run: _Pass, k: int, exchange: Exchange, *, forward: bool, recomputed: bool):
+def tensor_exchange(ex, run: _Pass, k: int, exchange: Exchange, *, forward: bool, recomputed: bool,
+                    freeable: bool = False):
     """Issue TP exchange `k` of pass `run`: (work handles, what to do once they are done).
     `recomputed`: the region's forward pieces ran without autograd, so any floating value may
-    carry a gradient (as `PieceForward._input` takes them)."""
+    carry a gradient (as `PieceForward._input` takes them). `freeable`: nothing but this exchange
+    reads its input (`Cut.freeable`)."""
     group = tensor_context.current()
     if forward:
-        return _forward(run, k, exchange, group, recomputed)
+        works, then = _forward(run, k, exchange, group, recomputed)
+        release = _releaser(run, exchange.sources[0]) if freeable else None
+        if release is None:
+            return works, then
+        if not works:
+            release()
+            return works, then
+        return works, (lambda: (then(), release()))
     return _backward(ex, run, k, exchange, group)
+
+
+def _releaser(run: _Pass, source: Source):
+    """What lets go of an exchange's input once the collective has read it: the piece's output
+    stays (its backward starts from it) but not its data. None where its data may be needed: a
+    view, a tensor without autograd history (an evaluation, a recomputed piece), one whose
+    storage the piece's autograd graph saved (an op that saves its own result)."""
+    x = run.values[source]
+    saved = run.saved.get(source.index)
+    if saved is None or x.grad_fn is None or x._is_view() or x.untyped_storage()._cdata in saved:
+        return None
+    storage = x.untyped_storage()
+
+    def release():
+        run.values.pop(source, None)
+        storage.resize_(0)
+    return release
 
 
 def _forward(run: _Pass, k: int, exchange: Exchange, group, recomputed: bool):
@@ -45,7 +71,7 @@ def _forward(run: _Pass, k: int, exchange: Exchange, group, recomputed: bool):
         run.values[out] = x if kind == "tp_copy" else local_exchange(kind, x, args, 1)
         return [], None
     if kind == "tp_split":
-        run.values[out] = x.chunk(group.size, args[0])[group.index].contiguous()
+        run.values[out] = x.chunk(group.size, args[0])[group.index].clone()      # its own storage
         return [], None
     if kind in ("tp_reduce", "tp_max"):
         total = x.contiguous().clone()
