@@ -145,3 +145,14 @@ def test_what_only_an_exchange_reads_may_be_let_go_once_it_has_read_it(sequence)
         for s in the_cut.freeable:
             produced = the_cut.pieces[s.index].graph.output_node().args[0][s.out]
             assert produced.op != "placeholder"
+
+
+def test_a_4d_plan_on_8192_devices_checks_clean(tmp_path, capsys):
+    """dp=64 x pp=16 x tp=8 with 64 microbatches: the plan limit counts the devices that plan apart
+    (one replica of dp and tp stands for the others), not all 8,192."""
+    from piper.cli import main
+
+    script = tmp_path / "big.pps"
+    script.write_text("mesh dp=64, pp=16, tp=8\nuse one_f_one_b(microbatches=64) on pp\nuse zero3() on dp\n"
+                      + PLAN + "shard sequence over tp\n")
+    assert main(["check", str(script), "--regions", "PP=16"]) == 0, capsys.readouterr().out

@@ -2,7 +2,8 @@
 
 Planning is linear in what it copies: `split MB` makes each region's passes
 once per microbatch (the global DAG), `place` lists each region's devices, and
-lowering makes each pass once per device that runs it. A strategy of a few
+lowering makes each pass once per device that plans apart (one replica of the batch's
+and tp's axes stands for the others). A strategy of a few
 lines can ask for any of these to be huge (`split MB into 4000000`, a region
 on a million devices), so each is bounded here, at real use: the
 stdlib's schedules at 64 stages x 256 microbatches x dp 8 are 16,384 passes of
@@ -51,12 +52,20 @@ def check_placement(ir, d, group_size: int, regions: int) -> int:
 
 
 def check_lowering(ir) -> None:
-    """plan-too-large before lowering makes each pass of each microbatch on every device of its region."""
+    """plan-too-large before lowering makes each pass of each microbatch on the devices of its region
+    that plan apart. Devices that differ only along the batch's axes and tp run one plan (the
+    compiler keeps it once per group and the verifier replays one replica: `Plans.representatives`),
+    so a region counts its devices over those replicas: dp=64 x pp=16 x tp=8 plans 16 devices'
+    passes per microbatch, not 8,192."""
     world = ir.mesh.world_size
+    axes = ir.batch_axes() + ((ir.tensor_axis(),) if ir.tensor_axis() is not None else ())
+    replicas = 1
+    for axis in dict.fromkeys(axes):
+        replicas *= ir.mesh.size(axis)
     placed = {r: len(ranks) for r, ranks in ir.placement}
-    devices = sum(placed.get(r.index, world) for r in ir.regions)
+    devices = sum(-(-placed.get(r.index, world) // replicas) for r in ir.regions)
     total = ir.microbatches * devices
     if total > MAX_DEVICE_COMPUTES:
-        raise error("plan-too-large", f"{ir.microbatches:,} microbatch(es) on {devices:,} region-device pairs make "
-                    f"{total:,} passes of each kind on the devices; a plan holds at most "
+        raise error("plan-too-large", f"{ir.microbatches:,} microbatch(es) on {devices:,} region-device pairs "
+                    f"that plan apart make {total:,} passes of each kind on the devices; a plan holds at most "
                     f"{MAX_DEVICE_COMPUTES:,}", span=ir.split_span, hint=_HINT)
