@@ -343,10 +343,13 @@ def test_torch_tensor_parallel_plan_divides_the_modules_piper_divides():
 
 
 def test_the_tensor_parallel_suites_4d_plan_builds_on_8192_devices():
-    """Suite 16's `piper check` point: the script it writes loads and names a dp=64 x pp=16 x tp=8 mesh."""
+    """Suite 16's `piper check` point: the script it writes names a dp=64 x pp=16 x tp=8 mesh and plans."""
+    from piper.compiler.analysis import compile_script
     from piper.dsl import load_strategy
 
     from benchmarks.suites.tensor_parallel import CHECK_MESH, CHECK_MICROBATCHES, plan_text
 
-    mesh, directives = load_strategy(plan_text(CHECK_MESH, CHECK_MICROBATCHES, zero=True)).build(None)
+    script = load_strategy(plan_text(CHECK_MESH, CHECK_MICROBATCHES, zero=True))
+    mesh, directives = script.build(None)
     assert mesh.world_size == 8192 and directives
+    assert len(compile_script(script, regions={"PP": 16}).plans) == 8192

@@ -171,3 +171,37 @@ def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 30) 
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+# -- the tensor-level peak of one step, the same way on both sides ------------------------------------
+
+def _tensor_peak(step):
+    """`step` wrapped so that its next call records, in `.peak`, the largest sum of live tensor bytes
+    on the CPU during the step, from torch's profiler (its memory timeline: every allocation and free
+    of the CPU allocator, parameters, gradients and optimizer state among them): what the tensors
+    hold, without what the allocator, the communication library or Python keep beside them."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    def tracked(*args, **kwargs):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            out = step(*args, **kwargs)
+        _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+        tracked.peak = max((sum(s) for s in sizes), default=0)
+        return out
+    tracked.peak = None
+    return tracked
+
+
+def install_tensor_peak(worker) -> None:
+    """Into a Piper worker: its next `run_step` records the tensor peak (`probes.read_step_peak` reads it)."""
+    ex = worker.executor
+    if not hasattr(ex, "_untracked_run_step"):
+        ex._untracked_run_step = ex.run_step
+    ex.run_step = _tensor_peak(ex._untracked_run_step)
+
+
+def install_tensor_peak_torch(worker) -> None:
+    """Into a torch baseline actor: its next `step` records the tensor peak (`probes.read_step_peak`)."""
+    worker.step_probe = _tensor_peak(worker._step)

@@ -111,7 +111,8 @@ def _tp_tables(ctx, result, warmup: int, steps: int):
     table = Table(f"(a) Step time (median of {steps} steps after {warmup} warm-up, A/B alternated) and peak "
                   f"bytes per rank; {describe(sizes, batch, seq)}, the whole batch on every rank",
                   ["tp", "plan", "torch ms", "Piper ms", "ratio torch/Piper", "paired ratios, middle half",
-                   "max |Δloss|", "torch peak MiB", "Piper peak MiB", "Piper job.memory step_peak MiB"])
+                   "max |Δloss|", "torch peak MiB", "Piper peak MiB", "Piper job.memory step_peak MiB",
+                   "torch tensor peak MiB", "Piper tensor peak MiB"])
     comm = Table("(a) Collectives per step (one further untimed step; per rank, alike on every rank): calls, "
                  "MiB sent in, ms until each returned", ["tp", "plan", "torch collectives", "torch DTensor ops",
                                                         "Piper collectives", "Piper TP ops per forward",
@@ -156,13 +157,15 @@ def _race(ctx, group, job, batches, warmup, steps, torch_error, piper_error) -> 
         systems["torch"] = group.step
     if job is not None:
         systems["piper"] = job.step
-    extra = {"torch": [None, None], "piper": [None, None, None, None]}
+    extra = {"torch": [None, None, None], "piper": [None, None, None, None, None]}
     try:
         timings = alternate(systems, batches[:warmup + steps], warmup=warmup, steps=steps)
         if "torch" in systems and "torch" not in timings.errors:
             extra["torch"] = [_torch_probe(group, batches[-2], probes.install_step_peak_torch, probes.read_step_peak),
                               _torch_probe(group, batches[-1], tp_probes.install_comm_counter_torch,
-                                           tp_probes.read_comm_counter_torch)]
+                                           tp_probes.read_comm_counter_torch),
+                              _torch_probe(group, batches[-1], tp_probes.install_tensor_peak_torch,
+                                           probes.read_step_peak)]
         if "piper" in systems and "piper" not in timings.errors:
             extra["piper"] = _piper_probes(job, batches)
     finally:
@@ -184,13 +187,14 @@ def _race_cells(group, timings, torch_error, piper_error, extra) -> dict:
     paired = timings.paired_ratios("torch", "piper")
     quartiles = statistics.quantiles(paired, n=4)[::2] if len(paired) >= 2 else None
     gap = timings.max_loss_gap("torch", "piper")
-    torch_peak, torch_comm = extra["torch"]
-    piper_peak, own, piper_comm, graph_ops = extra["piper"]
+    torch_peak, torch_comm, torch_tensors = extra["torch"]
+    piper_peak, own, piper_comm, graph_ops, piper_tensors = extra["piper"]
     torch_found = torch_comm.get("collectives", {}) if isinstance(torch_comm, dict) else {}
     cells = [t_ms if torch_error is None else torch_error, p_ms if piper_error is None else piper_error,
              None if ratio is None else f"{ratio:.2f}x",
              None if quartiles is None else f"{quartiles[0]:.2f} – {quartiles[1]:.2f}",
-             None if gap is None else f"{gap:.1e}", _mib_cell(torch_peak), _mib_cell(piper_peak), mib(own)]
+             None if gap is None else f"{gap:.1e}", _mib_cell(torch_peak), _mib_cell(piper_peak), mib(own),
+             _mib_cell(torch_tensors), _mib_cell(piper_tensors)]
     comm = [_calls_cell({k: v for k, v in torch_found.items() if k != "wait"}),
             torch_comm.get("dtensor_ops") if isinstance(torch_comm, dict) else _error_cell(torch_comm),
             _calls_cell(piper_comm) if isinstance(piper_comm, dict) else _error_cell(piper_comm),
@@ -202,7 +206,8 @@ def _race_cells(group, timings, torch_error, piper_error, extra) -> dict:
         comm[-1] = f"{other * 1e3 / torch_comm['dtensor_ops']:.0f} µs"
     out = {"group": group, "cells": cells, "comm": comm}
     for name, value in (("torch_ms", t_ms), ("piper_ms", p_ms), ("ratio", ratio),
-                        ("torch_peak", torch_peak), ("piper_peak", piper_peak)):
+                        ("torch_peak", torch_peak), ("piper_peak", piper_peak),
+                        ("torch_tensor_peak", torch_tensors), ("piper_tensor_peak", piper_tensors)):
         if isinstance(value, (int, float)):
             out[name] = value
     if torch_found:
@@ -244,7 +249,13 @@ def _piper_probes(job, batches) -> list:
     ops = Counter(str(node.target).split(".")[-2] if str(node.target).count(".") >= 2 else str(node.target)
                   for region in job.program.regions if region.graph is not None
                   for node in region.graph.graph.nodes if "piper" in str(node.target) and "tp_" in str(node.target))
-    return [peak, own if not isinstance(own, Exception) else None, counted, dict(ops)]
+    try:
+        probes.in_workers(job, tp_probes.install_tensor_peak)
+        job.step(*batches[-1])
+        tensors = max(p for p in probes.in_workers(job, probes.read_step_peak) if p is not None)
+    except Exception as exc:
+        tensors = exc
+    return [peak, own if not isinstance(own, Exception) else None, counted, dict(ops), tensors]
 
 
 def _gloo_costs(ctx, group, shape, rs_calls, result, n) -> list:
@@ -295,7 +306,10 @@ def _tp_notes() -> list[str]:
         "shard sequence over tp for SP).",
         "peak: the bytes held between steps (parameters, gradients, optimizer state) plus the rise of the "
         "resident high-water mark during one step, after gc and malloc_trim (benchmarks/harness/probes.py), "
-        "the largest over the ranks; job.memory's step_peak is Piper's own count of the same step.",
+        "the largest over the ranks; job.memory's step_peak is Piper's own count of the same step. "
+        "tensor peak: the largest sum of live tensor bytes during one further step, from torch's profiler "
+        "(its memory timeline of the CPU allocator), the same on both sides: what the tensors hold, without "
+        "what the allocator, Gloo or Python keep beside them; the peak's excess over it is theirs.",
     ]
 
 
@@ -328,7 +342,8 @@ def _composed_table(ctx, result, warmup: int, steps: int) -> Table:
                   f"ZeRO-3 / FSDP2 over dp, TP + SP + vocab; {describe(sizes, batch, seq)} (global batch); "
                   f"median of {steps} steps after {warmup} warm-up",
                   ["torch", "Piper", "torch ms", "Piper ms", "ratio torch/Piper", "paired ratios, middle half",
-                   "max |Δloss|", "torch peak MiB", "Piper peak MiB", "Piper job.memory step_peak MiB"])
+                   "max |Δloss|", "torch peak MiB", "Piper peak MiB", "Piper job.memory step_peak MiB",
+                   "torch tensor peak MiB", "Piper tensor peak MiB"])
     group, torch_error = set_up_group(ctx, None, 8, 300.0, "tp_fsdp2_pipeline", model="llama_tp", model_kw=sizes,
                                       schedule="Schedule1F1B", microbatches=microbatches, pp=2, tp=2, sequence=True)
     strategy = load_strategy(plan_text(mesh, microbatches, zero=True))
