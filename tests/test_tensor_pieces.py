@@ -156,3 +156,24 @@ def test_a_4d_plan_on_8192_devices_checks_clean(tmp_path, capsys):
     script.write_text("mesh dp=64, pp=16, tp=8\nuse one_f_one_b(microbatches=64) on pp\nuse zero3() on dp\n"
                       + PLAN + "shard sequence over tp\n")
     assert main(["check", str(script), "--regions", "PP=16"]) == 0, capsys.readouterr().out
+
+
+def test_values_between_pieces_are_let_go_after_their_last_reader_but_never_one_handed_on():
+    """`Cut.after_piece`: a value passed between pieces that no exchange reads and that is not a
+    region output may be let go once its last reader has run; one a piece hands on unchanged (its
+    tensor lives on as that piece's output) never is."""
+    _, program = compiled(sequence=True)
+    for region in program.regions:
+        the_cut = cut(region.graph, 1, experts=False, tensor=True)
+        read_by_exchange = {s for e in the_cut.exchanges for s in e.sources}
+        handed = set()
+        for piece, gm in enumerate(the_cut.pieces):
+            outs = gm.graph.output_node().args[0]
+            holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            handed |= {the_cut.inputs[piece][holders.index(n)] for n in outs if n.op == "placeholder"}
+        for piece, sources in the_cut.after_piece.items():
+            for s in sources:
+                assert the_cut.readers[s][-1] == piece and piece in the_cut.readers[s]
+                assert s not in read_by_exchange and s not in the_cut.outputs and s not in handed
+                assert s.kind != "arg"
+        assert any(the_cut.after_piece.values()), "the residual stream crosses pieces"

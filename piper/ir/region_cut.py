@@ -81,6 +81,8 @@ class Cut:
     outputs: list                    # the region's outputs, as Sources
     size: int                        # members of the expert group the cut was made for
     freeable: frozenset = frozenset()    # piece outputs a TP exchange alone reads, and not as its own result
+    after_piece: dict = field(default_factory=dict)   # piece -> values no piece after it reads (`Builder.finish`)
+    readers: dict = field(default_factory=dict)       # such a value -> the pieces that read it
     ops: tuple = field(init=False)
 
     def __post_init__(self):
@@ -192,7 +194,35 @@ class Builder:
         freeable = frozenset(e.sources[0] for e in self.exchanges
                              if e.op == TP and e.kind != "tp_copy" and uses[e.sources[0]] == 1
                              and self.outputs[e.sources[0].index][e.sources[0].out].op != "placeholder")
-        return Cut(pieces, self.inputs, self.exchanges, outputs, size, freeable)
+        after_piece, readers = self._read_last(outputs)
+        return Cut(pieces, self.inputs, self.exchanges, outputs, size, freeable, after_piece, readers)
+
+    def _read_last(self, outputs) -> tuple[dict, dict]:
+        """The values passed between pieces that the runtime may let go once the last piece reading
+        them has run: a piece's output or a TP exchange's result that no exchange reads and is not a
+        region output. (A graph run whole frees them there; kept, every one would stay until the
+        pass's backward.) Not tp_copy's result (its input's tensor), nor a MoE exchange's (its
+        splits serve the backward), nor a piece's input it hands on as it is."""
+        kept = set(outputs) | {src for e in self.exchanges for src in e.sources}
+        for piece, outs in enumerate(self.outputs):      # handed on as it is: the same tensor lives on
+            handed = {n for n in outs if n.op == "placeholder"}
+            kept |= {src for src, n in self.placeholders[piece].items() if n in handed}
+        readers: dict[Source, list[int]] = {}
+        for piece, sources in enumerate(self.inputs):
+            for src in sources:
+                readers.setdefault(src, []).append(piece)
+        after_piece: dict[int, list[Source]] = {}
+        for src, pieces in readers.items():
+            if src.kind == "arg" or src in kept:
+                continue
+            if src.kind == "exchange" and (self.exchanges[src.index].op != TP
+                                           or self.exchanges[src.index].kind == "tp_copy"):
+                continue
+            if src.kind == "piece" and self.outputs[src.index][src.out].op == "placeholder":
+                continue
+            after_piece.setdefault(pieces[-1], []).append(src)
+        return ({p: tuple(v) for p, v in after_piece.items()},
+                {src: tuple(readers[src]) for v in after_piece.values() for src in v})
 
 
 def cuttable(gm: fx.GraphModule, *, experts: bool) -> bool:

@@ -25,6 +25,7 @@ class _Pass:
         self.weight_states: dict[int, object] = {}      # piece -> what its BW needs (BI)
         self.kept: dict[int, object] = {}               # piece -> its inputs (a recomputed region)
         self.saved: dict[int, set] = {}                 # piece -> storages its autograd graph saved
+        self.shapes: dict[Source, tuple] = {}           # a let-go exchange result -> (shape, dtype, device)
         self.seeded = False
 
 
@@ -44,3 +45,23 @@ def _count(ex, key, size: int) -> None:
         ex.saved_bytes[key] += size
         ex.activations += size
         ex.activation_peak = max(ex.activation_peak, ex.activations)
+
+
+def let_go(run: _Pass, source: Source, readers: tuple[int, ...], *, exchange: bool) -> None:
+    """After the last piece that reads `source` has run (`Cut.after_piece`): drop the pass's
+    reference, and the data too where no autograd graph of the pieces that made or read it saved
+    its storage (the tensor stays where a backward starts from it, its storage emptied). Only
+    differentiable values that are not views, in a training pass whose pieces ran with autograd
+    (a recomputed piece keeps its inputs to run again)."""
+    value = run.values.pop(source, None)
+    if not torch.is_tensor(value):
+        return
+    if exchange:
+        run.shapes[source] = (value.shape, value.dtype, value.device)
+    differentiable = source in run.differentiable if exchange else value.requires_grad
+    saved = [run.saved.get(r) for r in readers] + ([] if exchange else [run.saved.get(source.index)])
+    if not differentiable or value._is_view() or any(s is None for s in saved):
+        return
+    storage = value.untyped_storage()
+    if not any(storage._cdata in s for s in saved):
+        storage.resize_(0)

@@ -9,7 +9,7 @@ import torch
 
 from ...ir.moe_cut import Source
 from ..autograd import recompute
-from .cut_pass import _count, _no_views, _Pass
+from .cut_pass import _count, _no_views, _Pass, let_go
 from ...compiler.saved import SavedBytes
 
 
@@ -47,6 +47,9 @@ class PieceForward:
         run.outs[piece] = outs
         for j, out in enumerate(outs):
             run.values[Source("piece", piece, j)] = out
+        if not region.recompute and not ex._evaluating:      # what no later piece reads
+            for source in cut.after_piece.get(piece, ()):
+                let_go(run, source, cut.readers[source], exchange=source.kind == "exchange")
         _count(ex, key, size)
         if piece == len(cut.pieces) - 1:
             outs = [run.args[s.index] if s.kind == "arg" else run.values[s] for s in cut.outputs]

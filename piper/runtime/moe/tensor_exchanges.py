@@ -90,7 +90,9 @@ def _backward(ex, run: _Pass, k: int, exchange: Exchange, group):
         return [], None
     grad = run.grads.pop(out, None)
     if grad is None:                    # no gradient reached it here: the others may need the collective
-        grad = torch.zeros_like(arrived)
+        shape, dtype, device = (arrived.shape, arrived.dtype, arrived.device) if arrived is not None \
+            else run.shapes.pop(out)
+        grad = torch.zeros(shape, dtype=dtype, device=device)
     kind, args, target = exchange.kind, exchange.args, exchange.sources[0]
 
     def deliver(g):
