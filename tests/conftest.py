@@ -33,7 +33,14 @@ FULL = bool(os.environ.get("PIPER_FULL"))
 os.environ.setdefault("PIPER_KEEP_WORKERS", "1")
 
 
+# Run last, in this order: test_pool.py empties the pool of kept workers (its counts need an empty one),
+# test_multinode.py shuts the session's cluster down for a cluster of several nodes. Anywhere else
+# both make every test after them start its workers anew.
+_LAST = ("test_pool.py", "test_multinode.py")
+
+
 def pytest_collection_modifyitems(items):
+    items[:] = sorted(items, key=lambda item: _LAST.index(item.path.name) + 1 if item.path.name in _LAST else 0)
     # Everything that needs the cluster is slow: mark it, so `-m "not ray"` runs the rest in seconds.
     # `@pytest.mark.full`: a further case of something the default suite already trains (another
     # strategy, another family); it runs with PIPER_FULL=1, so the default suite stays within minutes.

@@ -76,7 +76,8 @@ def test_sigkilled_worker_is_named_not_its_peers():
 @pytest.mark.usefixtures("ray_cluster")
 def test_stopped_worker_is_named_at_the_timeout():
     batch = gpt_batches(1)[0]
-    job = piper.compile(gpt(2), batch, strategy=pipeline(2), mesh={"pp": 2}, timeout=10,
+    # The step waits out the whole timeout (a stopped worker never answers): keep it short.
+    job = piper.compile(gpt(2), batch, strategy=pipeline(2), mesh={"pp": 2}, timeout=5,
                         worker_env={"PIPER_FAULT": "rank=1 action=1F1 do=stop delay=1"})
     pid = job.placement()[1]["pid"]
     with pytest.raises(piper.PiperError) as err:

@@ -80,7 +80,8 @@ def compile(model: torch.nn.Module, example_inputs=None, strategy=None, mesh=Non
     `overlap=False` runs the items of an overlapped slot (`[F(...), B(...)]`)
     one after the other instead of at once (CPU; CUDA always runs them in turn).
     `worker_env` sets environment variables in the worker processes before
-    they start (Ray's runtime_env), e.g. allocator settings.
+    they start (Ray's runtime_env), e.g. allocator settings; a test's
+    `PIPER_FAULT` in it goes to the workers with their set-up instead.
     `address` joins an existing Ray cluster ("auto", "ray://head:10001" or
     "head:6379"); workers are placed by the mesh (`piper.runtime.launch.placement`), and
     `job.placement()` says where each rank went. Starting the workers has its

@@ -39,13 +39,15 @@ class JobStartup:
 
         check_memory(self, optimizer, ray.nodes(), local_address())    # before any worker starts
         from ..runtime.launch.placement import node_capacity, plan_placement
+        from ..runtime.health import faults
         from ..runtime.health.watch import Watch
 
         started = time.monotonic()
         placement = plan_placement(self.mesh.axes, node_capacity(ray.nodes(), device), device)
         self._progress(f"placing {world} worker{'s' if world != 1 else ''} ({placement.strategy} over the cluster's nodes)")
-        if os.environ.get("PIPER_FAULT"):      # a test's injected fault (runtime.health.faults) reaches the workers
-            self.worker_env.setdefault("PIPER_FAULT", os.environ["PIPER_FAULT"])
+        # A test's injected fault (runtime.health.faults) reaches the workers with their set-up, not in
+        # their environment: it is no part of the pool's key, so kept workers serve fault tests too.
+        self._fault = self.worker_env.pop(faults.ENV, None) or os.environ.get(faults.ENV) or None
         self._pool_key = pool.key(placement, device, self.worker_env)
         kept = pool.take(self._pool_key)       # PIPER_KEEP_WORKERS: a closed job's workers of this shape
         if kept is not None:
@@ -63,7 +65,7 @@ class JobStartup:
                               self.startup_timeout)
         params = dict(model.named_parameters())
         slots = self._multi_slots()
-        refs = [a.setup.remote(*self._spec(rank, params, optimizer, slots.get(rank, ())))
+        refs = [a.setup.remote(*self._spec(rank, params, optimizer, slots.get(rank, ())), self._fault)
                 for rank, a in enumerate(self.actors)]
         self._get(refs, "set up", self.startup_timeout)
         self._progress(f"workers ready ({time.monotonic() - started:.1f} s)")

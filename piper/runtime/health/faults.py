@@ -1,7 +1,10 @@
 """Fault injection for tests: make a chosen rank die, stall or fail at a chosen action.
 
-Set `PIPER_FAULT` in the workers' environment (`piper.compile(..., worker_env=
-{"PIPER_FAULT": "rank=1 action=1F0 do=kill"})`). Fields, space or comma separated:
+Set `PIPER_FAULT` for the workers (`piper.compile(..., worker_env={"PIPER_FAULT":
+"rank=1 action=1F0 do=kill"})`, or in the driver's environment). The driver hands it to
+each worker with its set-up rather than into the process environment, so workers kept
+for the next job (`runtime/launch/pool.py`) serve jobs with and without a fault alike.
+Fields, space or comma separated:
 
     rank=R      the rank that misbehaves (required)
     do=KIND     kill (SIGKILL itself), stop (SIGSTOP itself), raise (a RuntimeError),
@@ -82,9 +85,9 @@ class Trigger:
             raise RuntimeError(f"injected fault at {key} ({ENV})")
 
 
-def from_env(rank: int, steps_done) -> Trigger | None:
-    """The trigger for this rank, or None when `PIPER_FAULT` is unset or names another rank."""
-    text = os.environ.get(ENV)
+def trigger(text: str | None, rank: int, steps_done) -> Trigger | None:
+    """The trigger for this rank from a `PIPER_FAULT` value, or None when there is none or it names
+    another rank."""
     if not text:
         return None
     fault = Fault.parse(text)

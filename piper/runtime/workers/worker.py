@@ -67,10 +67,11 @@ class Worker(WorkerQueries):
         collectives.init(self.rank, self.world_size, store, collectives.backend_for(self.device), timeout_s)
         return os.getpid()
 
-    def setup(self, spec, init) -> None:
+    def setup(self, spec, init, fault: str | None = None) -> None:
+        """Build this job's executor; `fault`, a test's `PIPER_FAULT` value (`health/faults.py`)."""
         device = "cuda:0" if self.device == "cuda" else "cpu"
         self.executor = Executor(spec, init, device)
-        self.executor.fault = faults.from_env(self.rank, lambda: self.steps_done)
+        self.executor.fault = faults.trigger(fault, self.rank, lambda: self.steps_done)
 
     def step(self, batch, lr_scale: float | None = None):
         """One step of the plan on this device's part of `batch`; `lr_scale`, the learning-rate
