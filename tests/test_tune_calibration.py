@@ -264,3 +264,70 @@ def test_a_cost_per_call_lands_on_each_forward_and_backward(search):
     base = search.with_calibration(_cal()).evaluate(PIPE).step_s
     # 1F1B, 4 devices, one microbatch: 4 forwards and 4 backwards on the path
     assert search.with_calibration(_cal(call=0.001)).evaluate(PIPE).step_s == pytest.approx(base + 8 * 0.001)
+
+
+def test_each_message_waited_for_costs_the_calibrated_wait(search):
+    from piper.compiler.tune_calibration import with_wait
+
+    base = search.with_calibration(_cal()).evaluate(PIPE).step_s
+    # 1F1B on 4 devices, one microbatch: 3 activations forward and 3 gradients back, one after another
+    assert search.with_calibration(_cal(wait=0.002)).evaluate(PIPE).step_s == pytest.approx(base + 6 * 0.002)
+    priced = with_wait(lambda node: 0.5, 0.25)
+    kinds = {op: priced(type("N", (), {"op": op})()) for op in ("SEND", "RECV", "ALL_GATHER", "REDUCE_SCATTER")}
+    assert kinds == {"SEND": 0.5, "RECV": 0.75, "ALL_GATHER": 0.75, "REDUCE_SCATTER": 0.75}
+
+
+def test_the_wait_is_the_one_that_gives_two_structures_one_scale():
+    from piper.compiler.tune_calibration import fit_wait
+
+    # 20 waits on the first's path, 5 on the second's: at 1 ms each both predict half their steps
+    assert fit_wait(lambda w: (0.010 + 20 * w, 0.010 + 5 * w), (0.05, 0.025)) == pytest.approx(0.001)
+    # not linear in the wait (the path changes): the secant still finds it
+    curved = fit_wait(lambda w: (0.010 + 20 * w + 300 * w * w, 0.010 + 5 * w), (0.05, 0.025))
+    p0, p1 = 0.010 + 20 * curved + 300 * curved ** 2, 0.010 + 5 * curved
+    assert p0 / p1 == pytest.approx(2.0, rel=1e-4)
+    # the first already predicted as long as it measured against the second, or the waits do not
+    # tell them apart: no wait
+    assert fit_wait(lambda w: (0.010 + 20 * w, 0.010 + 5 * w), (0.02, 0.025)) == 0.0
+    assert fit_wait(lambda w: (0.010 + 5 * w, 0.010 + 5 * w), (0.05, 0.025)) == 0.0
+
+
+def test_a_fitted_wait_and_scale_carry_to_a_third_structure(search):
+    from piper.compiler.tune_calibration import fit_wait
+
+    reference = Candidate(2, 2, "interleaved_1f1b", 2, 2, "zero3")
+    pipeline = Candidate(1, 4, "one_f_one_b", 4)
+    third = Candidate(4, 1, None, 2, None, "zero3")
+    calls = {("ALL_GATHER", 2): (0.001, 0.0002), ("REDUCE_SCATTER", 2): (0.001, 0.0002),
+             ("ALL_GATHER", 4): (0.002, 0.0003), ("REDUCE_SCATTER", 4): (0.002, 0.0003)}
+    # the machine: 20 ms per message waited for and everything 1.5x what the costs say
+    truth = search.with_calibration(_cal(collectives=calls, wait=0.02))
+    steps = {c: 1.5 * truth.evaluate(c).step_s for c in (reference, pipeline, third)}
+    # one scale alone, from the reference, misses the pipeline
+    plain = search.with_calibration(_cal(collectives=calls, measured=steps[reference],
+                                         predicted=search.with_calibration(_cal(collectives=calls))
+                                         .evaluate(reference).step_s))
+    missed = abs(plain.evaluate(pipeline).step_s / steps[pipeline] - 1)
+    assert missed > 0.01
+
+    def predict(w):
+        at = search.with_calibration(_cal(collectives=calls, wait=w))
+        return at.evaluate(reference).step_s, at.evaluate(pipeline).step_s
+
+    wait = fit_wait(predict, (steps[reference], steps[pipeline]))
+    assert wait == pytest.approx(0.02, rel=1e-3)
+    fitted = _cal(collectives=calls, wait=wait, measured=steps[reference], predicted=predict(wait)[0])
+    assert fitted.scale == pytest.approx(1.5, rel=1e-3)
+    for c in (pipeline, third):
+        assert search.with_calibration(fitted).evaluate(c).step_s == pytest.approx(steps[c], rel=missed / 10)
+
+
+def test_the_calibration_fits_its_wait_beside_a_pipeline():
+    from piper.compiler.tune import candidates
+    from piper.compiler.tune_calibration import choose, pair, with_pipeline
+
+    ordered = choose(candidates(4, 16, regions=4))
+    first, pipe, other = with_pipeline(pair(ordered, 16), ordered)
+    assert (first.dp, first.data) == (2, "zero3") and (other.dp, other.pp) != (first.dp, first.pp)
+    assert pipe.dp == 1 and pipe.pp == 4 and pipe.schedule == "one_f_one_b"
+    assert with_pipeline([pipe, other], ordered) == [pipe, other]       # a pipeline first: nothing to add
