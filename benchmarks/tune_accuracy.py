@@ -125,7 +125,8 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                      "calibration_error": cal.error, "other_load": cal.external, "calibration_loadavg": calibrated_at,
                      "calibration_ms": cal.measured * 1e3, "check": cal.check,
                      "check_error": cal.check_error, "scale": cal.scale, "wait_ms": cal.wait * 1e3,
-                     "fitted": cal.fitted, "fitted_ms": cal.fitted_measured * 1e3})
+                     "fitted": cal.fitted, "fitted_ms": cal.fitted_measured * 1e3,
+                     "fitted_error": cal.fitted_error})
     return rows
 
 
@@ -155,7 +156,7 @@ def table(rows) -> str:
                      f"{r['scale']:.2f}; {r['other_load']:.2f} cores of other load, load average "
                      f"{r['calibration_loadavg']:.1f}"
                      + (f"; {r['wait_ms']:.2f} ms per message waited, fitted beside {r['fitted']} "
-                        f"({r['fitted_ms']:.1f} ms)" if r.get("fitted") else "")
+                        f"({r['fitted_ms']:.1f} ms, predicted {r['fitted_error']:+.1%})" if r.get("fitted") else "")
                      + f"); checked on {r['check']}: {check}; tolerance ±{r['tolerance']:.0%}")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
     again = sum(1 for r in rows if abs(r["error_recalibrated"]) <= 0.15)

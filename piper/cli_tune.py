@@ -133,6 +133,8 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
         cal = replace(cal, wait=fit_wait(predict, measured), fitted=fitted.label(), fitted_measured=measured[1])
     own = search.with_calibration(cal).evaluate(c, exact)
     cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
+    if cal.fitted:
+        cal = replace(cal, fitted_predicted=_predicted(search.with_calibration(cal), chosen[1]) or 0.0)
     if len(chosen) > 1:
         other = chosen[-1]
         checked = search.with_calibration(cal)
@@ -314,7 +316,8 @@ def main(args) -> int:
         console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
                       f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; "
                       f"steps varied ±{cal.spread:.0%}"
-                      + (f"; {cal.wait * 1e3:.2f} ms per message waited, fitted beside {cal.fitted}" if cal.fitted else "")
+                      + (f"; {cal.wait * 1e3:.2f} ms per message waited, fitted beside {cal.fitted}, "
+                         f"which it predicts {cal.fitted_error or 0.0:+.0%}" if cal.fitted else "")
                       + "),"
                       f" for {cal.external:.1f} of {cal.cores} cores busy with other work as then; "
                       "--recalibrate to measure again[/]")

@@ -54,6 +54,9 @@ def test_groups_join_the_predictions_that_overlap():
 def test_tolerance_is_the_model_error_or_the_noise_or_the_floor():
     rm = RuntimeModel()
     assert Calibration(rm, measured=0.1, predicted=0.1).tolerance == FLOOR
+    # the pipeline beside it predicted 30% short (no wait gave both one scale): ±30%
+    assert Calibration(rm, measured=0.1, predicted=0.1, fitted="p", fitted_measured=0.1,
+                       fitted_predicted=0.07).tolerance == pytest.approx(0.3)
     assert Calibration(rm, measured=0.1, predicted=0.08).tolerance == pytest.approx(0.2)
     assert Calibration(rm, measured=0.1, predicted=0.1, spread=0.3).tolerance == 0.3
 
@@ -331,3 +334,37 @@ def test_the_calibration_fits_its_wait_beside_a_pipeline():
     assert (first.dp, first.data) == (2, "zero3") and (other.dp, other.pp) != (first.dp, first.pp)
     assert pipe.dp == 1 and pipe.pp == 4 and pipe.schedule == "one_f_one_b"
     assert with_pipeline([pipe, other], ordered) == [pipe, other]       # a pipeline first: nothing to add
+
+
+def _record(c: Candidate, program, step_s: float) -> dict:
+    """What `measure_together` records of a job whose steps all take `step_s`, and nothing else."""
+    from piper.compiler.planning import plan
+    from piper.dsl import load_strategy
+
+    compiled = plan(load_strategy(c.script(), file="<t>"), program=program)
+    ranks = range(c.dp * c.pp)
+    quiet = {"clock": (0.0, 0.0), "steps": []}
+    return {"times": [step_s] * 3, "external": [0.0] * 3, "collectives": {},
+            "cpu_timings": [{r: {"step": 0.0} for r in ranks}] * 3,
+            "cpu_overheads": [{r: {"start": 0.0, "end": 0.0} for r in ranks}] * 3,
+            "traced": [{"recorded": [quiet for _ in ranks], "plans": compiled.plans}] * 3, "compiled": compiled}
+
+
+def test_the_calibration_fits_the_wait_on_its_pipeline_and_checks_the_third(search):
+    reference = Candidate(2, 2, "interleaved_1f1b", 2, 2, "zero3")
+    pipeline = Candidate(1, 4, "one_f_one_b", 4)
+    third = Candidate(4, 1, None, 2, None, "zero3")
+    # the three runs measured as 15 ms per message waited for and 1.3x the rest would make them
+    # (on cores enough for every device: the waits then show on the path, wherever they are)
+    search.machine = {**search.machine, "cores": 64}
+    truth = search.with_calibration(_cal(RuntimeModel(), wait=0.015))
+    steps = [1.3 * cli_tune._predicted(truth, c) for c in (reference, pipeline, third)]
+    runs = [_record(c, search.reference.program, s) for c, s in zip((reference, pipeline, third), steps)]
+    cal = cli_tune.calibration_from(search, [reference, pipeline, third], runs)
+    assert cal.wait == pytest.approx(0.015, rel=1e-2) and cal.fitted == pipeline.label()
+    assert cal.scale == pytest.approx(1.3, rel=1e-2) and cal.check == third.label()
+    assert abs(cal.check_error) < 0.01 and abs(cal.fitted_error) < 0.01
+    # two runs: no pipeline to fit on, the first's scale alone; a wait given is kept
+    two = cli_tune.calibration_from(search, [reference, third], [runs[0], runs[2]])
+    assert two.wait == 0.0 and not two.fitted and abs(two.check_error) > abs(cal.check_error)
+    assert cli_tune.calibration_from(search, [reference], runs[:1], wait=0.004).wait == 0.004

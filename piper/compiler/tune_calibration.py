@@ -77,6 +77,7 @@ class Calibration:
     wait: float = 0.0               # s each receive or collective waits beyond its costs (`fit_wait`)
     fitted: str = ""                # the label of the run `wait` was fitted on beside this one
     fitted_measured: float = 0.0    # its median step (s)
+    fitted_predicted: float = 0.0   # what this calibration predicts for it, `scale` included (s)
 
     @property
     def error(self) -> float:
@@ -96,12 +97,19 @@ class Calibration:
             else None
 
     @property
+    def fitted_error(self) -> float | None:
+        """The error on the pipeline `wait` was fitted on (`fitted`): 0 where a wait gave both runs
+        one scale, how far the first's scale carries to a pipeline where none did; None without one."""
+        return self.fitted_predicted / self.fitted_measured - 1 if self.fitted_measured and self.fitted_predicted \
+            else None
+
+    @property
     def tolerance(self) -> float:
-        """How far apart two predictions must be to be told apart on this machine: the larger of
-        the error on the other candidate (else the model's own error), the run's step-to-step
-        spread and `FLOOR`."""
-        check = self.check_error
-        return max(FLOOR, abs(check if check is not None else self.error), self.spread)
+        """How far apart two predictions must be to be told apart on this machine: the largest of
+        the error on the other candidate (else the model's own error), the error on the pipeline
+        the wait was fitted on, the run's step-to-step spread and `FLOOR`."""
+        check, fitted = self.check_error, self.fitted_error
+        return max(FLOOR, abs(check if check is not None else self.error), abs(fitted or 0.0), self.spread)
 
 
 def machine_busy() -> float:
