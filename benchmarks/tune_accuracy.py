@@ -155,7 +155,7 @@ def table(rows) -> str:
                      f"the measured costs alone predicted it {r['calibration_error']:+.1%}, so scale "
                      f"{r['scale']:.2f}; {r['other_load']:.2f} cores of other load, load average "
                      f"{r['calibration_loadavg']:.1f}"
-                     + (f"; {r['wait_ms']:.2f} ms per message waited, fitted beside {r['fitted']} "
+                     + (f"; {r['wait_ms']:.2f} ms more per collective, fitted beside {r['fitted']} "
                         f"({r['fitted_ms']:.1f} ms, predicted {r['fitted_error']:+.1%})" if r.get("fitted") else "")
                      + f"); checked on {r['check']}: {check}; tolerance ±{r['tolerance']:.0%}")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)

@@ -29,7 +29,7 @@ def calibrate(search: Search, *, log=None, again: bool = False):
     path, _, factory = search.model_spec.rpartition(":")
     key = {"what": "calibration", "model": os.path.abspath(path), "factory": factory, "batch": search.batch,
            "mtime": os.path.getmtime(path) if os.path.exists(path) else 0, "devices": search.devices,
-           "cores": search.machine["cores"], "fit": "scale and a wait per message"}
+           "cores": search.machine["cores"], "fit": "scale and a wait per collective"}
     log = log or search.log
 
     def make():
@@ -48,7 +48,7 @@ def calibrate(search: Search, *, log=None, again: bool = False):
 
 def _calibrate_on(search: Search, chosen: list[Candidate], log):
     """Run the `chosen` candidates a step each in turn; the first makes the `Calibration`, a pipeline
-    second of three fits the wait per message with it, and the last (where there are two or more)
+    second of three fits the wait per collective with it, and the last (where there are two or more)
     checks what it predicts for another candidate (`calibration_from`)."""
     import contextlib
 
@@ -96,7 +96,7 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     candidates' jobs, stepped in turn) make: the first candidate's runtime costs, its computes and
     the others' fitted against the search's profile (`compute_fit`; `call`: keep that cost per
     compute), and checked on the last where there are two or more. With three, the second (a
-    pipeline, `with_pipeline`) and the first fit the wait per receive and collective beside
+    pipeline, `with_pipeline`) and the first fit the wait per data-parallel collective beside
     `scale` (`fit_wait`); `wait`: keep that one instead."""
     from .compiler.tune_calibration import fit_wait, from_run
 
@@ -316,7 +316,7 @@ def main(args) -> int:
         console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
                       f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; "
                       f"steps varied ±{cal.spread:.0%}"
-                      + (f"; {cal.wait * 1e3:.2f} ms per message waited, fitted beside {cal.fitted}, "
+                      + (f"; {cal.wait * 1e3:.2f} ms more per collective, fitted beside {cal.fitted}, "
                          f"which it predicts {cal.fitted_error or 0.0:+.0%}" if cal.fitted else "")
                       + "),"
                       f" for {cal.external:.1f} of {cal.cores} cores busy with other work as then; "

@@ -269,21 +269,27 @@ def test_a_cost_per_call_lands_on_each_forward_and_backward(search):
     assert search.with_calibration(_cal(call=0.001)).evaluate(PIPE).step_s == pytest.approx(base + 8 * 0.001)
 
 
-def test_each_message_waited_for_costs_the_calibrated_wait(search):
+def test_each_collective_costs_the_calibrated_wait_and_a_pipeline_none(search):
     from piper.compiler.tune_calibration import with_wait
 
+    # 1F1B on 4 devices: sends and receives, no collective
     base = search.with_calibration(_cal()).evaluate(PIPE).step_s
-    # 1F1B on 4 devices, one microbatch: 3 activations forward and 3 gradients back, one after another
-    assert search.with_calibration(_cal(wait=0.002)).evaluate(PIPE).step_s == pytest.approx(base + 6 * 0.002)
+    assert search.with_calibration(_cal(wait=0.002)).evaluate(PIPE).step_s == pytest.approx(base)
+    # plain dp on 4 devices: its all-reduces do (each region's update waits for one)
+    dp = Candidate(4, 1, None, 1, None, "dp")
+    base = search.with_calibration(_cal()).evaluate(dp).step_s
+    assert search.with_calibration(_cal(wait=0.002)).evaluate(dp).step_s > base
     priced = with_wait(lambda node: 0.5, 0.25)
-    kinds = {op: priced(type("N", (), {"op": op})()) for op in ("SEND", "RECV", "ALL_GATHER", "REDUCE_SCATTER")}
-    assert kinds == {"SEND": 0.5, "RECV": 0.75, "ALL_GATHER": 0.75, "REDUCE_SCATTER": 0.75}
+    kinds = {op: priced(type("N", (), {"op": op})()) for op in ("SEND", "RECV", "ALL_GATHER", "REDUCE_SCATTER",
+                                                                  "ALL_REDUCE", "ALL_TO_ALL", "TP")}
+    assert kinds == {"SEND": 0.5, "RECV": 0.5, "ALL_GATHER": 0.75, "REDUCE_SCATTER": 0.75, "ALL_REDUCE": 0.75,
+                     "ALL_TO_ALL": 0.5, "TP": 0.5}
 
 
 def test_the_wait_is_the_one_that_gives_two_structures_one_scale():
     from piper.compiler.tune_calibration import fit_wait
 
-    # 20 waits on the first's path, 5 on the second's: at 1 ms each both predict half their steps
+    # 20 collectives on the first's path, 5 on the second's: at 1 ms each both predict half their steps
     assert fit_wait(lambda w: (0.010 + 20 * w, 0.010 + 5 * w), (0.05, 0.025)) == pytest.approx(0.001)
     # not linear in the wait (the path changes): the secant still finds it
     curved = fit_wait(lambda w: (0.010 + 20 * w + 300 * w * w, 0.010 + 5 * w), (0.05, 0.025))
@@ -303,7 +309,7 @@ def test_a_fitted_wait_and_scale_carry_to_a_third_structure(search):
     third = Candidate(4, 1, None, 2, None, "zero3")
     calls = {("ALL_GATHER", 2): (0.001, 0.0002), ("REDUCE_SCATTER", 2): (0.001, 0.0002),
              ("ALL_GATHER", 4): (0.002, 0.0003), ("REDUCE_SCATTER", 4): (0.002, 0.0003)}
-    # the machine: 20 ms per message waited for and everything 1.5x what the costs say
+    # the machine: 20 ms more per collective and everything 1.5x what the costs say
     truth = search.with_calibration(_cal(collectives=calls, wait=0.02))
     steps = {c: 1.5 * truth.evaluate(c).step_s for c in (reference, pipeline, third)}
     # one scale alone, from the reference, misses the pipeline
@@ -354,10 +360,8 @@ def test_the_calibration_fits_the_wait_on_its_pipeline_and_checks_the_third(sear
     reference = Candidate(2, 2, "interleaved_1f1b", 2, 2, "zero3")
     pipeline = Candidate(1, 4, "one_f_one_b", 4)
     third = Candidate(4, 1, None, 2, None, "zero3")
-    # the three runs measured as 15 ms per message waited for and 1.3x the rest would make them
-    # (on cores enough for every device: the waits then show on the path, wherever they are)
-    search.machine = {**search.machine, "cores": 64}
-    truth = search.with_calibration(_cal(RuntimeModel(), wait=0.015))
+    # the three runs measured as 15 ms more per collective and 1.3x the rest would make them
+    truth = search.with_calibration(_cal(RuntimeModel(), cores=search.machine["cores"], wait=0.015))
     steps = [1.3 * cli_tune._predicted(truth, c) for c in (reference, pipeline, third)]
     runs = [_record(c, search.reference.program, s) for c, s in zip((reference, pipeline, third), steps)]
     cal = cli_tune.calibration_from(search, [reference, pipeline, third], runs)

@@ -456,8 +456,8 @@ class Search:
         (`Calibration.compute`, `call`; `update` for the optimizer's), a collective costing its measured wall time per call beyond its bytes
         (`Calibration.collectives`), each device's other threads (Gloo's copies of its bytes,
         `comm_seconds`, its work per collective call, `calls_seconds`, and the rest measured) competing
-        for the cores other processes leave, each receive and collective waiting `Calibration.wait` more
-        (`with_wait`), and the driver's own part of a step added; all of it
+        for the cores other processes leave, each data-parallel collective waiting `Calibration.wait`
+        more (`with_wait`), and the driver's own part of a step added; all of it
         times what the calibration's run measured over what this predicts for it (`scale`).
         """
         from .simulate import simulate

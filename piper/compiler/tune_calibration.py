@@ -21,10 +21,12 @@ processes take of the cores. A `Calibration` holds each as it was measured:
   (`job.collective_costs()`): on Gloo a call costs 0.2-1.5 ms of CPU and more of wall time
   beyond its bytes, which ZeRO-3 pays several times per region and step (`call_cost`);
 - `driver`: the driver's step less the devices' span (the Ray call, the batch in, losses out);
-- `wait`: seconds each wait on another process costs beyond the above (a receive, a collective):
-  under other load a worker whose message has arrived still waits for a core, and a structure with
-  many waits (ZeRO-3's gathers, a pipeline's receives) slows more than its CPU seconds say. Fitted
-  with `scale` over two runs of different structures stepped in the same rounds (`fit_wait`);
+- `wait`: seconds each data-parallel collective costs on the path beyond the above: a collective
+  is a rendezvous of every member of its group, and under other load each must first get a core,
+  so a structure with many (ZeRO-3's gathers and reduce-scatters) slows more than its CPU seconds
+  and its calls timed between steps say (a pipeline's receive waits for one sender, whose message
+  is sent ahead). Fitted with `scale` over the first run and a pure pipeline stepped in the same
+  rounds, which has none (`fit_wait`);
 - `scale`: the run's measured step over what all of the above predicts for it (what they leave
   out on this machine, mostly the load's effect), carried to every candidate;
 - `check_error`: the error, `scale` included, on a second candidate run beside the first (another
@@ -74,7 +76,7 @@ class Calibration:
     check: str = ""                 # the label of another candidate run beside it
     check_measured: float = 0.0     # its median step (s)
     check_predicted: float = 0.0    # what this calibration predicts for it, `scale` included (s)
-    wait: float = 0.0               # s each receive or collective waits beyond its costs (`fit_wait`)
+    wait: float = 0.0               # s each data-parallel collective waits beyond its costs (`fit_wait`)
     fitted: str = ""                # the label of the run `wait` was fitted on beside this one
     fitted_measured: float = 0.0    # its median step (s)
     fitted_predicted: float = 0.0   # what this calibration predicts for it, `scale` included (s)
@@ -197,12 +199,12 @@ def call_latency(collectives: dict, comm):
     return cost
 
 
-WAITED = ("RECV", "ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER")    # what a device waits on another for
+WAITED = ("ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER")    # the rendezvous of a data-parallel group
 
 
 def with_wait(comm, wait: float):
-    """`comm(node)` plus `wait` seconds for each receive and data-parallel collective (`WAITED`):
-    the wake-up a worker waits for, once its message is there, on cores other work keeps busy."""
+    """`comm(node)` plus `wait` seconds for each data-parallel collective (`WAITED`): the members'
+    rendezvous, each of whom must get a core first on cores other work keeps busy."""
     if not wait:
         return comm
 
@@ -212,12 +214,13 @@ def with_wait(comm, wait: float):
 
 
 def fit_wait(predict, measured: tuple[float, float], *, probe: float = 5e-4, rounds: int = 10) -> float:
-    """The `wait` per receive or collective for which two runs stepped in the same rounds share one
+    """The `wait` per collective for which two runs stepped in the same rounds share one
     `scale`: `predict(wait)` gives both runs' steps (before `scale`), `measured` their median steps.
     The first root of predicted_0 / predicted_1 - measured_0 / measured_1 over 0, `probe`, 2 x
     `probe`, ... up to the first's measured step (the ratio is not monotone near 0: a few more ms
-    on each message can move the path), narrowed by `rounds` bisections; 0 where there is none
-    (waits would have to cost less than nothing, or do not tell the two runs apart).
+    on each collective can move the path), narrowed by `rounds` bisections; 0 where there is none
+    (waits would have to cost less than nothing, or do not tell the two runs apart: the first
+    run is the one with collectives, the second a pipeline without).
 
         fit_wait(lambda w: (0.010 + 20 * w, 0.010 + 5 * w), (0.05, 0.025)) == 0.001
     """
@@ -279,8 +282,8 @@ def pair(ordered, batch: int | None = None) -> list:
 
 def with_pipeline(chosen: list, ordered) -> list:
     """`chosen` (`pair`'s) with a pure pipeline (dp=1, a whole backward) inserted second, where the
-    first is not one and `ordered` holds one: its waits are a pipeline's receives, the first's
-    also gathers and reductions, so the two fit `wait` apart from `scale` (`fit_wait`)."""
+    first is not one and `ordered` holds one: it has no collectives, the first has ZeRO-3's
+    gathers and reductions, so the two fit `wait` apart from `scale` (`fit_wait`)."""
     if not chosen or chosen[0].dp == 1:
         return list(chosen)
     pipe = next((c for c in ordered if c.dp == 1 and c.pp > 1 and c.schedule not in SPLIT_SCHEDULES
