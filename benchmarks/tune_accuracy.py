@@ -126,7 +126,7 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                      "calibration_ms": cal.measured * 1e3, "check": cal.check,
                      "check_error": cal.check_error, "scale": cal.scale, "wait_ms": cal.wait * 1e3,
                      "fitted": cal.fitted, "fitted_ms": cal.fitted_measured * 1e3,
-                     "fitted_error": cal.fitted_error})
+                     "fitted_error": cal.fitted_error, "fitted_wait_ms": cal.fitted_wait * 1e3})
     return rows
 
 
@@ -155,8 +155,9 @@ def table(rows) -> str:
                      f"the measured costs alone predicted it {r['calibration_error']:+.1%}, so scale "
                      f"{r['scale']:.2f}; {r['other_load']:.2f} cores of other load, load average "
                      f"{r['calibration_loadavg']:.1f}"
-                     + (f"; {r['wait_ms']:.2f} ms more per collective, fitted beside {r['fitted']} "
-                        f"({r['fitted_ms']:.1f} ms, predicted {r['fitted_error']:+.1%})" if r.get("fitted") else "")
+                     + (f"; {r['wait_ms']:.2f} ms more per collective (fitted {r['fitted_wait_ms']:.2f}) beside "
+                        f"{r['fitted']} ({r['fitted_ms']:.1f} ms, predicted {r['fitted_error']:+.1%})"
+                        if r.get("fitted") else "")
                      + f"); checked on {r['check']}: {check}; tolerance ±{r['tolerance']:.0%}")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
     again = sum(1 for r in rows if abs(r["error_recalibrated"]) <= 0.15)

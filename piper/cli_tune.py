@@ -97,7 +97,8 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     the others' fitted against the search's profile (`compute_fit`; `call`: keep that cost per
     compute), and checked on the last where there are two or more. With three, the second (a
     pipeline, `with_pipeline`) and the first fit the wait per data-parallel collective beside
-    `scale` (`fit_wait`); `wait`: keep that one instead."""
+    `scale` (`fit_wait`), kept where it predicts the last better than none; `wait`: keep that
+    one instead."""
     from .compiler.tune_calibration import fit_wait, from_run
 
     def priced(c: Candidate, run: dict):
@@ -120,28 +121,40 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     others = [(run, priced(o, run)[2]) for o, run in zip(chosen[1:], runs[1:])]
     cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=runs[0]["compiled"].plans.representatives(),
                    candidate=c.label(), estimated=estimated, collectives=collectives, others=others, call=call)
+    def finish(cal):        # its own prediction (for `scale`), the pipeline's and the check's
+        own = search.with_calibration(cal).evaluate(c, exact)
+        cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
+        if cal.fitted:
+            cal = replace(cal, fitted_predicted=_predicted(search.with_calibration(cal), chosen[1]) or 0.0)
+        if len(chosen) > 1:
+            other = chosen[-1]
+            step = _predicted(search.with_calibration(cal), other)
+            if step is not None:
+                measured = statistics.median(runs[len(chosen) - 1]["times"])
+                cal = replace(cal, check=other.label(), check_measured=measured, check_predicted=step)
+        return cal
+
     if wait is not None:
-        cal = replace(cal, wait=wait)
-    elif len(chosen) > 2:
-        fitted = chosen[1]
+        return finish(replace(cal, wait=wait))
+    if len(chosen) < 3:
+        return finish(cal)
+    fitted = chosen[1]
 
-        def predict(w: float) -> tuple[float, float]:
-            with_w = search.with_calibration(replace(cal, wait=w))
-            return _predicted(with_w, c) or 0.0, _predicted(with_w, fitted) or 0.0
+    def predict(w: float) -> tuple[float, float]:
+        with_w = search.with_calibration(replace(cal, wait=w))
+        return _predicted(with_w, c) or 0.0, _predicted(with_w, fitted) or 0.0
 
-        measured = (statistics.median(runs[0]["times"]), statistics.median(runs[1]["times"]))
-        cal = replace(cal, wait=fit_wait(predict, measured), fitted=fitted.label(), fitted_measured=measured[1])
-    own = search.with_calibration(cal).evaluate(c, exact)
-    cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
-    if cal.fitted:
-        cal = replace(cal, fitted_predicted=_predicted(search.with_calibration(cal), chosen[1]) or 0.0)
-    if len(chosen) > 1:
-        other = chosen[-1]
-        checked = search.with_calibration(cal)
-        step = _predicted(checked, other)
-        if step is not None:
-            measured = statistics.median(runs[len(chosen) - 1]["times"])
-            cal = replace(cal, check=other.label(), check_measured=measured, check_predicted=step)
+    measured = (statistics.median(runs[0]["times"]), statistics.median(runs[1]["times"]))
+    cal = replace(cal, fitted=fitted.label(), fitted_measured=measured[1])
+    w = fit_wait(predict, measured)
+    without = finish(cal)
+    if not w:
+        return without
+    # kept only where it predicts the third run (another mesh) better than none does: two runs
+    # whose steps vary by a third from step to step can fit a wait that is noise
+    with_w = finish(replace(cal, wait=w, fitted_wait=w))
+    return with_w if abs(with_w.check_error or 0.0) < abs(without.check_error or 0.0) else \
+        replace(without, fitted_wait=w)
     return cal
 
 

@@ -372,3 +372,9 @@ def test_the_calibration_fits_the_wait_on_its_pipeline_and_checks_the_third(sear
     two = cli_tune.calibration_from(search, [reference, third], [runs[0], runs[2]])
     assert two.wait == 0.0 and not two.fitted and abs(two.check_error) > abs(cal.check_error)
     assert cli_tune.calibration_from(search, [reference], runs[:1], wait=0.004).wait == 0.004
+    # a third run that the wait predicts worse than none: the wait is noise of the two, and dropped
+    plain = search.with_calibration(_cal(RuntimeModel(), cores=search.machine["cores"]))
+    runs[2] = _record(third, search.reference.program, 1.3 * cli_tune._predicted(plain, third))
+    noise = cli_tune.calibration_from(search, [reference, pipeline, third], runs)
+    assert noise.wait == 0.0 and noise.fitted_wait == pytest.approx(0.015, rel=1e-2)
+    assert abs(noise.fitted_error) > 0.01 and noise.tolerance >= abs(noise.fitted_error)

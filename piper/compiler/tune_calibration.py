@@ -26,7 +26,7 @@ processes take of the cores. A `Calibration` holds each as it was measured:
   so a structure with many (ZeRO-3's gathers and reduce-scatters) slows more than its CPU seconds
   and its calls timed between steps say (a pipeline's receive waits for one sender, whose message
   is sent ahead). Fitted with `scale` over the first run and a pure pipeline stepped in the same
-  rounds, which has none (`fit_wait`);
+  rounds, which has none (`fit_wait`), and kept where it predicts the third run better than none;
 - `scale`: the run's measured step over what all of the above predicts for it (what they leave
   out on this machine, mostly the load's effect), carried to every candidate;
 - `check_error`: the error, `scale` included, on a second candidate run beside the first (another
@@ -80,6 +80,7 @@ class Calibration:
     fitted: str = ""                # the label of the run `wait` was fitted on beside this one
     fitted_measured: float = 0.0    # its median step (s)
     fitted_predicted: float = 0.0   # what this calibration predicts for it, `scale` included (s)
+    fitted_wait: float = 0.0        # the wait those two runs gave, kept as `wait` or not (`calibration_from`)
 
     @property
     def error(self) -> float:
