@@ -378,3 +378,18 @@ def test_the_calibration_fits_the_wait_on_its_pipeline_and_checks_the_third(sear
     noise = cli_tune.calibration_from(search, [reference, pipeline, third], runs)
     assert noise.wait == 0.0 and noise.fitted_wait == pytest.approx(0.015, rel=1e-2)
     assert abs(noise.fitted_error) > 0.01 and noise.tolerance >= abs(noise.fitted_error)
+
+
+@pytest.mark.usefixtures("cache")
+def test_tune_says_how_far_the_pipeline_beside_the_calibration_was_predicted(monkeypatch, capsys):
+    runtime = RuntimeModel({"F": 1e-4, "B": 1e-4, "SEND": 5e-5, "RECV": 5e-5, "UPD": 1e-4}, latency=0.003)
+    measured = _cal(runtime, cores=2, measured=0.1, predicted=0.1, spread=0.02, candidate="measured",
+                    fitted="the pipeline", fitted_measured=0.1, fitted_predicted=0.13, fitted_wait=0.04)
+    monkeypatch.setattr(cli_tune, "_calibrate_on", lambda search, c, log: measured)
+    args = ["tune", "--model", MODEL, "--devices", "4", "--memory", "8MiB", "--batch-size", "8"]
+    assert main(args + ["--recalibrate"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    # the wait was not kept (0 ms); the pipeline's +30% sets the groups' tolerance
+    assert "0.00 ms more per collective, fitted beside the pipeline, which it predicts +30%" in text
+    rows = json.loads(_out(main, args + ["--format", "json"], capsys))
+    assert all(r["tolerance"] == pytest.approx(0.3) for r in rows)
