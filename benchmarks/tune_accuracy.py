@@ -52,7 +52,8 @@ def _measure_beside(search, reference, candidates, *, steps: int, warmup: int, l
         runs = measure_together(jobs, data, steps=steps, warmup=warmup)
         after = loadavg()
     # the runtime's costs and the load from the reference's steps; a compute's cost per call as calibrated
-    again = calibration_from(search, [reference], runs[:1], call=search.calibration.call)
+    again = calibration_from(search, [reference], runs[:1], call=search.calibration.call,
+                             wait=search.calibration.wait)
     # the calls' costs on group sizes the reference lacks: as the calibration measured them
     again = replace(again, collectives={**search.calibration.collectives, **again.collectives})
     return dict(zip(order, runs)), again, (before, after)
@@ -123,7 +124,9 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                      "tolerance": search.tolerance, "calibrated_on": cal.candidate,
                      "calibration_error": cal.error, "other_load": cal.external, "calibration_loadavg": calibrated_at,
                      "calibration_ms": cal.measured * 1e3, "check": cal.check,
-                     "check_error": cal.check_error, "scale": cal.scale})
+                     "check_error": cal.check_error, "scale": cal.scale, "wait_ms": cal.wait * 1e3,
+                     "fitted": cal.fitted, "fitted_ms": cal.fitted_measured * 1e3,
+                     "fitted_error": cal.fitted_error, "fitted_wait_ms": cal.fitted_wait * 1e3})
     return rows
 
 
@@ -151,7 +154,11 @@ def table(rows) -> str:
         lines.append(f"\n- {model}: calibrated on {r['calibrated_on']} ({r['calibration_ms']:.1f} ms; "
                      f"the measured costs alone predicted it {r['calibration_error']:+.1%}, so scale "
                      f"{r['scale']:.2f}; {r['other_load']:.2f} cores of other load, load average "
-                     f"{r['calibration_loadavg']:.1f}); checked on {r['check']}: {check}; tolerance ±{r['tolerance']:.0%}")
+                     f"{r['calibration_loadavg']:.1f}"
+                     + (f"; {r['wait_ms']:.2f} ms more per collective (fitted {r['fitted_wait_ms']:.2f}) beside "
+                        f"{r['fitted']} ({r['fitted_ms']:.1f} ms, predicted {r['fitted_error']:+.1%})"
+                        if r.get("fitted") else "")
+                     + f"); checked on {r['check']}: {check}; tolerance ±{r['tolerance']:.0%}")
     within = sum(1 for r in rows if abs(r["error"]) <= 0.15)
     again = sum(1 for r in rows if abs(r["error_recalibrated"]) <= 0.15)
     at_load = sum(1 for r in rows if abs(r["error_at_load"]) <= 0.15)

@@ -20,20 +20,21 @@ from .compiler.tune import Candidate, Result, Search, _cached, at_load, candidat
 
 def calibrate(search: Search, *, log=None, again: bool = False):
     """The runtime's costs for `search`'s model and device count on this machine
-    (`tune_calibration.Calibration`): a short run of two candidates side by side
-    (`tune_calibration.choose`, `pair`), cached (`$PIPER_CACHE`) by machine, model, batch and
+    (`tune_calibration.Calibration`): a short run of two or three candidates side by side
+    (`tune_calibration.choose`, `pair`, `with_pipeline`), cached (`$PIPER_CACHE`) by machine, model, batch and
     devices (`again`: measure anew); None where they do not run."""
     from .compiler.runtime_costs import RuntimeModel
-    from .compiler.tune_calibration import Calibration, choose, pair
+    from .compiler.tune_calibration import Calibration, choose, pair, with_pipeline
 
     path, _, factory = search.model_spec.rpartition(":")
     key = {"what": "calibration", "model": os.path.abspath(path), "factory": factory, "batch": search.batch,
            "mtime": os.path.getmtime(path) if os.path.exists(path) else 0, "devices": search.devices,
-           "cores": search.machine["cores"]}
+           "cores": search.machine["cores"], "fit": "scale and a wait per collective"}
     log = log or search.log
 
     def make():
-        chosen = pair(choose(candidates(search.devices, search.batch, search.regions)), search.batch)
+        ordered = choose(candidates(search.devices, search.batch, search.regions))
+        chosen = with_pipeline(pair(ordered, search.batch), ordered)
         if not chosen:
             return None
         try:
@@ -46,8 +47,9 @@ def calibrate(search: Search, *, log=None, again: bool = False):
 
 
 def _calibrate_on(search: Search, chosen: list[Candidate], log):
-    """Run the `chosen` candidates a step each in turn; the first makes the `Calibration`, the second
-    (where there is one) checks what it predicts for another candidate."""
+    """Run the `chosen` candidates a step each in turn; the first makes the `Calibration`, a pipeline
+    second of three fits the wait per collective with it, and the last (where there are two or more)
+    checks what it predicts for another candidate (`calibration_from`)."""
     import contextlib
 
     import ray
@@ -88,12 +90,16 @@ def start_jobs(model_spec: str, chosen: list[Candidate], batch: int, stack, *, p
     return jobs, data
 
 
-def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], *, call: float | None = None):
+def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], *, call: float | None = None,
+                     wait: float | None = None):
     """The `Calibration` that `runs` (`tune_calibration.measure_together`'s records of the `chosen`
     candidates' jobs, stepped in turn) make: the first candidate's runtime costs, its computes and
     the others' fitted against the search's profile (`compute_fit`; `call`: keep that cost per
-    compute), and checked on the second where there is one."""
-    from .compiler.tune_calibration import from_run
+    compute), and checked on the last where there are two or more. With three, the second (a
+    pipeline, `with_pipeline`) and the first fit the wait per data-parallel collective beside
+    `scale` (`fit_wait`), kept where it predicts the last better than none; `wait`: keep that
+    one instead."""
+    from .compiler.tune_calibration import fit_wait, from_run
 
     def priced(c: Candidate, run: dict):
         b = search.batch // (c.dp * c.microbatches)
@@ -115,16 +121,40 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     others = [(run, priced(o, run)[2]) for o, run in zip(chosen[1:], runs[1:])]
     cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=runs[0]["compiled"].plans.representatives(),
                    candidate=c.label(), estimated=estimated, collectives=collectives, others=others, call=call)
-    own = search.with_calibration(cal).evaluate(c, exact)
-    cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
-    if len(chosen) > 1:
-        other = chosen[1]
-        b = search.batch // (other.dp * other.microbatches)
-        checked = search.with_calibration(cal).evaluate(
-            other, profile(search.model_spec, b) if b != search.reference.microbatch else None)
-        if checked is not None:
-            measured = statistics.median(runs[1]["times"])
-            cal = replace(cal, check=other.label(), check_measured=measured, check_predicted=checked.step_s)
+    def finish(cal):        # its own prediction (for `scale`), the pipeline's and the check's
+        own = search.with_calibration(cal).evaluate(c, exact)
+        cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
+        if cal.fitted:
+            cal = replace(cal, fitted_predicted=_predicted(search.with_calibration(cal), chosen[1]) or 0.0)
+        if len(chosen) > 1:
+            other = chosen[-1]
+            step = _predicted(search.with_calibration(cal), other)
+            if step is not None:
+                measured = statistics.median(runs[len(chosen) - 1]["times"])
+                cal = replace(cal, check=other.label(), check_measured=measured, check_predicted=step)
+        return cal
+
+    if wait is not None:
+        return finish(replace(cal, wait=wait))
+    if len(chosen) < 3:
+        return finish(cal)
+    fitted = chosen[1]
+
+    def predict(w: float) -> tuple[float, float]:
+        with_w = search.with_calibration(replace(cal, wait=w))
+        return _predicted(with_w, c) or 0.0, _predicted(with_w, fitted) or 0.0
+
+    measured = (statistics.median(runs[0]["times"]), statistics.median(runs[1]["times"]))
+    cal = replace(cal, fitted=fitted.label(), fitted_measured=measured[1])
+    w = fit_wait(predict, measured)
+    without = finish(cal)
+    if not w:
+        return without
+    # kept only where it predicts the third run (another mesh) better than none does: two runs
+    # whose steps vary by a third from step to step can fit a wait that is noise
+    with_w = finish(replace(cal, wait=w, fitted_wait=w))
+    return with_w if abs(with_w.check_error or 0.0) < abs(without.check_error or 0.0) else \
+        replace(without, fitted_wait=w)
     return cal
 
 
@@ -161,7 +191,7 @@ def _verify(search: Search, results: list[Result], steps: int = 3) -> tuple[list
                     out.append((statistics.median(run["times"]), peak, statistics.median(run["external"]),
                                 loadavg()))
                     if ref_jobs:
-                        beside = calibration_from(search, [reference], runs[:1], call=cal.call)
+                        beside = calibration_from(search, [reference], runs[:1], call=cal.call, wait=cal.wait)
                         beside = replace(beside, collectives={**cal.collectives, **beside.collectives})
                         step = _predicted(search.with_calibration(beside), r.candidate)
                         if step is not None:
@@ -298,7 +328,10 @@ def main(args) -> int:
     if cal is not None:
         console.print(f"[dim]steps predicted with the runtime's costs measured on {cal.candidate} "
                       f"({cal.measured * 1e3:.1f} ms measured, {cal.error:+.0%} predicted; "
-                      f"steps varied ±{cal.spread:.0%}),"
+                      f"steps varied ±{cal.spread:.0%}"
+                      + (f"; {cal.wait * 1e3:.2f} ms more per collective, fitted beside {cal.fitted}, "
+                         f"which it predicts {cal.fitted_error or 0.0:+.0%}" if cal.fitted else "")
+                      + "),"
                       f" for {cal.external:.1f} of {cal.cores} cores busy with other work as then; "
                       "--recalibrate to measure again[/]")
     else:

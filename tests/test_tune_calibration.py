@@ -54,6 +54,9 @@ def test_groups_join_the_predictions_that_overlap():
 def test_tolerance_is_the_model_error_or_the_noise_or_the_floor():
     rm = RuntimeModel()
     assert Calibration(rm, measured=0.1, predicted=0.1).tolerance == FLOOR
+    # the pipeline beside it predicted 30% short (no wait gave both one scale): ±30%
+    assert Calibration(rm, measured=0.1, predicted=0.1, fitted="p", fitted_measured=0.1,
+                       fitted_predicted=0.07).tolerance == pytest.approx(0.3)
     assert Calibration(rm, measured=0.1, predicted=0.08).tolerance == pytest.approx(0.2)
     assert Calibration(rm, measured=0.1, predicted=0.1, spread=0.3).tolerance == 0.3
 
@@ -264,3 +267,129 @@ def test_a_cost_per_call_lands_on_each_forward_and_backward(search):
     base = search.with_calibration(_cal()).evaluate(PIPE).step_s
     # 1F1B, 4 devices, one microbatch: 4 forwards and 4 backwards on the path
     assert search.with_calibration(_cal(call=0.001)).evaluate(PIPE).step_s == pytest.approx(base + 8 * 0.001)
+
+
+def test_each_collective_costs_the_calibrated_wait_and_a_pipeline_none(search):
+    from piper.compiler.tune_calibration import with_wait
+
+    # 1F1B on 4 devices: sends and receives, no collective
+    base = search.with_calibration(_cal()).evaluate(PIPE).step_s
+    assert search.with_calibration(_cal(wait=0.002)).evaluate(PIPE).step_s == pytest.approx(base)
+    # plain dp on 4 devices: its all-reduces do (each region's update waits for one)
+    dp = Candidate(4, 1, None, 1, None, "dp")
+    base = search.with_calibration(_cal()).evaluate(dp).step_s
+    assert search.with_calibration(_cal(wait=0.002)).evaluate(dp).step_s > base
+    priced = with_wait(lambda node: 0.5, 0.25)
+    kinds = {op: priced(type("N", (), {"op": op})()) for op in ("SEND", "RECV", "ALL_GATHER", "REDUCE_SCATTER",
+                                                                  "ALL_REDUCE", "ALL_TO_ALL", "TP")}
+    assert kinds == {"SEND": 0.5, "RECV": 0.5, "ALL_GATHER": 0.75, "REDUCE_SCATTER": 0.75, "ALL_REDUCE": 0.75,
+                     "ALL_TO_ALL": 0.5, "TP": 0.5}
+
+
+def test_the_wait_is_the_one_that_gives_two_structures_one_scale():
+    from piper.compiler.tune_calibration import fit_wait
+
+    # 20 collectives on the first's path, 5 on the second's: at 1 ms each both predict half their steps
+    assert fit_wait(lambda w: (0.010 + 20 * w, 0.010 + 5 * w), (0.05, 0.025)) == pytest.approx(0.001)
+    # not linear in the wait (the path changes): the secant still finds it
+    curved = fit_wait(lambda w: (0.010 + 20 * w + 300 * w * w, 0.010 + 5 * w), (0.05, 0.025))
+    p0, p1 = 0.010 + 20 * curved + 300 * curved ** 2, 0.010 + 5 * curved
+    assert p0 / p1 == pytest.approx(2.0, rel=1e-4)
+    # the first already predicted as long as it measured against the second, or the waits do not
+    # tell them apart: no wait
+    assert fit_wait(lambda w: (0.010 + 20 * w, 0.010 + 5 * w), (0.02, 0.025)) == 0.0
+    assert fit_wait(lambda w: (0.010 + 5 * w, 0.010 + 5 * w), (0.05, 0.025)) == 0.0
+
+
+def test_a_fitted_wait_and_scale_carry_to_a_third_structure(search):
+    from piper.compiler.tune_calibration import fit_wait
+
+    reference = Candidate(2, 2, "interleaved_1f1b", 2, 2, "zero3")
+    pipeline = Candidate(1, 4, "one_f_one_b", 4)
+    third = Candidate(4, 1, None, 2, None, "zero3")
+    calls = {("ALL_GATHER", 2): (0.001, 0.0002), ("REDUCE_SCATTER", 2): (0.001, 0.0002),
+             ("ALL_GATHER", 4): (0.002, 0.0003), ("REDUCE_SCATTER", 4): (0.002, 0.0003)}
+    # the machine: 20 ms more per collective and everything 1.5x what the costs say
+    truth = search.with_calibration(_cal(collectives=calls, wait=0.02))
+    steps = {c: 1.5 * truth.evaluate(c).step_s for c in (reference, pipeline, third)}
+    # one scale alone, from the reference, misses the pipeline
+    plain = search.with_calibration(_cal(collectives=calls, measured=steps[reference],
+                                         predicted=search.with_calibration(_cal(collectives=calls))
+                                         .evaluate(reference).step_s))
+    missed = abs(plain.evaluate(pipeline).step_s / steps[pipeline] - 1)
+    assert missed > 0.01
+
+    def predict(w):
+        at = search.with_calibration(_cal(collectives=calls, wait=w))
+        return at.evaluate(reference).step_s, at.evaluate(pipeline).step_s
+
+    wait = fit_wait(predict, (steps[reference], steps[pipeline]))
+    assert wait == pytest.approx(0.02, rel=1e-3)
+    fitted = _cal(collectives=calls, wait=wait, measured=steps[reference], predicted=predict(wait)[0])
+    assert fitted.scale == pytest.approx(1.5, rel=1e-3)
+    for c in (pipeline, third):
+        assert search.with_calibration(fitted).evaluate(c).step_s == pytest.approx(steps[c], rel=missed / 10)
+
+
+def test_the_calibration_fits_its_wait_beside_a_pipeline():
+    from piper.compiler.tune import candidates
+    from piper.compiler.tune_calibration import choose, pair, with_pipeline
+
+    ordered = choose(candidates(4, 16, regions=4))
+    first, pipe, other = with_pipeline(pair(ordered, 16), ordered)
+    assert (first.dp, first.data) == (2, "zero3") and (other.dp, other.pp) != (first.dp, first.pp)
+    assert pipe.dp == 1 and pipe.pp == 4 and pipe.schedule == "one_f_one_b"
+    assert with_pipeline([pipe, other], ordered) == [pipe, other]       # a pipeline first: nothing to add
+
+
+def _record(c: Candidate, program, step_s: float) -> dict:
+    """What `measure_together` records of a job whose steps all take `step_s`, and nothing else."""
+    from piper.compiler.planning import plan
+    from piper.dsl import load_strategy
+
+    compiled = plan(load_strategy(c.script(), file="<t>"), program=program)
+    ranks = range(c.dp * c.pp)
+    quiet = {"clock": (0.0, 0.0), "steps": []}
+    return {"times": [step_s] * 3, "external": [0.0] * 3, "collectives": {},
+            "cpu_timings": [{r: {"step": 0.0} for r in ranks}] * 3,
+            "cpu_overheads": [{r: {"start": 0.0, "end": 0.0} for r in ranks}] * 3,
+            "traced": [{"recorded": [quiet for _ in ranks], "plans": compiled.plans}] * 3, "compiled": compiled}
+
+
+def test_the_calibration_fits_the_wait_on_its_pipeline_and_checks_the_third(search):
+    reference = Candidate(2, 2, "interleaved_1f1b", 2, 2, "zero3")
+    pipeline = Candidate(1, 4, "one_f_one_b", 4)
+    third = Candidate(4, 1, None, 2, None, "zero3")
+    # the three runs measured as 15 ms more per collective and 1.3x the rest would make them
+    truth = search.with_calibration(_cal(RuntimeModel(), cores=search.machine["cores"], wait=0.015))
+    steps = [1.3 * cli_tune._predicted(truth, c) for c in (reference, pipeline, third)]
+    runs = [_record(c, search.reference.program, s) for c, s in zip((reference, pipeline, third), steps)]
+    cal = cli_tune.calibration_from(search, [reference, pipeline, third], runs)
+    assert cal.wait == pytest.approx(0.015, rel=1e-2) and cal.fitted == pipeline.label()
+    assert cal.scale == pytest.approx(1.3, rel=1e-2) and cal.check == third.label()
+    assert abs(cal.check_error) < 0.01 and abs(cal.fitted_error) < 0.01
+    # two runs: no pipeline to fit on, the first's scale alone; a wait given is kept
+    two = cli_tune.calibration_from(search, [reference, third], [runs[0], runs[2]])
+    assert two.wait == 0.0 and not two.fitted and abs(two.check_error) > abs(cal.check_error)
+    assert cli_tune.calibration_from(search, [reference], runs[:1], wait=0.004).wait == 0.004
+    # a third run that the wait predicts worse than none: the wait is noise of the two, and dropped
+    plain = search.with_calibration(_cal(RuntimeModel(), cores=search.machine["cores"]))
+    runs[2] = _record(third, search.reference.program, 1.3 * cli_tune._predicted(plain, third))
+    noise = cli_tune.calibration_from(search, [reference, pipeline, third], runs)
+    assert noise.wait == 0.0 and noise.fitted_wait == pytest.approx(0.015, rel=1e-2)
+    assert abs(noise.fitted_error) > 0.01 and noise.tolerance >= abs(noise.fitted_error)
+
+
+@pytest.mark.usefixtures("cache")
+def test_tune_says_how_far_the_pipeline_beside_the_calibration_was_predicted(monkeypatch, capsys):
+    runtime = RuntimeModel({"F": 1e-4, "B": 1e-4, "SEND": 5e-5, "RECV": 5e-5, "UPD": 1e-4}, latency=0.003)
+    measured = _cal(runtime, cores=2, measured=0.1, predicted=0.1, spread=0.02, candidate="measured",
+                    fitted="the pipeline", fitted_measured=0.1, fitted_predicted=0.13, fitted_wait=0.04)
+    monkeypatch.setattr(cli_tune, "_calibrate_on", lambda search, c, log: measured)
+    args = ["tune", "--model", MODEL, "--devices", "4", "--memory", "8MiB", "--batch-size", "8"]
+    assert main(args + ["--recalibrate"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    # the wait was not kept (0 ms); the pipeline's +30% sets the groups' tolerance
+    assert "0.00 ms more per collective, fitted beside the pipeline, which it predicts +30%" in text
+    rows = json.loads(_out(main, args + ["--format", "json"], capsys))
+    assert all(r["tolerance"] == pytest.approx(0.3) for r in rows)

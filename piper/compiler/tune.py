@@ -456,11 +456,12 @@ class Search:
         (`Calibration.compute`, `call`; `update` for the optimizer's), a collective costing its measured wall time per call beyond its bytes
         (`Calibration.collectives`), each device's other threads (Gloo's copies of its bytes,
         `comm_seconds`, its work per collective call, `calls_seconds`, and the rest measured) competing
-        for the cores other processes leave, and the driver's own part of a step added; all of it
+        for the cores other processes leave, each data-parallel collective waiting `Calibration.wait`
+        more (`with_wait`), and the driver's own part of a step added; all of it
         times what the calibration's run measured over what this predicts for it (`scale`).
         """
         from .simulate import simulate
-        from .tune_calibration import call_latency, calls_seconds, comm_seconds, cores_left, is_update
+        from .tune_calibration import call_latency, calls_seconds, comm_seconds, cores_left, is_update, with_wait
 
         cal = self.calibration
         if cal is None:
@@ -469,7 +470,8 @@ class Search:
             return sim, sim.step_time
         costs = {k: v * cal.update if is_update(k) else v * cal.compute + cal.call for k, v in costs.items()}
         led, full = cal.runtime.apply(plans, costs, overlap)
-        sim = simulate(led, costs=full, comm_cost=cal.runtime.comm_cost(call_latency(cal.collectives, comm)),
+        latency = with_wait(cal.runtime.comm_cost(call_latency(cal.collectives, comm)), cal.wait)
+        sim = simulate(led, costs=full, comm_cost=latency,
                        overlap=overlap, cores=cores_left(cal.cores, self.external or 0.0), devices=self.devices,
                        background=cal.background + comm_seconds(plans, comm)
                        + calls_seconds(plans, cal.collectives, cal.runtime))

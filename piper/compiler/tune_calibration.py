@@ -21,6 +21,12 @@ processes take of the cores. A `Calibration` holds each as it was measured:
   (`job.collective_costs()`): on Gloo a call costs 0.2-1.5 ms of CPU and more of wall time
   beyond its bytes, which ZeRO-3 pays several times per region and step (`call_cost`);
 - `driver`: the driver's step less the devices' span (the Ray call, the batch in, losses out);
+- `wait`: seconds each data-parallel collective costs on the path beyond the above: a collective
+  is a rendezvous of every member of its group, and under other load each must first get a core,
+  so a structure with many (ZeRO-3's gathers and reduce-scatters) slows more than its CPU seconds
+  and its calls timed between steps say (a pipeline's receive waits for one sender, whose message
+  is sent ahead). Fitted with `scale` over the first run and a pure pipeline stepped in the same
+  rounds, which has none (`fit_wait`), and kept where it predicts the third run better than none;
 - `scale`: the run's measured step over what all of the above predicts for it (what they leave
   out on this machine, mostly the load's effect), carried to every candidate;
 - `check_error`: the error, `scale` included, on a second candidate run beside the first (another
@@ -70,6 +76,11 @@ class Calibration:
     check: str = ""                 # the label of another candidate run beside it
     check_measured: float = 0.0     # its median step (s)
     check_predicted: float = 0.0    # what this calibration predicts for it, `scale` included (s)
+    wait: float = 0.0               # s each data-parallel collective waits beyond its costs (`fit_wait`)
+    fitted: str = ""                # the label of the run `wait` was fitted on beside this one
+    fitted_measured: float = 0.0    # its median step (s)
+    fitted_predicted: float = 0.0   # what this calibration predicts for it, `scale` included (s)
+    fitted_wait: float = 0.0        # the wait those two runs gave, kept as `wait` or not (`calibration_from`)
 
     @property
     def error(self) -> float:
@@ -89,12 +100,19 @@ class Calibration:
             else None
 
     @property
+    def fitted_error(self) -> float | None:
+        """The error on the pipeline `wait` was fitted on (`fitted`): 0 where a wait gave both runs
+        one scale, how far the first's scale carries to a pipeline where none did; None without one."""
+        return self.fitted_predicted / self.fitted_measured - 1 if self.fitted_measured and self.fitted_predicted \
+            else None
+
+    @property
     def tolerance(self) -> float:
-        """How far apart two predictions must be to be told apart on this machine: the larger of
-        the error on the other candidate (else the model's own error), the run's step-to-step
-        spread and `FLOOR`."""
-        check = self.check_error
-        return max(FLOOR, abs(check if check is not None else self.error), self.spread)
+        """How far apart two predictions must be to be told apart on this machine: the largest of
+        the error on the other candidate (else the model's own error), the error on the pipeline
+        the wait was fitted on, the run's step-to-step spread and `FLOOR`."""
+        check, fitted = self.check_error, self.fitted_error
+        return max(FLOOR, abs(check if check is not None else self.error), abs(fitted or 0.0), self.spread)
 
 
 def machine_busy() -> float:
@@ -182,6 +200,65 @@ def call_latency(collectives: dict, comm):
     return cost
 
 
+WAITED = ("ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER")    # the rendezvous of a data-parallel group
+
+
+def with_wait(comm, wait: float):
+    """`comm(node)` plus `wait` seconds for each data-parallel collective (`WAITED`): the members'
+    rendezvous, each of whom must get a core first on cores other work keeps busy."""
+    if not wait:
+        return comm
+
+    def cost(node) -> float:
+        return comm(node) + (wait if node.op in WAITED else 0.0)
+    return cost
+
+
+def fit_wait(predict, measured: tuple[float, float], *, probe: float = 5e-4, rounds: int = 10) -> float:
+    """The `wait` per collective for which two runs stepped in the same rounds share one
+    `scale`: `predict(wait)` gives both runs' steps (before `scale`), `measured` their median steps.
+    The first root of predicted_0 / predicted_1 - measured_0 / measured_1 over 0, `probe`, 2 x
+    `probe`, ... up to the first's measured step (the ratio is not monotone near 0: a few more ms
+    on each collective can move the path), narrowed by `rounds` bisections; 0 where there is none
+    (waits would have to cost less than nothing, or do not tell the two runs apart: the first
+    run is the one with collectives, the second a pipeline without).
+
+        fit_wait(lambda w: (0.010 + 20 * w, 0.010 + 5 * w), (0.05, 0.025)) == 0.001
+    """
+    m0, m1 = measured
+    if m0 <= 0 or m1 <= 0:
+        return 0.0
+
+    def gap(w: float) -> float:
+        p0, p1 = predict(w)
+        return p0 / p1 - m0 / m1 if p1 > 0 else 0.0
+
+    a, ga = 0.0, gap(0.0)
+    if ga == 0:
+        return 0.0
+    b = probe
+    while True:
+        gb = gap(b)
+        if gb == 0:
+            return b
+        if (gb > 0) != (ga > 0):
+            break
+        if b >= m0:
+            return 0.0
+        a, ga, b = b, gb, min(m0, 2 * b)
+    for _ in range(rounds):
+        c = a + ga * (b - a) / (ga - gb)          # the chord's root, inside the bracket
+        c = min(max(c, a + 0.05 * (b - a)), b - 0.05 * (b - a))
+        gc = gap(c)
+        if gc == 0:
+            return c
+        if (gc > 0) == (ga > 0):
+            a, ga = c, gc
+        else:
+            b, gb = c, gc
+    return a if abs(ga) < abs(gb) else b
+
+
 def comm_seconds(plans, comm) -> float:
     """Per device (the mean over `plans`), the seconds `comm(node)` gives its sends, receives and
     collectives: what Gloo's threads spend copying the device's bytes at that throughput."""
@@ -202,6 +279,17 @@ def pair(ordered, batch: int | None = None) -> list:
     meshes = [c for c in ordered[1:] if (c.dp, c.pp) != (first.dp, first.pp)]
     other = next((c for c in meshes if size(c) != size(first)), None) or next(iter(meshes), None)
     return [first, other] if other is not None else ordered[:2]
+
+
+def with_pipeline(chosen: list, ordered) -> list:
+    """`chosen` (`pair`'s) with a pure pipeline (dp=1, a whole backward) inserted second, where the
+    first is not one and `ordered` holds one: it has no collectives, the first has ZeRO-3's
+    gathers and reductions, so the two fit `wait` apart from `scale` (`fit_wait`)."""
+    if not chosen or chosen[0].dp == 1:
+        return list(chosen)
+    pipe = next((c for c in ordered if c.dp == 1 and c.pp > 1 and c.schedule not in SPLIT_SCHEDULES
+                 and c not in chosen), None)
+    return [chosen[0], pipe, *chosen[1:]] if pipe is not None else list(chosen)
 
 
 def choose(candidates):
