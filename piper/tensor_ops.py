@@ -113,13 +113,15 @@ def tp_reduce_scatter(x: Tensor, dim: int, size: int) -> Tensor:
     return _reduce_scatter(x, dim, size)
 
 
-@tp_reduce_scatter.register_fake
-def _(x, dim, size):
+def _divided_fake(x, dim, size):
     return _resized(x, dim, over=size)
 
 
-def _reduce_scatter_backward(ctx, grad):
+def _reduce_scatter_backward(ctx, grad):       # tp_split's too: the parts' gradients gathered
     return _gather(grad, ctx.dim, ctx.size), None, None
+
+
+tp_reduce_scatter.register_fake(_divided_fake)
 
 
 tp_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_dim_setup)
@@ -176,16 +178,8 @@ def tp_split(x: Tensor, dim: int, size: int) -> Tensor:
     return x.chunk(group.size, dim)[group.index].clone()
 
 
-@tp_split.register_fake
-def _(x, dim, size):
-    return _resized(x, dim, over=size)
-
-
-def _split_backward(ctx, grad):
-    return _gather(grad, ctx.dim, ctx.size), None, None
-
-
-tp_split.register_autograd(_split_backward, setup_context=_dim_setup)
+tp_split.register_fake(_divided_fake)
+tp_split.register_autograd(_reduce_scatter_backward, setup_context=_dim_setup)
 
 
 # -- the vocab-parallel loss's helpers ---------------------------------------------------------------------
