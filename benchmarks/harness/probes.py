@@ -287,22 +287,31 @@ def _bytes(tensors) -> int:
     return total
 
 
+def piper_held(ex):
+    """What a Piper worker's executor holds between steps: parameters, gradients, optimizer state."""
+    return lambda: sum(ex.memory()[k] for k in ("params", "grads", "optimizer"))
+
+
+def torch_held(worker):
+    """What a torch baseline actor holds between steps: parameters, gradients, optimizer state."""
+    def held():
+        params = list(worker.model.parameters())
+        state = [v for s in worker.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        return _bytes(params) + _bytes(p.grad for p in params) + _bytes(state)
+    return held
+
+
 def install_step_peak(worker) -> None:
     """Into a Piper worker (`__ray_call__`): its next `run_step` records `read_step_peak`."""
     ex = worker.executor
     if not hasattr(ex, "_untracked_run_step"):
         ex._untracked_run_step = ex.run_step
-    ex.run_step = _step_peak(ex._untracked_run_step, lambda: sum(ex.memory()[k] for k in
-                                                                 ("params", "grads", "optimizer")))
+    ex.run_step = _step_peak(ex._untracked_run_step, piper_held(ex))
 
 
 def install_step_peak_torch(worker) -> None:
     """Into a torch baseline actor (`__ray_call__`): its next `step` records `read_step_peak`."""
-    def held():
-        params = list(worker.model.parameters())
-        state = [v for s in worker.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-        return _bytes(params) + _bytes(p.grad for p in params) + _bytes(state)
-    worker.step_probe = _step_peak(worker._step, held)
+    worker.step_probe = _step_peak(worker._step, torch_held(worker))
 
 
 def read_step_peak(worker) -> int | None:

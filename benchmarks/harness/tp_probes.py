@@ -175,20 +175,36 @@ def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 30) 
 
 # -- the tensor-level peak of one step, the same way on both sides ------------------------------------
 
-def _tensor_peak(step):
-    """`step` wrapped so that its next call records, in `.peak`, the largest sum of live tensor bytes
-    on the CPU during the step, from torch's profiler (its memory timeline: every allocation and free
-    of the CPU allocator, parameters, gradients and optimizer state among them): what the tensors
-    hold, without what the allocator, the communication library or Python keep beside them."""
+def _allocation_rise(prof) -> int:
+    """The largest sum of the CPU allocator's allocations less its frees, in time order, over a
+    profiled step (torch's profiler, `profile_memory=True`: one event per allocation and free)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    events.sort()
+    now = peak = 0
+    for _, size in events:
+        now += size
+        peak = max(peak, now)
+    return peak
+
+
+def _tensor_peak(step, held):
+    """`step` wrapped so that its next call records, in `.peak`, the bytes held between steps
+    (`held()`) plus the largest rise of live tensor bytes during the step, from every allocation
+    and free of the CPU allocator (torch's profiler): what the tensors hold, without what the
+    allocator, the communication library or Python keep beside them."""
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
 
     def tracked(*args, **kwargs):
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = step(*args, **kwargs)
-        _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
-        tracked.peak = max((sum(s) for s in sizes), default=0)
+        tracked.peak = held() + _allocation_rise(prof)
         return out
     tracked.peak = None
     return tracked
@@ -196,12 +212,16 @@ def _tensor_peak(step):
 
 def install_tensor_peak(worker) -> None:
     """Into a Piper worker: its next `run_step` records the tensor peak (`probes.read_step_peak` reads it)."""
+    from .probes import piper_held
+
     ex = worker.executor
     if not hasattr(ex, "_untracked_run_step"):
         ex._untracked_run_step = ex.run_step
-    ex.run_step = _tensor_peak(ex._untracked_run_step)
+    ex.run_step = _tensor_peak(ex._untracked_run_step, piper_held(ex))
 
 
 def install_tensor_peak_torch(worker) -> None:
     """Into a torch baseline actor: its next `step` records the tensor peak (`probes.read_step_peak`)."""
-    worker.step_probe = _tensor_peak(worker._step)
+    from .probes import torch_held
+
+    worker.step_probe = _tensor_peak(worker._step, torch_held(worker))

@@ -307,9 +307,10 @@ def _tp_notes() -> list[str]:
         "peak: the bytes held between steps (parameters, gradients, optimizer state) plus the rise of the "
         "resident high-water mark during one step, after gc and malloc_trim (benchmarks/harness/probes.py), "
         "the largest over the ranks; job.memory's step_peak is Piper's own count of the same step. "
-        "tensor peak: the largest sum of live tensor bytes during one further step, from torch's profiler "
-        "(its memory timeline of the CPU allocator), the same on both sides: what the tensors hold, without "
-        "what the allocator, Gloo or Python keep beside them; the peak's excess over it is theirs.",
+        "tensor peak: the same bytes held between steps plus the largest rise of live tensor bytes during one "
+        "further step, summed from every allocation and free of the CPU allocator that torch's profiler "
+        "records, the same on both sides: what the tensors hold, without what the allocator, Gloo or Python "
+        "keep beside them; the peak's excess over it is theirs.",
     ]
 
 
