@@ -359,3 +359,20 @@ def test_the_tensor_parallel_suites_4d_plan_builds_on_8192_devices():
     mesh, directives = script.build(None)
     assert mesh.world_size == 8192 and directives
     assert len(compile_script(script, regions={"PP": 16}).plans) == 8192
+
+
+def test_piper_saves_for_backward_what_torch_tensor_parallelism_saves():
+    """benchmarks/tp_saved_bytes.py at suite 16's quick sizes: TP=2 and TP=2 + SP keep the same
+    bytes for their backward on both sides (Piper's cut into pieces too)."""
+    from examples import llama_tp
+
+    from benchmarks.suites.tensor_parallel import workload
+    from benchmarks.tp_saved_bytes import piper_saved, torch_saved
+
+    sizes, batch, seq = workload(True)
+    data = llama_tp.batches(1, batch=batch, seq=seq, vocab=sizes["vocab"])[0]
+    for sequence in (False, True):
+        theirs = torch_saved(sequence, sizes, data)
+        whole, cut = piper_saved(sequence, sizes, data)
+        assert whole == cut and abs(whole - theirs) <= 0.01 * theirs, (sequence, theirs, whole, cut)
+
