@@ -10,7 +10,25 @@ import torch
 
 from piper.frontend.capture import capture
 from piper.ir.dag import Node
-from piper.ir.moe_cut import COMBINE, DISPATCH, count_exchanges, cut, cuttable
+from piper.ir import region_cut
+from piper.ir.moe_cut import COMBINE, DISPATCH
+
+
+def cuttable(gm) -> bool:
+    """Whether `gm` has MoE layers the cut takes (dispatch and combine alternating)."""
+    return region_cut.cuttable(gm, experts=True) and "ALL_TO_ALL" in count_ops(gm)
+
+
+def count_ops(gm) -> tuple:
+    return region_cut.exchange_ops(gm, experts=True, tensor=False)
+
+
+def count_exchanges(gm) -> int:
+    return len(count_ops(gm)) if cuttable(gm) else 0
+
+
+def cut(gm, size):
+    return region_cut.cut(gm, size, experts=True, tensor=False)
 from piper.runtime.moe import expert_groups as expert_groups
 from piper.runtime.launch.packed_graphs import pack, unpack
 from piper.runtime.moe.pieces import Pieces

@@ -16,16 +16,15 @@ an earlier piece or exchange is one of its inputs (a `Source`), so the runtime
 can run, and differentiate, each piece on its own, and issue the exchanges
 itself (`piper.runtime.moe.pieces`).
 
-Pure fx and torch, no process groups: the driver cuts too, to count the pieces
-the plan must hold (`count_exchanges`).
+`piper.ir.region_cut` walks the graph and calls `cut_dispatch` / `cut_combine` for each
+layer (the same walk cuts at TP collectives); the driver cuts too, to count the pieces
+the plan must hold (`region_cut.exchange_ops`).
 """
 from __future__ import annotations
 
 import torch
-from torch import fx
 
-from . import region_cut
-from .region_cut import ALL_TO_ALL, Cut, Source  # noqa: F401 - the cut's types, importable from here
+from .cut_parts import Source
 
 DISPATCH = "dispatch"        # rows to their experts' devices (counts exchanged first)
 COMBINE = "combine"          # the experts' results back home
@@ -89,22 +88,3 @@ def cut_combine(b, env, node) -> tuple:
     k = b.exchange(COMBINE, (back, env[send_splits], env[recv_splits]))
     home = b.call(home_rows, (b.use(Source("exchange", k, 0)), b.use(env[gates]), b.use(env[order])))
     return (b.item(home, 0), b.item(home, 1))
-
-
-def cuttable(gm: fx.GraphModule) -> bool:
-    """Whether `gm` has MoE layers that can be cut: dispatches and combines alternate in graph
-    order (each layer's combine before the next layer's dispatch), their results read only
-    through `getitem`."""
-    return region_cut.cuttable(gm, experts=True) and ALL_TO_ALL in region_cut.exchange_ops(
-        gm, experts=True, tensor=False)
-
-
-def count_exchanges(gm: fx.GraphModule) -> int:
-    """How many exchanges `cut` makes of `gm` (0: nothing to cut)."""
-    return len(region_cut.exchange_ops(gm, experts=True, tensor=False)) if cuttable(gm) else 0
-
-
-def cut(gm: fx.GraphModule, size: int) -> Cut:
-    """Cut `gm` (a region graph, `cuttable`) at its MoE layers alone, for an expert group of `size` members."""
-    assert cuttable(gm), "the compiler cuts only regions whose MoE layers alternate dispatch/combine"
-    return region_cut.cut(gm, size, experts=True, tensor=False)

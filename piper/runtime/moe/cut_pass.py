@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ir.moe_cut import Source
+from ...ir.cut_parts import Source
 
 PARAM, VALUE = "param", "value"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ir.moe_cut import Cut, Source
+from ...ir.cut_parts import Cut, Source
 from ..autograd import recompute
 from .cut_pass import PARAM, _add, _count, _no_views, _Pass
 

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from ...ir.moe_cut import DISPATCH, Source
+from ...ir.cut_parts import Source
+from ...ir.moe_cut import DISPATCH
 from ... import expert_context as expert_groups
 from ...ir.region_cut import TP
 from .cut_pass import _add, _Pass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ir.moe_cut import Source
+from ...ir.cut_parts import Source
 from ..autograd import recompute
 from .cut_pass import _count, _no_views, _Pass, let_go
 from ...compiler.saved import SavedBytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ir.moe_cut import Cut
+from ...ir.cut_parts import Cut
 from .cut_pass import PARAM, VALUE, _add, _Pass
 from ..autograd.split_backward import backward_inputs, backward_weights, can_split
 
