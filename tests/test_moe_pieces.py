@@ -152,7 +152,7 @@ def test_pieces_run_as_actions_equal_the_region_graph(layer, regions, backward, 
     ex.batch, ex.value = batch, value
     lg = expert_groups.lane_group([OneMember()], 0)
     with lg:
-        # the plan's forward, then its backward, as `piper.compiler.moe_exchanges.add_all_to_alls` lays them out
+        # the plan's forward, then its backward, as `piper.compiler.cut_passes.add_exchanges` lays them out
         for node in (Node("F", 0, 0), Node("ALL_TO_ALL", 0, 0, "F", 0), Node("F", 0, 0, value=1),
                      Node("ALL_TO_ALL", 0, 0, "F", 1), Node("F", 0, 0, value=2)):
             ex.run(node, pieces)

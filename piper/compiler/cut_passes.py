@@ -17,7 +17,7 @@ from .plans import Compiled, project
 
 if TYPE_CHECKING:
     from ..frontend.capture import Program
-    from ..ir.ir import IR
+    from ..ir.dag import IR
 
 _STREAM = {ALL_TO_ALL: "ep", "TP": "tp"}
 
