@@ -80,6 +80,44 @@ def _export(model, example_inputs, names=(), tensor=None):
             ) from None
 
 
+def _prepared_copy(model: torch.nn.Module):
+    """The meta copy export traces, without a KV cache and with Piper's experts: (copy, the
+    experts modules left undivided)."""
+    from .hf_experts import use_piper_experts
+
+    meta_model = _meta_copy(model)
+    _no_kv_cache(meta_model)
+    return meta_model, use_piper_experts(meta_model)
+
+
+def _export_divided(model, meta_inputs, names, tensor):
+    """Export the meta copy divided over tp as `tensor` says: (exported, layout, undivided experts),
+    the graphs with their TP collectives merged and the vocab loss on shards."""
+    from . import tensor_parallel, vocab_loss
+
+    meta_model, undivided = _prepared_copy(model)
+    layout = tensor_parallel.apply(meta_model, tensor)
+    try:
+        with _quiet_torch_logs() if tensor.sequence else contextlib.nullcontext():
+            exported = _export(meta_model, meta_inputs, names, tensor)
+    except PiperError as err:
+        if not tensor.sequence or err.code != "tp-capture":
+            raise
+        # SP from the embedding did not trace (Hugging Face models make positions and the causal
+        # mask from the embedding's output): begin the sequence shards at the first block instead.
+        meta_model, undivided = _prepared_copy(model)
+        layout = tensor_parallel.apply(meta_model, tensor, from_block=True)
+        if layout.sequence_from is None:
+            raise
+        try:
+            exported = _export(meta_model, meta_inputs, names, tensor)
+        except PiperError:
+            raise err from None
+    tensor_parallel.merge_copies(exported.graph_module)
+    vocab_loss.rewrite(exported.graph_module)
+    return exported, layout, undivided
+
+
 def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = (), tensor=None) -> Program:
     """Trace `model(*example_inputs)` on the meta device and cut it into regions.
 
@@ -98,42 +136,12 @@ def capture(model: torch.nn.Module, example_inputs, names: tuple[str, ...] = (),
             what = f"`{names[i]}`" if names else str(i)
             raise error("bad-inputs", f"example input {what} is a {type(x).__name__}, not a tensor",
                         hint="forward takes the batch as tensors, e.g. (idx, targets), and returns the loss")
-    from .hf_experts import use_piper_experts
-
-    meta_model = _meta_copy(model)
-    _no_kv_cache(meta_model)
-    undivided = use_piper_experts(meta_model)
-    layout = None
-    if tensor is not None:
-        from . import tensor_parallel
-
-        layout = tensor_parallel.apply(meta_model, tensor)
     meta_inputs = tuple(x.detach().to("meta") for x in example_inputs)
-    try:
-        with _quiet_torch_logs() if layout is not None and tensor.sequence else contextlib.nullcontext():
-            exported = _export(meta_model, meta_inputs, names, tensor)
-    except PiperError as err:
-        if layout is None or not tensor.sequence or err.code != "tp-capture":
-            raise
-        # SP from the embedding did not trace (Hugging Face models make positions and the causal
-        # mask from the embedding's output): begin the sequence shards at the first block instead.
-        from . import tensor_parallel
-
-        meta_model = _meta_copy(model)
-        _no_kv_cache(meta_model)
-        undivided = use_piper_experts(meta_model)
-        layout = tensor_parallel.apply(meta_model, tensor, from_block=True)
-        if layout.sequence_from is None:
-            raise
-        try:
-            exported = _export(meta_model, meta_inputs, names, tensor)
-        except PiperError:
-            raise err from None
-    if layout is not None:
-        from . import tensor_parallel, vocab_loss
-
-        tensor_parallel.merge_copies(exported.graph_module)
-        vocab_loss.rewrite(exported.graph_module)
+    if tensor is None:
+        meta_model, undivided = _prepared_copy(model)
+        exported, layout = _export(meta_model, meta_inputs, names), None
+    else:
+        exported, layout, undivided = _export_divided(model, meta_inputs, names, tensor)
     program = _cut(exported, model)
     program.input_names = tuple(names)
     program.undivided_experts = undivided
