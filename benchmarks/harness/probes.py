@@ -301,17 +301,26 @@ def torch_held(worker):
     return held
 
 
+def wrap_step(worker, probe) -> None:
+    """Run the next step of a Piper worker or a torch baseline actor through `probe(step, held)`
+    (`_step_peak`, `tp_probes._tensor_peak`), whose `.peak` `read_step_peak` reads."""
+    if hasattr(worker, "executor"):
+        ex = worker.executor
+        if not hasattr(ex, "_untracked_run_step"):
+            ex._untracked_run_step = ex.run_step
+        ex.run_step = probe(ex._untracked_run_step, piper_held(ex))
+    else:
+        worker.step_probe = probe(worker._step, torch_held(worker))
+
+
 def install_step_peak(worker) -> None:
     """Into a Piper worker (`__ray_call__`): its next `run_step` records `read_step_peak`."""
-    ex = worker.executor
-    if not hasattr(ex, "_untracked_run_step"):
-        ex._untracked_run_step = ex.run_step
-    ex.run_step = _step_peak(ex._untracked_run_step, piper_held(ex))
+    wrap_step(worker, _step_peak)
 
 
 def install_step_peak_torch(worker) -> None:
     """Into a torch baseline actor (`__ray_call__`): its next `step` records `read_step_peak`."""
-    worker.step_probe = _step_peak(worker._step, torch_held(worker))
+    wrap_step(worker, _step_peak)
 
 
 def read_step_peak(worker) -> int | None:

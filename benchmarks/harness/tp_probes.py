@@ -211,17 +211,8 @@ def _tensor_peak(step, held):
 
 
 def install_tensor_peak(worker) -> None:
-    """Into a Piper worker: its next `run_step` records the tensor peak (`probes.read_step_peak` reads it)."""
-    from .probes import piper_held
+    """Into a Piper worker or a torch baseline actor: its next step records the tensor peak
+    (`probes.read_step_peak` reads it)."""
+    from .probes import wrap_step
 
-    ex = worker.executor
-    if not hasattr(ex, "_untracked_run_step"):
-        ex._untracked_run_step = ex.run_step
-    ex.run_step = _tensor_peak(ex._untracked_run_step, piper_held(ex))
-
-
-def install_tensor_peak_torch(worker) -> None:
-    """Into a torch baseline actor: its next `step` records the tensor peak (`probes.read_step_peak`)."""
-    from .probes import torch_held
-
-    worker.step_probe = _tensor_peak(worker._step, torch_held(worker))
+    wrap_step(worker, _tensor_peak)

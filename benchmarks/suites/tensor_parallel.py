@@ -164,7 +164,7 @@ def _race(ctx, group, job, batches, warmup, steps, torch_error, piper_error) -> 
             extra["torch"] = [_torch_probe(group, batches[-2], probes.install_step_peak_torch, probes.read_step_peak),
                               _torch_probe(group, batches[-1], tp_probes.install_comm_counter_torch,
                                            tp_probes.read_comm_counter_torch),
-                              _torch_probe(group, batches[-1], tp_probes.install_tensor_peak_torch,
+                              _torch_probe(group, batches[-1], tp_probes.install_tensor_peak,
                                            probes.read_step_peak)]
         if "piper" in systems and "piper" not in timings.errors:
             extra["piper"] = _piper_probes(job, batches)
