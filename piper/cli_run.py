@@ -59,7 +59,9 @@ def throughput(batch) -> tuple[int, str]:
 
 
 def run(args) -> int:
-    console = Console(stderr=True)
+    # Lines are not broken at the console's width: a log or a pipe (80 columns) would otherwise
+    # split the paths it names (checkpoints, shards) across lines; a terminal wraps them itself.
+    console = Console(stderr=True, soft_wrap=True)
     if not args.model:
         console.print("piper run: error: --model PATH.py:FACTORY is required (e.g. examples/gpt.py:small_gpt)")
         return 2

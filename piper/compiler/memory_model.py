@@ -6,10 +6,10 @@ The prediction replays each device's plan the way the executor spends memory
 - parameters: each unit's flat buffer (padded to its group), or under ZeRO-3
   its shard plus the full buffer while gathered (from its ALL_GATHER_<pass>
   until the compute that releases it);
-- gradients: the flat gradient buffer (kept across steps without ZeRO-2/3;
-  under ZeRO-2/3 allocated by the first backward into the unit, handed to a
-  reduce-scatter, which is in flight until the next compute or the next use
-  of the unit, and the persistent gradient shard);
+- gradients: the flat gradient buffer, allocated by the first backward into
+  the unit; without ZeRO-2/3 let go at the unit's update, under ZeRO-2/3
+  handed to a reduce-scatter, which is in flight until the next compute or
+  the next use of the unit, beside the persistent gradient shard;
 - optimizer state: its elements per parameter element (AdamW: 2) times the
   shard the device steps;
 - saved activations: each region's bytes saved for backward per microbatch
@@ -56,6 +56,7 @@ import torch
 from ..frontend.capture import BATCH, BUFFER, PARAM, Program
 from .flat_layout import at_index, layout_unit
 from .saved import SavedBytes
+from ..ir.dag import node_key
 from ..ir.tied import tie_ids, tied_params
 
 
@@ -332,7 +333,7 @@ class _Unit:
         self.low = sum(b.padded * low_size for b in layout.buckets) if layout and low_size else 0
         self.zero = zero
         self.gathered = False
-        self.flat = zero <= 1              # replicated gradients stay allocated
+        self.flat = False                  # a flat gradient buffer: from the unit's first backward
         self.grad_shard = zero >= 2        # steady state: the shard of the last step's sums exists
         self.in_flight: list[int] = []     # bytes per reduce-scatter in flight
         self.opt = int(states * (self.full if zero == 0 else self.shard))
@@ -570,11 +571,10 @@ class _Replay(_Reductions):
                          self.activations, sum(sum(u.in_flight) for u in units))
 
     def attach(self, region):
-        """A backward that writes weight gradients: ZeRO-2/3 buffers and expert rows' `.grad`."""
+        """A backward that writes weight gradients: the flat buffers and expert rows' `.grad`."""
         for u in self.units_of[region]:
             if u in self.units:
-                if self.units[u].zero >= 2:
-                    self.units[u].flat = True
+                self.units[u].flat = True
                 if self.units[u].experts:
                     self.units[u].expert_grads = True
 
@@ -590,7 +590,10 @@ class _Replay(_Reductions):
         units = self.units
         self.wait(a)
         if node.value and node.is_compute:
-            pass                  # a later piece of a pass cut at its all-to-alls: its piece 0 counts the pass
+            # a later piece of a pass cut at its collectives: its piece 0 counts the pass's
+            # activations, but a backward's first piece (the last one) attaches the gradients
+            if op == "B" or (op == "BI" and node_key(op, node.region, node.mb) in self.whole):
+                self.attach(node.region)
         elif op == "F":
             self.activations += self.held_by(node.region)
         elif op == "B" or (op == "BI" and a.key in self.whole):
@@ -604,6 +607,8 @@ class _Replay(_Reductions):
             self.activations -= self.freed_by(node.region)
         elif op == "UPD" and node.region in units:
             units[node.region].expert_grads = False     # the expert optimizer lets go of them
+            if units[node.region].zero <= 1:
+                units[node.region].flat = False         # `Unit.release_grads`
         elif op == "ALL_GATHER" and node.phase and node.region in units:
             units[node.region].gathered = True
         elif op == "REDUCE_SCATTER" and node.region in units:

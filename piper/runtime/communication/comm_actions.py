@@ -75,11 +75,10 @@ class CommActions:
                 self._reducing[key] = (computes + 1, unit)
 
     def _grads_for(self, region: RegionSpec) -> None:
-        """Before a backward: every unit it writes gradients into has a buffer (ZeRO-2/3 get a
-        new one after each reduce-scatter)."""
+        """Before a backward: every unit it writes gradients into has a buffer (`Unit.attach_grads`:
+        from the unit's first backward of a step, and again after each ZeRO-2/3 reduce-scatter)."""
         for u in region.units:
-            if self.units[u].zero >= 2:
-                self.units[u].attach_grads()
+            self.units[u].attach_grads()
 
     def _all_to_all(self, action) -> None:
         """An exchange between the pieces of a cut pass (`moe.pieces`); else a marker: the compute

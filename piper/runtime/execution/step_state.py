@@ -23,8 +23,6 @@ class StepState:
         self._reducing: dict[str, tuple] = {}         # reduce-scatter in flight -> (computes since, unit)
         for unit in self.units.values():
             unit.refresh()
-            if unit.zero <= 1:
-                unit.attach_grads()
         self.activations = self.activation_peak = self.step_peak = 0
         if self._events:                              # left by a step that failed
             self._events.clear()

@@ -101,11 +101,8 @@ def run_deferred(holder, run) -> None:
 
 
 def drop_gradients(unit) -> None:
-    """A skipped step: zero the unit's gradients as its `step` would after the optimizer."""
-    for i in range(len(unit.layout.buckets)):
-        for grad in (unit.flat_grad[i], unit.grad_shard[i]):
-            if grad is not None:
-                grad.zero_()
+    """A skipped step: let go of the unit's gradients as its `step` would after the optimizer."""
+    unit.release_grads()
 
 
 def gradients_finite(grads) -> bool:

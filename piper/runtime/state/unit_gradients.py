@@ -13,8 +13,11 @@ class UnitGradients:
     def attach_grads(self) -> None:
         """Point every parameter's `.grad` into a zeroed flat buffer, if it has none.
 
-        Replicated gradients keep theirs across steps (as DDP); ZeRO-2/3 get a
-        new one before each backward that follows a reduce-scatter."""
+        Called before each backward that writes the unit's weight gradients, so
+        a buffer exists only from the unit's first backward of the step: the
+        activations the earlier backwards freed make room for it, as torch's
+        lazily allocated `.grad`. ZeRO-0/1 let go of it at the update
+        (`release_grads`); ZeRO-2/3 after each reduce-scatter."""
         for i, (bucket, leaves) in enumerate(zip(self.layout.buckets, self._by_bucket)):
             if self.flat_grad[i] is None:
                 self.flat_grad[i] = torch.zeros(bucket.padded, dtype=bucket.dtype, device=self.device)
@@ -36,10 +39,10 @@ class UnitGradients:
         that reduces twice in a row has that), the shard is not final yet: the
         result goes to a new tensor, added once both are done.
         """
+        self.attach_grads()        # every member issues the collective, even with nothing new
         sum_gradients(self, getattr(self, "tensor_groups", ()))     # partial along tp: summed there first
         if self.zero <= 1:
             return [collectives.all_reduce(flat, group) for flat in self.flat_grad], None
-        self.attach_grads()        # every member issues the collective, even with nothing new
         direct = not self.in_flight
         outs = []
         for i, (bucket, flat) in enumerate(zip(self.layout.buckets, self.flat_grad)):
@@ -70,18 +73,29 @@ class UnitGradients:
 
     def step(self) -> None:
         for i, (bucket, shard) in enumerate(zip(self.layout.buckets, self.shard)):
-            if self.zero == 0:
+            if self.zero >= 2:
+                shard.grad = self.grad_shard[i]
+            elif self.flat_grad[i] is None:     # no backward reached the unit: no update
+                shard.grad = None
+            elif self.zero == 0:
                 shard.grad = self.flat_grad[i]
-            elif self.zero == 1:
+            else:
                 lo, hi = bucket.bounds(self.index)
                 shard.grad = self.flat_grad[i][lo:hi]
-            else:
-                shard.grad = self.grad_shard[i]
         self.optimizer.step()
-        for i, shard in enumerate(self.shard):
+        for shard in self.shard:
             shard.grad = None
-            if self.flat_grad[i] is not None:
-                self.flat_grad[i].zero_()       # replicated gradients stay allocated, as in DDP
-            if self.grad_shard[i] is not None:
-                self.grad_shard[i].zero_()
-        self.count()              # the optimizer's state appears at its first step
+        self.release_grads()      # and counts: the optimizer's state appears at its first step
+
+    def release_grads(self) -> None:
+        """After an update (or a skipped one): let go of the flat gradient buffers, which the next
+        backward attaches anew (torch's `zero_grad(set_to_none=True)`); ZeRO-2/3's shards of the
+        sums stay, zeroed, for the next step's reduce-scatters to add into."""
+        self.flat_grad = [None] * len(self.flat_grad)
+        for leaves in self._by_bucket:
+            for leaf, _ in leaves:
+                leaf.grad = None
+        for shard in self.grad_shard:
+            if shard is not None:
+                shard.zero_()
+        self.count()
