@@ -69,8 +69,9 @@ class Block(nn.Module):
 
 
 class LlamaTP(nn.Module):
-    """`forward(idx, targets)` -> the mean next-token loss; each block one `PP` region... or
-    `stages` regions of consecutive blocks (the embedding joins the first, the head the last)."""
+    """`forward(idx, targets)` -> the mean next-token loss, with `stages` `PP` regions of
+    consecutive blocks (the embedding joins the first, the head the last); `stages=layers` makes
+    each block a region of its own, and so a unit of its own (its gradients and ZeRO shards)."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2, hidden: int = 64,
                  layers: int = 2, stages: int = 2):

@@ -130,8 +130,11 @@ def _tp_tables(ctx, result, warmup: int, steps: int):
             group, torch_error = set_up_group(ctx, group, n, 180.0, "tp", model="llama_tp",
                                               model_kw=dict(sizes, stages=1), sequence=sequence)
             strategy = load_strategy(plan_text({"tp": n}, sequence=sequence))
+            # a region per block, as the README advises for ZeRO: each block's gradient buffer then
+            # appears when the backward reaches it (the same weights as torch's model: regions are
+            # annotations)
             job, piper_error = compile_or_failure(ctx, lambda: piper.compile(
-                llama_tp.make_model(torch.float32, **sizes, stages=1), batches[0], strategy=strategy,
+                llama_tp.make_model(torch.float32, **sizes, stages=sizes["layers"]), batches[0], strategy=strategy,
                 mesh={"tp": n}, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), timeout=180))
             race = _race(ctx, group, job, batches, warmup, steps, torch_error, piper_error)
             group = race.pop("group")
