@@ -215,7 +215,7 @@ def test_parts_follow_the_zero_formulas_between_steps():
         want = {k: v / 2 if k in shard else v for k, v in {"params": 4 * psi, "grads": 4 * psi,
                                                              "optimizer": 8 * psi}.items()}
         if "grads" not in shard:
-            assert prediction.grads <= want["grads"] + 64, (level, prediction)
+            assert prediction.grads <= want["grads"] + 64, (level, prediction)   # the peak: end of forward
             want["grads"] = 0
         for k in want:   # padding to the group adds at most a few elements per unit
             assert want[k] <= got[k] <= want[k] + 64, (level, k, got, want)
