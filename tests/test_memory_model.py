@@ -200,7 +200,7 @@ def test_lanes_interleave_between_the_kindest_and_the_worst_prediction(capsys):
 def test_parts_follow_the_zero_formulas_between_steps():
     """Parameters, gradients and optimizer state between steps: ZeRO's 4/4/8 bytes per parameter,
     sharded, except that replicated gradients (dp, ZeRO-1) exist only from a unit's first backward
-    to its update: none between steps, all of them once the last backward has run."""
+    to its update: none between steps, and at the peak (the end of forward here) no more than all."""
     model = gpt(2)
     x, y = gpt_batches(steps=1, batch=8)[0]
     from piper.frontend.capture import capture

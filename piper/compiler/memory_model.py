@@ -589,14 +589,16 @@ class _Replay(_Reductions):
         op = node.op
         units = self.units
         self.wait(a)
+        # a whole backward (B, or a BI its slot runs whole), keyed by its pass: its piece 0's key
+        whole = op == "B" or (op == "BI" and node_key(op, node.region, node.mb) in self.whole)
         if node.value and node.is_compute:
             # a later piece of a pass cut at its collectives: its piece 0 counts the pass's
             # activations, but a backward's first piece (the last one) attaches the gradients
-            if op == "B" or (op == "BI" and node_key(op, node.region, node.mb) in self.whole):
+            if whole:
                 self.attach(node.region)
         elif op == "F":
             self.activations += self.held_by(node.region)
-        elif op == "B" or (op == "BI" and a.key in self.whole):
+        elif whole:
             self.rerun(a)
             self.attach(node.region)
             self.activations -= self.freed_by(node.region)
