@@ -71,16 +71,19 @@ class Block(nn.Module):
 class LlamaTP(nn.Module):
     """`forward(idx, targets)` -> the mean next-token loss, with `stages` `PP` regions of
     consecutive blocks (the embedding joins the first, the head the last); `stages=layers` makes
-    each block a region of its own, and so a unit of its own (its gradients and ZeRO shards)."""
+    each block a region of its own, and so a unit of its own (its gradients and ZeRO shards), and
+    `block_regions=True` does that inside each stage (an `L` region per block nested in its `PP`
+    region: ZeRO-3 gathers and frees each block on its own, as FSDP wraps each block)."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2, hidden: int = 64,
-                 layers: int = 2, stages: int = 2):
+                 layers: int = 2, stages: int = 2, block_regions: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.stages = stages
+        self.block_regions = block_regions
 
     def forward(self, idx, targets):
         x = self.embed(idx)
@@ -88,7 +91,11 @@ class LlamaTP(nn.Module):
         for s in range(self.stages):
             with piper.annotate("PP"):
                 for block in self.blocks[s * per:(s + 1) * per]:
-                    x = block(x)
+                    if self.block_regions:
+                        with piper.annotate("L"):
+                            x = block(x)
+                    else:
+                        x = block(x)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 

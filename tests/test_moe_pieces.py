@@ -83,9 +83,6 @@ class FakeExecutor:
     def _release(self, action):
         pass
 
-    def _grads_for(self, region):
-        pass
-
     def _deliver_input_grads(self, node, leaves, grads):
         self.delivered.append(node.key)
         self.input_grads = grads

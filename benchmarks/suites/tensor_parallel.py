@@ -352,7 +352,7 @@ def _composed_table(ctx, result, warmup: int, steps: int) -> Table:
                                       schedule="Schedule1F1B", microbatches=microbatches, pp=2, tp=2, sequence=True)
     strategy = load_strategy(plan_text(mesh, microbatches, zero=True))
     job, piper_error = compile_or_failure(ctx, lambda: piper.compile(
-        llama_tp.make_model(torch.float32, **sizes), batches[0], strategy=strategy, mesh=mesh,
+        llama_tp.make_model(torch.float32, **sizes, block_regions=True), batches[0], strategy=strategy, mesh=mesh,
         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), timeout=300))
     race = _race(ctx, group, job, batches, warmup, steps, torch_error, piper_error)
     if race["group"] is not None:
@@ -367,7 +367,9 @@ def _composed_table(ctx, result, warmup: int, steps: int) -> Table:
         "the embedding on the first, norm and head on the last) parallelize_module'd over tp with the SP plan, "
         "fully_shard per block and on the stage over dp (reshard_after_forward=False, torchtitan's default "
         "under PP), PipelineStage over pp, Schedule1F1B with the model's loss; the step under loss_parallel().",
-        "Piper: the script `" + plan_text(mesh, microbatches, zero=True).replace("\n", "; ").strip("; ") + "`.",
+        "Piper: the script `" + plan_text(mesh, microbatches, zero=True).replace("\n", "; ").strip("; ") + "`, "
+        "on the same model with an `L` region per block nested in each `PP` stage (`block_regions=True`): "
+        "ZeRO-3 gathers and frees each block on its own, as fully_shard per block does.",
     ]
     return table
 

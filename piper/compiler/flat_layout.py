@@ -85,7 +85,7 @@ class UnitLayout:
 
 def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: dict | None = None,
                 second_copies=frozenset(), param_groups: dict[str, int] | None = None,
-                tensor=None) -> UnitLayout:
+                tensor=None, apart: bool = False) -> UnitLayout:
     """Pack `names` (with `specs[name].shape/.dtype`) per dtype, in the given order.
 
     A name in `tied` (name -> tie number) gets a bucket of its own, so every
@@ -94,7 +94,11 @@ def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: di
     With `param_groups` (name -> the optimizer's parameter group) each group's
     names are packed apart too, so no shard holds elements of two groups. With `tensor` (a
     `frontend.tensor_parallel.TensorLayout`) the divided, summed and whole parameters are
-    packed apart as well (`Bucket.tensor`), and `group` is the devices of one tp index."""
+    packed apart as well (`Bucket.tensor`), and `group` is the devices of one tp index.
+
+    With `apart` each parameter gets a bucket of its own, but for those a collective reads (tied
+    copies, gradients summed over tp): `unit_layouts` asks for it where no collective batches a
+    unit's buckets, so each gradient buffer appears as its parameter's gradient arrives."""
     tied = tied or {}
     by_dtype: dict = {}
     for name in names:
@@ -103,9 +107,11 @@ def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: di
             key = (key, param_groups[name])
         if tensor is not None:
             key = (key, _tensor_kind(tensor, name))
+        if apart and name not in tied and (tensor is None or _tensor_kind(tensor, name) != "summed"):
+            key = (key, "apart", name)
         by_dtype.setdefault(key, []).append(name)
     buckets = []
-    for key, members in by_dtype.items():
+    for members in by_dtype.values():
         dtype = specs[members[0]].dtype
         entries, offset = [], 0
         for name in members:
@@ -115,14 +121,40 @@ def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: di
             offset += e.numel
         size = len(group)
         padded = -(-offset // size) * size if offset else size
-        kind = key[0] if tensor is not None else key
-        kind = kind[0] if param_groups is not None else kind
-        tie = kind[1] if isinstance(kind, tuple) else None
+        tie = tied.get(members[0])
         buckets.append(Bucket(dtype, tuple(entries), padded, size, tie,
                               counted=tie is None or members[0] not in second_copies,
                               param_group=param_groups[members[0]] if param_groups is not None else None,
                               tensor=_tensor_kind(tensor, members[0]) if tensor is not None else ""))
     return UnitLayout(owner, tuple(group), tuple(buckets), 0, tensor.size if tensor is not None else 1)
+
+
+def unit_layouts(compiled, program, exclude=frozenset(), param_groups: dict[str, int] | None = None) -> dict:
+    """Owner region -> its flat unit's layout, the one `Job` and the memory model use: tied weights
+    in buckets of their own, the names in `exclude` (expert weights under `shard experts`) left out.
+
+    A unit that no data-parallel collective reads (one device per tp index, no ZeRO) keeps each
+    parameter apart (`layout_unit(apart=True)`): a bucket exists to batch a collective, and with
+    none its one buffer would appear whole at the unit's first gradient, where torch allocates
+    each parameter's `.grad` as it arrives."""
+    from ..ir.tied import tie_ids, tied_params
+
+    ir = compiled.ir
+    ties, copies = tie_ids(ir), tied_params(ir)
+    tensor = getattr(program, "tensor", None)
+
+    def group(region: int) -> tuple[int, ...]:        # under tp: one tp index's devices share a unit
+        devices = ir.devices_of(region)
+        return devices if tensor is None else at_index(ir.mesh, tensor.axis, devices, 0)
+    out = {}
+    for r in ir.regions:
+        if r.owned:
+            devices = group(r.index)
+            out[r.index] = layout_unit(
+                r.index, [p for p in r.owned if p not in exclude], program.params, devices, ties,
+                second_copies={p for p, owners in copies.items() if owners[0] != r.index},
+                param_groups=param_groups, tensor=tensor, apart=len(devices) == 1 and compiled.zero == 0)
+    return out
 
 
 def at_index(mesh, axis: str, devices, index: int) -> tuple[int, ...]:

@@ -6,10 +6,12 @@ The prediction replays each device's plan the way the executor spends memory
 - parameters: each unit's flat buffer (padded to its group), or under ZeRO-3
   its shard plus the full buffer while gathered (from its ALL_GATHER_<pass>
   until the compute that releases it);
-- gradients: the flat gradient buffer, allocated by the first backward into
-  the unit; without ZeRO-2/3 let go at the unit's update, under ZeRO-2/3
-  handed to a reduce-scatter, which is in flight until the next compute or
-  the next use of the unit, beside the persistent gradient shard;
+- gradients: the flat gradient buffers, counted from the first backward into
+  the unit (the runtime attaches each bucket at its first gradient, so once
+  that backward is done, every bucket it wrote); without ZeRO-2/3 let go at
+  the unit's update, under ZeRO-2/3 handed to a reduce-scatter, which is in
+  flight until the next compute or the next use of the unit, beside the
+  persistent gradient shard;
 - optimizer state: its elements per parameter element (AdamW: 2) times the
   shard the device steps;
 - saved activations: each region's bytes saved for backward per microbatch
@@ -54,10 +56,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..frontend.capture import BATCH, BUFFER, PARAM, Program
-from .flat_layout import at_index, layout_unit
+from .flat_layout import unit_layouts
 from .saved import SavedBytes
 from ..ir.dag import node_key
-from ..ir.tied import tie_ids, tied_params
 
 
 @dataclass(frozen=True)
@@ -371,23 +372,6 @@ def element_size(dtype) -> int:
     return torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
-def unit_layouts(compiled, program: Program, exclude=frozenset()) -> dict:
-    """Owner region -> its flat unit's layout, as `Job` lays it out (tied weights in buckets of
-    their own; the names in `exclude`, expert weights under `shard experts`, left out)."""
-    ir = compiled.ir
-    ties, copies = tie_ids(ir), tied_params(ir)
-    tensor = getattr(program, "tensor", None)
-
-    def group(region: int) -> tuple[int, ...]:        # under tp: one tp index's devices share a unit
-        devices = ir.devices_of(region)
-        return devices if tensor is None else at_index(ir.mesh, tensor.axis, devices, 0)
-    return {r.index: layout_unit(r.index, [p for p in r.owned if p not in exclude], program.params,
-                                 group(r.index), ties,
-                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index},
-                                 tensor=tensor)
-            for r in ir.regions if r.owned}
-
-
 def _expert_bytes(compiled, program: Program, rank: int) -> dict[int, int]:
     """Unit -> bytes of the expert rows `rank` holds (`shard experts`; {} without it)."""
     from ..ir import experts
@@ -433,7 +417,9 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
     states = optimizer_states(optimizer)
     ir = compiled.ir
     sharded = experts.expert_params(program) if ir.sharded("experts") else {}
-    layouts = unit_layouts(compiled, program, exclude=set(sharded))
+    from ..frontend.param_groups import Grouped
+    layouts = unit_layouts(compiled, program, exclude=set(sharded),
+                           param_groups=optimizer.of if isinstance(optimizer, Grouped) else None)
     units_of = {r.index: tuple(sorted({program.owner(p) for p in r.params})) for r in ir.regions}
     producer = {v.id: v.producer for v in program.values}
     feeds = {r.index: {producer[i.ref] for i in r.inputs if i.kind == "value"} for r in program.regions}

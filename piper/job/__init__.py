@@ -35,8 +35,8 @@ from ..frontend.microbatches import microbatch_inputs
 from ..frontend.model_checks import check_loss_gradient, check_parameters
 from ..frontend.options import TrainingOptions, check_clip, check_nonfinite, compute_dtype
 from ..compiler.planning import build_strategy, compile_directives, plan  # noqa: F401 (piper.job.plan)
-from ..compiler.flat_layout import UnitLayout, at_index, layout_unit
-from ..ir.tied import state_keys, tie_ids, tied_params
+from ..compiler.flat_layout import UnitLayout, unit_layouts
+from ..ir.tied import state_keys
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -205,18 +205,11 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         ir = compiled.ir
         # Under `shard experts`, expert weights live outside the flat units: each device holds its rows.
         self._expert_weights = experts.expert_params(program) if ir.sharded("experts") else {}
-        ties, copies = tie_ids(ir), tied_params(ir)
         # Under tp a unit is shared by the devices of one tp index: this is index 0's layout
         # (`tensor_units.layout_of` gives each rank its own).
-        tensor = program.tensor
-        self.layouts: dict[int, UnitLayout] = {
-            r.index: layout_unit(r.index, [p for p in r.owned if p not in self._expert_weights], program.params,
-                                 ir.devices_of(r.index) if tensor is None else
-                                 at_index(self.mesh, tensor.axis, ir.devices_of(r.index), 0), ties,
-                                 second_copies={p for p, owners in copies.items() if owners[0] != r.index},
-                                 param_groups=optimizer.of if isinstance(optimizer, param_groups.Grouped) else None,
-                                 tensor=tensor)
-            for r in ir.regions if r.owned}
+        self.layouts: dict[int, UnitLayout] = unit_layouts(
+            compiled, program, exclude=self._expert_weights,
+            param_groups=optimizer.of if isinstance(optimizer, param_groups.Grouped) else None)
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
         self._buffers.update(program.constants)     # tensors forward makes from data (not in state_dict)
         self._state_keys = state_keys(model)

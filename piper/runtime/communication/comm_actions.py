@@ -11,13 +11,13 @@ import time
 import torch
 
 from . import tied_weights
-from ..launch.specs import RegionSpec
 
 
 class CommActions:
     """`_send`, `_recv`, `_all_reduce`, `_reduce_scatter`, `_all_gather`, `_all_to_all`, and `_wait` for
-    any of them; `_settle_reductions` and `_grads_for` keep ZeRO-2/3's reduce-scatters and gradient
-    buffers in step. Needs the units, groups and step state (`values`, `grad_out`, `_accumulate`)."""
+    any of them; `_settle_reductions` keeps ZeRO-2/3's reduce-scatters in step (the units attach
+    their gradient buffers as the gradients arrive: `Unit._arrival_hook`). Needs the units, groups
+    and step state (`values`, `grad_out`, `_accumulate`)."""
 
     def _value_of(self, node) -> int:
         producer = node.region if (node.op == "SEND") == (node.phase == "F") else node.peer
@@ -73,12 +73,6 @@ class CommActions:
                 self._wait(key)
             else:
                 self._reducing[key] = (computes + 1, unit)
-
-    def _grads_for(self, region: RegionSpec) -> None:
-        """Before a backward: every unit it writes gradients into has a buffer (`Unit.attach_grads`:
-        from the unit's first backward of a step, and again after each ZeRO-2/3 reduce-scatter)."""
-        for u in region.units:
-            self.units[u].attach_grads()
 
     def _all_to_all(self, action) -> None:
         """An exchange between the pieces of a cut pass (`moe.pieces`); else a marker: the compute

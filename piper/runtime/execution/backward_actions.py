@@ -15,7 +15,7 @@ from ..autograd.split_backward import backward_inputs, backward_weights, can_spl
 
 
 class BackwardActions(GradientRouting):
-    """`_b`, `_bi`, `_bw`, `_upd`; needs the units, step state (`saved`, `grads`), `_recomputed`, `_grads_for`
+    """`_b`, `_bi`, `_bw`, `_upd`; needs the units, step state (`saved`, `grads`), `_recomputed`
     and `_release`."""
 
     def _init_backward(self, spec) -> None:
@@ -30,7 +30,6 @@ class BackwardActions(GradientRouting):
         outs, leaves = self.saved.pop((node.region, node.mb))
         outs = self._recomputed(region, node, outs)
         tensors, grads = self._backward_targets(region, node.mb, outs)
-        self._grads_for(region)
         if tensors:
             torch.autograd.backward(tensors, grads)
         with self._lock:
@@ -69,7 +68,6 @@ class BackwardActions(GradientRouting):
         if action.key not in self._skip:   # else its BI ran the whole backward
             region = self.spec.regions[node.region]
             state = self.saved.pop((node.region, node.mb))
-            self._grads_for(region)
             backward_weights(self._weights(region), state)
             with self._lock:
                 self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)

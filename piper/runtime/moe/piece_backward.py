@@ -14,7 +14,7 @@ from .cut_pass import PARAM, _add, _count, _no_views, _Pass
 
 
 class PieceBackward:
-    def _seed(self, ex, run: _Pass, node, region, cut: Cut, *, whole: bool) -> None:
+    def _seed(self, ex, run: _Pass, node, region, cut: Cut) -> None:
         """The region's output gradients (and the loss's scale) onto the pieces that made them."""
         run.seeded = True
         outs = [None if s.kind == "arg" else run.values[s] for s in cut.outputs]
@@ -26,8 +26,6 @@ class PieceBackward:
             # as `BackwardActions._backward_targets` seeds it (fp16's loss scale included)
             scale = ex.spec.grad_scale * getattr(ex.clip, "loss_scale", 1.0)
             _add(run.grads, cut.outputs[-1], torch.full_like(outs[-1], scale))
-        if whole:                   # before the first piece writes weight gradients (BW attaches its own)
-            ex._grads_for(region)
 
     def _targets(self, run: _Pass, piece: int):
         tensors, grads = [], []
@@ -46,7 +44,7 @@ class PieceBackward:
         key = (node.region, node.mb)
         run = self.passes[key]
         if not run.seeded:
-            self._seed(ex, run, node, region, cut, whole=not inputs_only)
+            self._seed(ex, run, node, region, cut)
         if piece in run.kept:
             self._rerun(ex, run, node, region, cut, piece)
         tensors, grads = self._targets(run, piece)

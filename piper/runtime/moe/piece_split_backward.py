@@ -50,7 +50,6 @@ class PieceSplitBackward:
             ex._release(action)
             return
         run = self.passes[key]
-        ex._grads_for(ex.spec.regions[node.region])
         for weights, state in run.weight_states.values():
             backward_weights(weights, state)
         self._finish(ex, key)

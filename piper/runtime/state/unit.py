@@ -34,8 +34,10 @@ class Unit(UnitGradients):
         self.in_flight: list[list[torch.Tensor]] = []   # ZeRO-2/3 gradient buffers being reduce-scattered
         self.leaves: dict[str, torch.Tensor] = {}
         self._by_bucket: list[list[tuple[torch.Tensor, object]]] = []
-        for bucket, data in zip(layout.buckets, init):
+        for i, (bucket, data) in enumerate(zip(layout.buckets, init)):
             full, shard, leaves = _buffers(bucket, data.to(device), self.index, zero, device)
+            for leaf, _ in leaves:
+                leaf.register_hook(self._arrival_hook(i))
             self.full.append(full)
             self.shard.append(shard)
             self.flat_grad.append(None)

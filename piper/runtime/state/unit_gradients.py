@@ -11,19 +11,31 @@ class UnitGradients:
     """Mixed into `unit.Unit`; reads its layout, zero level, flat buffers and optimizer."""
 
     def attach_grads(self) -> None:
-        """Point every parameter's `.grad` into a zeroed flat buffer, if it has none.
-
-        Called before each backward that writes the unit's weight gradients, so
-        a buffer exists only from the unit's first backward of the step: the
-        activations the earlier backwards freed make room for it, as torch's
-        lazily allocated `.grad`. ZeRO-0/1 let go of it at the update
-        (`release_grads`); ZeRO-2/3 after each reduce-scatter."""
-        for i, (bucket, leaves) in enumerate(zip(self.layout.buckets, self._by_bucket)):
+        """Point every parameter's `.grad` into a zeroed flat buffer, where its bucket has none:
+        before a collective reads the buffers (every member issues it, even with nothing new)."""
+        for i in range(len(self.flat_grad)):
             if self.flat_grad[i] is None:
-                self.flat_grad[i] = torch.zeros(bucket.padded, dtype=bucket.dtype, device=self.device)
-                for leaf, e in leaves:
-                    leaf.grad = self.flat_grad[i][e.offset:e.offset + e.numel].view(e.shape)
-                self.count()
+                self._attach(i)
+
+    def _arrival_hook(self, i: int):
+        """A hook on each leaf of bucket `i`, run by autograd as a gradient for it arrives and
+        before it is accumulated: the bucket's buffer is attached then, so it exists only from
+        the first gradient written into it in a step, as torch allocates each `.grad` lazily,
+        and the activations the backward has freed so far make room for it. ZeRO-0/1 let go
+        of it at the update (`release_grads`); ZeRO-2/3 after each reduce-scatter."""
+        def arrived(grad):
+            if self.flat_grad[i] is None:
+                self._attach(i)
+        return arrived
+
+    def _attach(self, i: int) -> None:
+        bucket = self.layout.buckets[i]
+        flat = self.flat_grad[i] = torch.zeros(bucket.padded, dtype=bucket.dtype, device=self.device)
+        for leaf, e in self._by_bucket[i]:
+            leaf.grad = flat[e.offset:e.offset + e.numel].view(e.shape)
+        # a new storage: counted without a recount of every buffer (a unit may hold a bucket per
+        # parameter, and each attaches on its own)
+        self.held += flat.untyped_storage().nbytes()
 
     def reduce(self, group):
         """Reduce the gradients over the group: (works, what to run once they are done).
