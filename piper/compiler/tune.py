@@ -421,12 +421,15 @@ class Search:
     def compute_costs(self, compiled, program, c: Candidate, fwd: dict, bwd: dict) -> dict[str, float]:
         """Seconds per compute key of `compiled`: each region's forward and backward (`fwd`, `bwd`:
         region -> seconds at the candidate's microbatch size), a split backward's halves, the
-        update of the shard each device owns (a call and its elements), and recomputed regions' reruns."""
+        update of the shard each device owns (a call per bucket of its unit, as `unit_layouts` lays it
+        out, and its elements), and recomputed regions' reruns."""
+        from .flat_layout import unit_layouts
         from .step_costs import recompute_costs
 
         costs = {}
         per_element, per_call = self.machine["update"], self.machine.get("update_call", 0.0)
         owned = {r.index: sum(program.params[p].nbytes for p in r.owned) for r in compiled.ir.regions}
+        buckets = {u: len(layout.buckets) for u, layout in unit_layouts(compiled, program).items()}
         for n in compiled.ir.nodes:
             if n.op == "F":
                 costs[n.key] = fwd.get(n.region, 0.0)
@@ -436,7 +439,7 @@ class Search:
                 costs[n.key] = SPLIT_HALF * bwd.get(n.region, 0.0)
             elif n.op == "UPD":
                 shard = owned.get(n.region, 0) / 4 / (c.dp if c.data in ("zero1", "zero2", "zero3") else 1)
-                costs[n.key] = per_call + shard * per_element
+                costs[n.key] = buckets.get(n.region, 1) * per_call + shard * per_element
         return recompute_costs(compiled, costs, measured=())      # B/BI of `recompute` regions: + their F
 
     def step(self, plans, costs: dict, comm, overlap=()) -> tuple[float, float]:
