@@ -125,10 +125,10 @@ def test_an_update_costs_its_call_and_its_elements():
     from piper.compiler.planning import plan
     from piper.dsl import load_strategy
 
-    call, per_element = tune._update_seconds(elements=1 << 16)
-    assert call > 0 and per_element > 0
+    call, per_tensor, per_element = tune._update_seconds(elements=1 << 16)
+    assert call > 0 and per_tensor > 0 and per_element > 0
     search = tune.Search("examples/gpt.py:small_gpt", 4, 2**40, 16)
-    search.machine = {**search.machine, "update": 1e-9, "update_call": 0.01}
+    search.machine = {**search.machine, "update": 1e-9, "update_call": 0.01, "update_tensor": 0.001}
     program = search.reference.program
     for data, shards in (("dp", 1), ("zero3", 4)):
         c = tune.Candidate(4, 1, None, 1, None, data)
@@ -137,6 +137,14 @@ def test_an_update_costs_its_call_and_its_elements():
         first = next(r for r in compiled.ir.regions if r.index == 0)
         elements = sum(program.params[p].nbytes for p in first.owned) / 4       # float32
         assert costs["0UPD"] == pytest.approx(0.01 + elements / shards * 1e-9)
+    # a pipeline's units (no data-parallel collective) keep a bucket per parameter: a share per bucket
+    c = tune.Candidate(1, 4, "one_f_one_b", 4)
+    compiled = plan(load_strategy(c.script(), file="<t>"), program=program)
+    costs = search.compute_costs(compiled, program, c, {}, {})
+    first = next(r for r in compiled.ir.regions if r.index == 0)
+    elements = sum(program.params[p].nbytes for p in first.owned) / 4
+    assert len(first.owned) > 1
+    assert costs["0UPD"] == pytest.approx(0.01 + (len(first.owned) - 1) * 0.001 + elements * 1e-9)
 
 
 def test_tune_searches_tensor_parallel_sizes(tmp_path, monkeypatch):
