@@ -34,7 +34,7 @@ def calibrate(search: Search, *, log=None, again: bool = False):
 
     def make():
         ordered = choose(candidates(search.devices, search.batch, search.regions))
-        chosen = with_pipeline(pair(ordered, search.batch), ordered)
+        chosen = with_pipeline(pair(ordered, search.batch), ordered, search.batch)
         if not chosen:
             return None
         try:

@@ -342,6 +342,17 @@ def test_the_calibration_fits_its_wait_beside_a_pipeline():
     assert with_pipeline([pipe, other], ordered) == [pipe, other]       # a pipeline first: nothing to add
 
 
+def test_the_pipeline_beside_the_calibration_brings_a_third_microbatch_size():
+    from piper.compiler.tune import candidates
+    from piper.compiler.tune_calibration import choose, pair, with_pipeline
+
+    ordered = choose(candidates(4, 16, regions=4))
+    runs = with_pipeline(pair(ordered, 16), ordered, 16)
+    sizes = [16 // (c.dp * c.microbatches) for c in runs]
+    assert len(set(sizes)) == 3, [c.label() for c in runs]
+    assert runs[1].dp == 1 and runs[1].pp == 4 and sizes[1] == 2 * sizes[0]     # the nearest unseen size
+
+
 def _record(c: Candidate, program, step_s: float) -> dict:
     """What `measure_together` records of a job whose steps all take `step_s`, and nothing else."""
     from piper.compiler.planning import plan

@@ -41,6 +41,7 @@ load other processes put on the cores while it ran (`LoadMeter`): predictions ar
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -281,14 +282,24 @@ def pair(ordered, batch: int | None = None) -> list:
     return [first, other] if other is not None else ordered[:2]
 
 
-def with_pipeline(chosen: list, ordered) -> list:
+def with_pipeline(chosen: list, ordered, batch: int | None = None) -> list:
     """`chosen` (`pair`'s) with a pure pipeline (dp=1, a whole backward) inserted second, where the
     first is not one and `ordered` holds one: it has no collectives, the first has ZeRO-3's
-    gathers and reductions, so the two fit `wait` apart from `scale` (`fit_wait`)."""
+    gathers and reductions, so the two fit `wait` apart from `scale` (`fit_wait`). With the global
+    `batch` given, one whose microbatch size neither of `chosen` has, nearest the first's (by
+    ratio, the larger of two alike), where there is one: the three runs' computes then span three
+    sizes for `compute_fit` (a forward's cost per sequence falls with the microbatch size, and
+    with two sizes measured the candidates' larger ones were extrapolated)."""
     if not chosen or chosen[0].dp == 1:
         return list(chosen)
-    pipe = next((c for c in ordered if c.dp == 1 and c.pp > 1 and c.schedule not in SPLIT_SCHEDULES
-                 and c not in chosen), None)
+    pipes = [c for c in ordered if c.dp == 1 and c.pp > 1 and c.schedule not in SPLIT_SCHEDULES
+             and c not in chosen]
+    if batch:
+        def size(c):
+            return max(1, batch // (c.dp * c.microbatches))
+        seen, first = {size(c) for c in chosen}, size(chosen[0])
+        pipes = sorted(pipes, key=lambda c: (size(c) in seen, abs(math.log(size(c) / first)), -size(c)))
+    pipe = next(iter(pipes), None)
     return [chosen[0], pipe, *chosen[1:]] if pipe is not None else list(chosen)
 
 
