@@ -124,7 +124,8 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                      "tolerance": search.tolerance, "calibrated_on": cal.candidate,
                      "calibration_error": cal.error, "other_load": cal.external, "calibration_loadavg": calibrated_at,
                      "calibration_ms": cal.measured * 1e3, "check": cal.check,
-                     "check_error": cal.check_error, "scale": cal.scale, "wait_ms": cal.wait * 1e3,
+                     "check_error": cal.check_error, "scale": cal.scale, "pooled": bool(cal.pooled),
+                     "held_out": cal.held_out, "wait_ms": cal.wait * 1e3,
                      "fitted": cal.fitted, "fitted_ms": cal.fitted_measured * 1e3,
                      "fitted_error": cal.fitted_error, "fitted_wait_ms": cal.fitted_wait * 1e3})
     return rows
@@ -152,8 +153,10 @@ def table(rows) -> str:
     for model, r in seen.items():
         check = f"{r['check_error']:+.1%}" if r["check_error"] is not None else "none"
         lines.append(f"\n- {model}: calibrated on {r['calibrated_on']} ({r['calibration_ms']:.1f} ms; "
-                     f"the measured costs alone predicted it {r['calibration_error']:+.1%}, so scale "
-                     f"{r['scale']:.2f}; {r['other_load']:.2f} cores of other load, load average "
+                     f"the measured costs alone predicted it {r['calibration_error']:+.1%}; scale "
+                     f"{r['scale']:.2f}"
+                     + (f", pooled over the runs, each held out within ±{r['held_out']:.0%}" if r.get("pooled") else "")
+                     + f"; {r['other_load']:.2f} cores of other load, load average "
                      f"{r['calibration_loadavg']:.1f}"
                      + (f"; {r['wait_ms']:.2f} ms more per collective (fitted {r['fitted_wait_ms']:.2f}) beside "
                         f"{r['fitted']} ({r['fitted_ms']:.1f} ms, predicted {r['fitted_error']:+.1%})"

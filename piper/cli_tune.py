@@ -29,7 +29,7 @@ def calibrate(search: Search, *, log=None, again: bool = False):
     path, _, factory = search.model_spec.rpartition(":")
     key = {"what": "calibration", "model": os.path.abspath(path), "factory": factory, "batch": search.batch,
            "mtime": os.path.getmtime(path) if os.path.exists(path) else 0, "devices": search.devices,
-           "cores": search.machine["cores"], "fit": "scale and a wait per collective"}
+           "cores": search.machine["cores"], "fit": "a scale pooled over the runs and a wait per collective"}
     log = log or search.log
 
     def make():
@@ -99,7 +99,7 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     pipeline, `with_pipeline`) and the first fit the wait per data-parallel collective beside
     `scale` (`fit_wait`), kept where it predicts the last better than none; `wait`: keep that
     one instead."""
-    from .compiler.tune_calibration import fit_wait, from_run
+    from .compiler.tune_calibration import fit_wait, from_run, pool
 
     def priced(c: Candidate, run: dict):
         b = search.batch // (c.dp * c.microbatches)
@@ -121,18 +121,26 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     others = [(run, priced(o, run)[2]) for o, run in zip(chosen[1:], runs[1:])]
     cal = from_run(runs[0], cores=search.machine["cores"], comm=comm, plans=runs[0]["compiled"].plans.representatives(),
                    candidate=c.label(), estimated=estimated, collectives=collectives, others=others, call=call)
-    def finish(cal):        # its own prediction (for `scale`), the pipeline's and the check's
-        own = search.with_calibration(cal).evaluate(c, exact)
+    def finish(cal):
+        """Each run's prediction before any scale, the scale pooled over them (`pool`), and the
+        pipeline's and the check's predictions with it."""
+        bare = search.with_calibration(cal)          # `cal` has no prediction yet: a scale of 1
+        own = bare.evaluate(c, exact)
         cal = replace(cal, predicted=own.step_s if own is not None else 0.0)
-        if cal.fitted:
-            cal = replace(cal, fitted_predicted=_predicted(search.with_calibration(cal), chosen[1]) or 0.0)
-        if len(chosen) > 1:
-            other = chosen[-1]
-            step = _predicted(search.with_calibration(cal), other)
-            if step is not None:
-                measured = statistics.median(runs[len(chosen) - 1]["times"])
-                cal = replace(cal, check=other.label(), check_measured=measured, check_predicted=step)
-        return cal
+        steps = [(cal.measured, cal.predicted)]
+        fitted = _predicted(bare, chosen[1]) if cal.fitted else None
+        if fitted is not None:
+            steps.append((cal.fitted_measured, fitted))
+        other = chosen[-1] if len(chosen) > 1 else None
+        check = _predicted(bare, other) if other is not None else None
+        if check is not None:
+            measured = statistics.median(runs[len(chosen) - 1]["times"])
+            steps.append((measured, check))
+            cal = replace(cal, check=other.label(), check_measured=measured)
+        scale, held_out = pool(*zip(*steps))
+        if len(steps) > 1:
+            cal = replace(cal, pooled=scale, held_out=held_out)
+        return replace(cal, fitted_predicted=(fitted or 0.0) * cal.scale, check_predicted=(check or 0.0) * cal.scale)
 
     if wait is not None:
         return finish(replace(cal, wait=wait))
@@ -150,11 +158,10 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     without = finish(cal)
     if not w:
         return without
-    # kept only where it predicts the third run (another mesh) better than none does: two runs
+    # kept only where it predicts a run the scale did not see better than none does: two runs
     # whose steps vary by a third from step to step can fit a wait that is noise
     with_w = finish(replace(cal, wait=w, fitted_wait=w))
-    return with_w if abs(with_w.check_error or 0.0) < abs(without.check_error or 0.0) else \
-        replace(without, fitted_wait=w)
+    return with_w if with_w.held_out < without.held_out else replace(without, fitted_wait=w)
     return cal
 
 

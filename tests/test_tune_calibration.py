@@ -353,6 +353,18 @@ def test_the_pipeline_beside_the_calibration_brings_a_third_microbatch_size():
     assert runs[1].dp == 1 and runs[1].pp == 4 and sizes[1] == 2 * sizes[0]     # the nearest unseen size
 
 
+def test_the_scale_is_pooled_over_the_runs_and_the_tolerance_is_a_held_out_error():
+    from piper.compiler.tune_calibration import pool
+
+    scale, held_out = pool([1.2, 0.9, 1.0], [1.0, 1.0, 1.0])
+    assert scale == pytest.approx((1.2 * 0.9) ** (1 / 3))
+    # each run predicted with the scale of the other two: 0.9 with sqrt(1.2 x 1.0) is the worst
+    assert held_out == pytest.approx((1.2 * 1.0) ** 0.5 / 0.9 - 1)
+    assert pool([2.0], [1.0]) == (pytest.approx(2.0), 0.0)          # one run: its own, nothing held out
+    cal = _cal(RuntimeModel(), measured=0.05, predicted=0.04, pooled=1.1, held_out=0.12, spread=0.05)
+    assert cal.scale == 1.1 and cal.tolerance == 0.12
+
+
 def _record(c: Candidate, program, step_s: float) -> dict:
     """What `measure_together` records of a job whose steps all take `step_s`, and nothing else."""
     from piper.compiler.planning import plan
@@ -379,9 +391,10 @@ def test_the_calibration_fits_the_wait_on_its_pipeline_and_checks_the_third(sear
     assert cal.wait == pytest.approx(0.015, rel=1e-2) and cal.fitted == pipeline.label()
     assert cal.scale == pytest.approx(1.3, rel=1e-2) and cal.check == third.label()
     assert abs(cal.check_error) < 0.01 and abs(cal.fitted_error) < 0.01
-    # two runs: no pipeline to fit on, the first's scale alone; a wait given is kept
+    # two runs: no pipeline to fit a wait on, a scale pooled over both; a wait given is kept
     two = cli_tune.calibration_from(search, [reference, third], [runs[0], runs[2]])
     assert two.wait == 0.0 and not two.fitted and abs(two.check_error) > abs(cal.check_error)
+    assert two.pooled and two.tolerance >= two.held_out > abs(two.check_error)
     assert cli_tune.calibration_from(search, [reference], runs[:1], wait=0.004).wait == 0.004
     # a third run that the wait predicts worse than none: the wait is noise of the two, and dropped
     plain = search.with_calibration(_cal(RuntimeModel(), cores=search.machine["cores"]))

@@ -27,11 +27,15 @@ processes take of the cores. A `Calibration` holds each as it was measured:
   and its calls timed between steps say (a pipeline's receive waits for one sender, whose message
   is sent ahead). Fitted with `scale` over the first run and a pure pipeline stepped in the same
   rounds, which has none (`fit_wait`), and kept where it predicts the third run better than none;
-- `scale`: the run's measured step over what all of the above predicts for it (what they leave
-  out on this machine, mostly the load's effect), carried to every candidate;
+- `scale`: the runs' measured steps over what all of the above predicts for them (what they leave
+  out on this machine, mostly the load's effect), pooled over the runs stepped together (`pool`: the
+  geometric mean; before, the first run's alone, which carried a structure's own error to every
+  other: ZeRO-3 on dp x pp predicted -12% to -17% and a pipeline beside it +7% to +21% in the same
+  rounds), carried to every candidate;
 - `check_error`: the error, `scale` included, on a second candidate run beside the first (another
-  mesh), and `spread`, how much the steps varied: `tolerance` makes of them which predictions
-  can be told apart on this machine.
+  mesh); `held_out`, the largest error on one run of the scale the others pool, and `spread`, how
+  much the steps varied: `tolerance` makes of them which predictions can be told apart on this
+  machine.
 
 The run is cached (`$PIPER_CACHE`) by machine, torch, model, batch and device count, with the
 load other processes put on the cores while it ran (`LoadMeter`): predictions are for that load.
@@ -82,6 +86,8 @@ class Calibration:
     fitted_measured: float = 0.0    # its median step (s)
     fitted_predicted: float = 0.0   # what this calibration predicts for it, `scale` included (s)
     fitted_wait: float = 0.0        # the wait those two runs gave, kept as `wait` or not (`calibration_from`)
+    pooled: float = 0.0             # `scale` fitted over every run stepped (`pool`); 0: the first's alone
+    held_out: float = 0.0           # the largest error on a run of a scale pooled over the others
 
     @property
     def error(self) -> float:
@@ -90,8 +96,12 @@ class Calibration:
 
     @property
     def scale(self) -> float:
-        """What the run measured over what the model predicts for it: the part of a step the measured
-        costs leave out on this machine (the load's effect, mostly), carried to every candidate."""
+        """What the runs measured over what the model predicts for them: the part of a step the
+        measured costs leave out on this machine (the load's effect, mostly), carried to every
+        candidate. Pooled over the runs stepped together where there were several (`pool`), else
+        the first run's own."""
+        if self.pooled:
+            return self.pooled
         return self.measured / self.predicted if self.measured and self.predicted else 1.0
 
     @property
@@ -110,10 +120,33 @@ class Calibration:
     @property
     def tolerance(self) -> float:
         """How far apart two predictions must be to be told apart on this machine: the largest of
-        the error on the other candidate (else the model's own error), the error on the pipeline
-        the wait was fitted on, the run's step-to-step spread and `FLOOR`."""
+        the error on a run predicted with the scale the other runs give (`held_out`; with one run,
+        the model's own error), the run's step-to-step spread and `FLOOR`."""
+        if self.pooled and self.held_out:
+            return max(FLOOR, self.held_out, self.spread)
         check, fitted = self.check_error, self.fitted_error
         return max(FLOOR, abs(check if check is not None else self.error), abs(fitted or 0.0), self.spread)
+
+
+def pool(measured, predicted) -> tuple[float, float]:
+    """(scale, held_out) of runs stepped in the same rounds: their median steps `measured` and what
+    the model predicts for each before any scale. The scale is the geometric mean of their
+    measured over predicted (least squares on the log errors: one run's structure weighs no more
+    than another's); `held_out` the largest error on one run of the scale the others pool, an
+    error the scale did not see (0 with one run).
+
+        pool([1.2, 0.9], [1.0, 1.0]) == (1.039..., 0.333...)     # 0.9 / 1.2 - 1, 1.2 / 0.9 - 1: the larger
+    """
+    logs = [math.log(m / p) for m, p in zip(measured, predicted) if m > 0 and p > 0]
+    if not logs:
+        return 1.0, 0.0
+    scale = math.exp(statistics.fmean(logs))
+    held_out = 0.0
+    if len(logs) > 1:
+        for i, own in enumerate(logs):
+            rest = statistics.fmean(logs[:i] + logs[i + 1:])
+            held_out = max(held_out, abs(math.exp(rest - own) - 1))
+    return scale, held_out
 
 
 def machine_busy() -> float:
