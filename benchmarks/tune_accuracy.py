@@ -155,7 +155,8 @@ def table(rows) -> str:
         lines.append(f"\n- {model}: calibrated on {r['calibrated_on']} ({r['calibration_ms']:.1f} ms; "
                      f"the measured costs alone predicted it {r['calibration_error']:+.1%}; scale "
                      f"{r['scale']:.2f}"
-                     + (f", pooled over the runs, each held out within ±{r['held_out']:.0%}" if r.get("pooled") else "")
+                     + (f", pooled over the runs, each held out within ±{r['held_out']:.0%}"
+                        if r.get("pooled") else "")
                      + f"; {r['other_load']:.2f} cores of other load, load average "
                      f"{r['calibration_loadavg']:.1f}"
                      + (f"; {r['wait_ms']:.2f} ms more per collective (fitted {r['fitted_wait_ms']:.2f}) beside "

@@ -97,8 +97,8 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     the others' fitted against the search's profile (`compute_fit`; `call`: keep that cost per
     compute), and checked on the last where there are two or more. With three, the second (a
     pipeline, `with_pipeline`) and the first fit the wait per data-parallel collective beside
-    `scale` (`fit_wait`), kept where it predicts the last better than none; `wait`: keep that
-    one instead."""
+    `scale` (`fit_wait`), kept where it lowers the error on a run held out of the pooled scale
+    (`tune_calibration.pool`); `wait`: keep that one instead."""
     from .compiler.tune_calibration import fit_wait, from_run, pool
 
     def priced(c: Candidate, run: dict):
@@ -162,7 +162,6 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     # whose steps vary by a third from step to step can fit a wait that is noise
     with_w = finish(replace(cal, wait=w, fitted_wait=w))
     return with_w if with_w.held_out < without.held_out else replace(without, fitted_wait=w)
-    return cal
 
 
 def _verify(search: Search, results: list[Result], steps: int = 3) -> tuple[list[tuple], dict]:

@@ -26,12 +26,13 @@ processes take of the cores. A `Calibration` holds each as it was measured:
   so a structure with many (ZeRO-3's gathers and reduce-scatters) slows more than its CPU seconds
   and its calls timed between steps say (a pipeline's receive waits for one sender, whose message
   is sent ahead). Fitted with `scale` over the first run and a pure pipeline stepped in the same
-  rounds, which has none (`fit_wait`), and kept where it predicts the third run better than none;
+  rounds, which has none (`fit_wait`), and kept where it lowers the error on a run held out of
+  the pooled `scale` (below);
 - `scale`: the runs' measured steps over what all of the above predicts for them (what they leave
   out on this machine, mostly the load's effect), pooled over the runs stepped together (`pool`: the
-  geometric mean; before, the first run's alone, which carried a structure's own error to every
-  other: ZeRO-3 on dp x pp predicted -12% to -17% and a pipeline beside it +7% to +21% in the same
-  rounds), carried to every candidate;
+  geometric mean; the first run's alone carried its structure's own error to every other: ZeRO-3
+  on dp x pp was predicted -17% to +2% before any scale, a pipeline beside it -4% to +21%, over six
+  calibrations on an idle machine), carried to every candidate;
 - `check_error`: the error, `scale` included, on a second candidate run beside the first (another
   mesh); `held_out`, the largest error on one run of the scale the others pool, and `spread`, how
   much the steps varied: `tolerance` makes of them which predictions can be told apart on this

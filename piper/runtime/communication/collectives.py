@@ -32,10 +32,10 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group):
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group):
     """This member's chunk of the sum of `full` over `group` into `out` (async). On Gloo `full`
-    is summed in place and then holds the whole sum: Gloo's reduce-scatter first clones its input
-    (a transient the size of a unit's gradient buffer, in flight beside the next block's backward)
-    and costs 1.1-1.5x an all-reduce of the same buffer on this machine (benchmarks, suite 16 (b)); the
-    caller lets go of `full` once it is done."""
+    is summed in place and then holds the whole sum: Gloo's reduce-scatter first clones its
+    input (a transient the size of a unit's gradient buffer, in flight beside the next block's
+    backward) and costs 1.1-1.5x an all-reduce of the same buffer on our machines (benchmarks,
+    suite 16 (b)); the caller lets go of `full` once it is done."""
     if dist.get_backend(group) == "gloo":
         index = dist.get_group_rank(group, dist.get_rank()) if group is not None else dist.get_rank()
         chunk = full.narrow(0, index * out.numel(), out.numel())
