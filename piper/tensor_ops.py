@@ -14,6 +14,7 @@ parallel forms):
     tp_split(x, dim, n)         forward: this device's slice  backward: all-gather (SP beginning at a block)
     tp_max(x)                   forward: all-reduce max, no gradient (the vocab-parallel loss's shift)
     tp_offset(x, per)           this device's index along tp times `per` (where its vocabulary rows start)
+    vocab_terms(logits, shift, local)  no collective: the vocab-parallel loss's local sums, with its own backward
 
 Each is a `torch.library` custom op, so strict `torch.export` records it as one
 node with a static shape (`n` is the axis size, known at capture). What it does
@@ -210,6 +211,51 @@ def _(x, per):
     return x.new_empty((), dtype=torch.int64)
 
 
+# -- the vocab-parallel loss's local half ------------------------------------------------------------------
+
+@torch.library.custom_op("piper::vocab_terms", mutates_args=())
+def vocab_terms(logits: Tensor, shift: Tensor, local: Tensor) -> tuple[Tensor, Tensor]:
+    """This device's part of a vocab-parallel cross entropy, `logits` `[N, V/tp]`: `[2, N]`, per
+    row the sum of `exp(logits - shift)` over its columns and the shifted logit of the target
+    where the target (`local`, its index among these columns) is one of them (else 0), both
+    summed over tp by one all-reduce; and the exponentials, kept for backward. One op with its
+    own backward: autograd through the ops would allocate three `[N, V/tp]` tensors in the
+    loss's backward (exp's gradient, indexing's zeros and their sum), where the step peaks; this
+    one allocates one."""
+    exp = (logits - shift.unsqueeze(-1)).exp()
+    per = logits.shape[-1]
+    mine = (local >= 0) & (local < per)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    picked = logits[rows, local.clamp(0, per - 1)] - shift
+    return torch.stack([exp.sum(-1), torch.where(mine, picked, torch.zeros_like(picked))]), exp
+
+
+@vocab_terms.register_fake
+def _(logits, shift, local):
+    return logits.new_empty((2, logits.shape[0])), torch.empty_like(logits)
+
+
+def _terms_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2], output[1])
+    ctx.set_materialize_grads(False)        # the exponentials' gradient: None, not a zeroed [N, V/tp]
+
+
+def _terms_backward(ctx, g_terms, g_exp):
+    local, exp = ctx.saved_tensors
+    grad = exp * g_terms[0].unsqueeze(-1) if g_terms is not None else torch.zeros_like(exp)
+    if g_exp is not None:
+        grad += g_exp * exp
+    if g_terms is not None:
+        per = exp.shape[-1]
+        mine = (local >= 0) & (local < per)
+        rows = torch.arange(exp.shape[0], device=exp.device)
+        grad[rows[mine], local[mine]] += g_terms[1][mine]
+    return grad, None, None
+
+
+vocab_terms.register_autograd(_terms_backward, setup_context=_terms_setup)
+
+
 def vocab_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: int = 1) -> Tensor:
     """`cross_entropy(full_logits, target)` from this device's vocabulary columns `logits`
     (`[N, V/tp]`, its rows `[offset, offset + V/tp)` of the vocabulary), never gathering the
@@ -219,17 +265,12 @@ def vocab_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100
     per = logits.shape[-1]
     offset = tp_offset(logits, per)
     shift = tp_max(logits.detach().amax(-1))          # any shift gives the same loss and gradient
-    shifted = logits - shift.unsqueeze(-1)
-    sum_exp = tp_reduce(shifted.exp().sum(-1))
     local = target - offset
-    mine = (local >= 0) & (local < per)
-    # The target logit by indexing, not `gather`: gather's backward keeps its whole input
-    # (`shifted`, [N, V/tp]) beside exp's result, which would make the loss keep as many
-    # bytes for backward at tp=2 as the full logits' log_softmax does; indexing keeps the indices.
-    rows = shifted.reshape(-1, per)
-    index = local.clamp(0, per - 1).reshape(-1)
-    picked = rows[torch.arange(rows.shape[0], device=rows.device), index].view(local.shape)
-    target_logit = tp_reduce(torch.where(mine, picked, torch.zeros_like(picked)))
+    # For backward it keeps the exponentials and the indices only: not `shifted` beside them (as
+    # gather's backward would), which would make the loss keep as many bytes at tp=2 as the full
+    # logits' log_softmax does.
+    terms, _ = vocab_terms(logits, shift, local)
+    sum_exp, target_logit = tp_reduce(terms).unbind(0)
     valid = target != ignore_index
     loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit))
     if reduction == 0:

@@ -278,6 +278,34 @@ def test_vocab_cross_entropy_is_cross_entropy_and_keeps_one_copy_of_the_logits(i
     assert logits.numel() * 8 <= sum(kept) < logits.numel() * 8 * 3 // 2, kept
 
 
+def test_the_vocab_cross_entropy_backward_allocates_one_tensor_of_the_logits_size():
+    """Where a step peaks (the loss's backward), the vocab-parallel loss's backward writes the
+    logits' gradient into one new tensor: autograd through its pieces allocated three, and
+    `cross_entropy` allocates two. From every allocation torch's profiler records."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    from piper.tensor_ops import vocab_cross_entropy
+
+    def rise(fn) -> float:
+        logits = torch.randn(64, 512, requires_grad=True)
+        loss = fn(logits, torch.randint(0, 512, (64,)))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss.backward()
+        events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.tag == _EventType.Allocation:
+                events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            stack.extend(node.children)
+        now = peak = 0
+        for _, size in sorted(events):
+            now += size
+            peak = max(peak, now)
+        return peak / (logits.numel() * logits.element_size())
+    assert rise(vocab_cross_entropy) < 1.1 and rise(F.cross_entropy) >= 1.9
+
+
 class FlattenedLoss(LlamaTP):
     """llama_tp's model taking its loss as Hugging Face users write it: `logits.flatten(0, 1)`."""
 
