@@ -94,7 +94,7 @@ def run_model(model_spec: str, *, top: int, steps: int, warmup: int, log=print) 
                 group = distinct[i:i + TOGETHER]
                 runs, again, loads = _measure_beside(search, reference, group, steps=steps, warmup=warmup, log=log)
                 for c in group:
-                    b = BATCH // (c.dp * c.microbatches)
+                    b = c.microbatch(BATCH)
                     exact = profile(model_spec, b) if b != search.reference.microbatch else None
                     r = search.with_calibration(again).evaluate(c, exact)
                     # and for the other load measured during its own steps (not its step time)

@@ -102,7 +102,7 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
     from .compiler.tune_calibration import fit_wait, from_run, pool
 
     def priced(c: Candidate, run: dict):
-        b = search.batch // (c.dp * c.microbatches)
+        b = c.microbatch(search.batch)
         exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
         program = (exact or search.reference).program
         compiled = run["compiled"]
@@ -210,7 +210,7 @@ def _verify(search: Search, results: list[Result], steps: int = 3) -> tuple[list
 
 def _predicted(search: Search, c: Candidate) -> float | None:
     """`c`'s step under `search`'s calibration, its activations at its own microbatch size."""
-    b = search.batch // (c.dp * c.microbatches)
+    b = c.microbatch(search.batch)
     exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
     r = search.evaluate(c, exact)
     return r.step_s if r is not None else None

@@ -74,6 +74,10 @@ class Candidate:
     tp: int = 1                    # tensor parallelism's size (with `tensor`, its plan: a strategy used on tp)
     tensor: str | None = None
 
+    def microbatch(self, batch: int) -> int:
+        """Sequences per microbatch of a global `batch`."""
+        return batch // (self.dp * self.microbatches)
+
     def script(self) -> str:
         axes = [f"{a}={n}" for a, n in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if n > 1]
         lines = [f"mesh {', '.join(axes)}"] if axes else []
@@ -411,7 +415,7 @@ class Search:
         except PiperError as err:
             self.skipped.append((c, err.diagnostics[0].message))
             return None
-        b = self.batch // (c.dp * c.microbatches)
+        b = c.microbatch(self.batch)
         fwd, bwd, saved = self._scaled(b, exact, c.tp)
         memory = predict_memory(compiled, program, optimizer=self.optimizer, saved=saved,
                                 ranks=compiled.plans.representatives())
@@ -581,7 +585,7 @@ def at_load(search: Search, result: Result, external: float) -> float | None:
     if search.calibration is None:
         return None
     c = result.candidate
-    b = search.batch // (c.dp * c.microbatches)
+    b = c.microbatch(search.batch)
     exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
     again = search.with_calibration(search.calibration, external=external).evaluate(c, exact)
     return again.step_s if again is not None else None

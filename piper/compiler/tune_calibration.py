@@ -310,7 +310,7 @@ def pair(ordered, batch: int | None = None) -> list:
     if not ordered:
         return []
     first = ordered[0]
-    size = (lambda c: batch // (c.dp * c.microbatches)) if batch else (lambda c: None)
+    size = (lambda c: c.microbatch(batch)) if batch else (lambda c: None)
     meshes = [c for c in ordered[1:] if (c.dp, c.pp) != (first.dp, first.pp)]
     other = next((c for c in meshes if size(c) != size(first)), None) or next(iter(meshes), None)
     return [first, other] if other is not None else ordered[:2]
@@ -330,7 +330,7 @@ def with_pipeline(chosen: list, ordered, batch: int | None = None) -> list:
              and c not in chosen]
     if batch:
         def size(c):
-            return max(1, batch // (c.dp * c.microbatches))
+            return max(1, c.microbatch(batch))
         seen, first = {size(c) for c in chosen}, size(chosen[0])
         pipes = sorted(pipes, key=lambda c: (size(c) in seen, abs(math.log(size(c) / first)), -size(c)))
     pipe = next(iter(pipes), None)
