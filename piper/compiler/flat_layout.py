@@ -130,8 +130,8 @@ def layout_unit(owner: int, names, specs: dict, group: tuple[int, ...], tied: di
 
 
 def unit_layouts(compiled, program, exclude=frozenset(), param_groups: dict[str, int] | None = None) -> dict:
-    """Owner region -> its flat unit's layout, the one `Job` and the memory model use: tied weights
-    in buckets of their own, the names in `exclude` (expert weights under `shard experts`) left out.
+    """Owner region -> its flat unit's layout (`job_layouts` gives a job's): tied weights in
+    buckets of their own, the names in `exclude` (expert weights under `shard experts`) left out.
 
     A unit that no data-parallel collective reads (one device per tp index, no ZeRO) keeps each
     parameter apart (`layout_unit(apart=True)`): a bucket exists to batch a collective, and with
@@ -155,6 +155,19 @@ def unit_layouts(compiled, program, exclude=frozenset(), param_groups: dict[str,
                 second_copies={p for p, owners in copies.items() if owners[0] != r.index},
                 param_groups=param_groups, tensor=tensor, apart=len(devices) == 1 and compiled.zero == 0)
     return out
+
+
+def job_layouts(compiled, program, optimizer=None) -> dict:
+    """`unit_layouts` as a job with `optimizer` lays its units out: under `shard experts` without
+    the expert weights (each device holds its rows apart), and with `optimizer` a
+    `piper.param_groups(...)` each parameter group packed apart. `Job`, the memory model and
+    tune's update costs all read this one."""
+    from ..frontend.param_groups import Grouped
+    from ..ir import experts
+
+    exclude = experts.expert_params(program) if compiled.ir.sharded("experts") else {}
+    return unit_layouts(compiled, program, exclude=exclude,
+                        param_groups=optimizer.of if isinstance(optimizer, Grouped) else None)
 
 
 def at_index(mesh, axis: str, devices, index: int) -> tuple[int, ...]:

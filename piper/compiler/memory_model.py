@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..frontend.capture import BATCH, BUFFER, PARAM, Program
-from .flat_layout import unit_layouts
+from .flat_layout import job_layouts
 from .saved import SavedBytes
 from ..ir.dag import node_key
 
@@ -417,9 +417,7 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
     states = optimizer_states(optimizer)
     ir = compiled.ir
     sharded = experts.expert_params(program) if ir.sharded("experts") else {}
-    from ..frontend.param_groups import Grouped
-    layouts = unit_layouts(compiled, program, exclude=set(sharded),
-                           param_groups=optimizer.of if isinstance(optimizer, Grouped) else None)
+    layouts = job_layouts(compiled, program, optimizer)
     units_of = {r.index: tuple(sorted({program.owner(p) for p in r.params})) for r in ir.regions}
     producer = {v.id: v.producer for v in program.values}
     feeds = {r.index: {producer[i.ref] for i in r.inputs if i.kind == "value"} for r in program.regions}

@@ -430,15 +430,15 @@ class Search:
         """Seconds per compute key of `compiled`: each region's forward and backward (`fwd`, `bwd`:
         region -> seconds at the candidate's microbatch size), a split backward's halves, the
         update of the shard each device owns (a call, a share of it per further bucket of its unit as
-        `unit_layouts` lays it out, and its elements), and recomputed regions' reruns."""
-        from .flat_layout import unit_layouts
+        `job_layouts` lays it out, and its elements), and recomputed regions' reruns."""
+        from .flat_layout import job_layouts
         from .step_costs import recompute_costs
 
         costs = {}
         per_element, per_call = self.machine["update"], self.machine.get("update_call", 0.0)
         per_tensor = self.machine.get("update_tensor", per_call)
         owned = {r.index: sum(program.params[p].nbytes for p in r.owned) for r in compiled.ir.regions}
-        buckets = {u: len(layout.buckets) for u, layout in unit_layouts(compiled, program).items()}
+        buckets = {u: len(layout.buckets) for u, layout in job_layouts(compiled, program, self.optimizer).items()}
         for n in compiled.ir.nodes:
             if n.op == "F":
                 costs[n.key] = fwd.get(n.region, 0.0)

@@ -35,7 +35,7 @@ from ..frontend.microbatches import microbatch_inputs
 from ..frontend.model_checks import check_loss_gradient, check_parameters
 from ..frontend.options import TrainingOptions, check_clip, check_nonfinite, compute_dtype
 from ..compiler.planning import build_strategy, compile_directives, plan  # noqa: F401 (piper.job.plan)
-from ..compiler.flat_layout import UnitLayout, unit_layouts
+from ..compiler.flat_layout import UnitLayout, job_layouts
 from ..ir.tied import state_keys
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -207,9 +207,7 @@ class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
         self._expert_weights = experts.expert_params(program) if ir.sharded("experts") else {}
         # Under tp a unit is shared by the devices of one tp index: this is index 0's layout
         # (`tensor_units.layout_of` gives each rank its own).
-        self.layouts: dict[int, UnitLayout] = unit_layouts(
-            compiled, program, exclude=self._expert_weights,
-            param_groups=optimizer.of if isinstance(optimizer, param_groups.Grouped) else None)
+        self.layouts: dict[int, UnitLayout] = job_layouts(compiled, program, optimizer)
         self._buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
         self._buffers.update(program.constants)     # tensors forward makes from data (not in state_dict)
         self._state_keys = state_keys(model)
