@@ -21,7 +21,7 @@ from examples.llama_tp import Attention, LlamaTP, batches, make_model, tensor_pa
 from piper.diagnostics import PiperError
 from piper.dsl import load_strategy
 from piper.testing import train_both
-from tests.helpers import assert_same
+from tests.helpers import allocation_rise, assert_same
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 VOCAB = 96          # no other dimension of the model is 96 or 48: a tensor of the vocabulary is recognisable
@@ -282,27 +282,12 @@ def test_the_vocab_cross_entropy_backward_allocates_one_tensor_of_the_logits_siz
     """Where a step peaks (the loss's backward), the vocab-parallel loss's backward writes the
     logits' gradient into one new tensor: autograd through its pieces allocated three, and
     `cross_entropy` allocates two. From every allocation torch's profiler records."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
     from piper.tensor_ops import vocab_cross_entropy
 
     def rise(fn) -> float:
         logits = torch.randn(64, 512, requires_grad=True)
         loss = fn(logits, torch.randint(0, 512, (64,)))
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss.backward()
-        events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            if node.tag == _EventType.Allocation:
-                events.append((node.start_time_ns, node.extra_fields.alloc_size))
-            stack.extend(node.children)
-        now = peak = 0
-        for _, size in sorted(events):
-            now += size
-            peak = max(peak, now)
-        return peak / (logits.numel() * logits.element_size())
+        return allocation_rise(loss.backward) / (logits.numel() * logits.element_size())
     assert rise(vocab_cross_entropy) < 1.1 and rise(F.cross_entropy) >= 1.9
 
 

@@ -11,6 +11,7 @@ from ..state.clip import drop_gradients, gradients_finite, scaled_gradients
 from .gradient_routing import GradientRouting
 from ...compiler.slots import whole_backwards
 from ..launch.specs import RegionSpec
+from ..autograd import seeded
 from ..autograd.split_backward import backward_inputs, backward_weights, can_split
 
 
@@ -31,7 +32,7 @@ class BackwardActions(GradientRouting):
         outs = self._recomputed(region, node, outs)
         tensors, grads = self._backward_targets(region, node.mb, outs)
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            seeded.backward(tensors, grads)
         with self._lock:
             self.activations -= self.saved_bytes.pop((node.region, node.mb), 0)
         self._deliver_input_grads(node, leaves, {v: leaf.grad for v, leaf in leaves.items()})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...ir.cut_parts import Cut, Source
-from ..autograd import recompute
+from ..autograd import recompute, seeded
 from .cut_pass import PARAM, _add, _count, _no_views, _Pass
 
 
@@ -51,7 +51,7 @@ class PieceBackward:
         boundary = run.boundary.pop(piece, [])
         if not inputs_only:
             if tensors:
-                torch.autograd.backward(tensors, grads)
+                seeded.backward(tensors, grads)
             for source, leaf in boundary:
                 if leaf.grad is not None:
                     _add(run.grads, source, leaf.grad)
