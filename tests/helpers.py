@@ -49,21 +49,12 @@ def wait_gone(pids, limit=30.0) -> list[int]:
 
 
 def allocation_rise(fn) -> int:
-    """The most bytes the CPU allocator held above where it began while `fn()` ran: its allocations
-    less its frees in time order, from every allocation event torch's profiler records."""
-    from torch._C._profiler import _EventType
+    """The most bytes the CPU allocator held above where it began while `fn()` ran, counted as the
+    benchmarks count a step's tensor peak (`benchmarks.harness.tp_probes.allocation_rise`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.harness.tp_probes import allocation_rise as rise
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    now = peak = 0
-    for _, size in sorted(events):
-        now += size
-        peak = max(peak, now)
-    return peak
+    return rise(prof)

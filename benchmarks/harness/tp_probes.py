@@ -175,7 +175,7 @@ def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 30) 
 
 # -- the tensor-level peak of one step, the same way on both sides ------------------------------------
 
-def _allocation_rise(prof) -> int:
+def allocation_rise(prof) -> int:
     """The largest sum of the CPU allocator's allocations less its frees, in time order, over a
     profiled step (torch's profiler, `profile_memory=True`: one event per allocation and free)."""
     from torch._C._profiler import _EventType
@@ -204,7 +204,7 @@ def _tensor_peak(step, held):
     def tracked(*args, **kwargs):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = step(*args, **kwargs)
-        tracked.peak = held() + _allocation_rise(prof)
+        tracked.peak = held() + allocation_rise(prof)
         return out
     tracked.peak = None
     return tracked
