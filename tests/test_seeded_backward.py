@@ -41,3 +41,39 @@ def test_a_seed_gradient_is_let_go_once_read():
 
     seed = 256 * 1024 * 8
     assert rise(held) - rise(seeded.backward) >= 0.9 * seed
+
+
+def test_only_a_tensor_nothing_else_holds_is_emptied():
+    """`let_go_unread` empties a tensor whose data only the tensor itself holds, and none that a
+    detached alias, a graph that saved it (as an input or as its own output) or a view shares."""
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    alone, aliased, read, exp, base = x @ x, x @ x, x @ x, (x @ x).exp(), x @ x
+    alias, reader, view = aliased.detach(), read.sin(), base[1:]
+    seeded.let_go_unread([alone, aliased, read, exp, view])
+    assert alone.untyped_storage().nbytes() == 0
+    assert all(t.untyped_storage().nbytes() == 64 * 64 * 8 for t in (aliased, read, exp, base))
+    assert alias.untyped_storage().nbytes() and reader.requires_grad and view.untyped_storage().nbytes()
+
+
+def test_a_backward_from_an_emptied_output_gives_the_same_gradients_and_peaks_lower():
+    """Two pieces as a cut region runs them: `y` feeds the second piece through a detached leaf.
+    Once the second piece's backward has run, `y`'s data is held by `y` alone; emptied, the first
+    piece's backward (the pass's peak: `w`'s gradient is summed into) gives the same gradients and
+    peaks `y`'s bytes lower."""
+    def run(empty: bool):
+        torch.manual_seed(0)
+        x, w = _leaves()
+
+        def pieces():
+            y = x @ w                                 # mm saves x and w, not y
+            leaf = y.detach().requires_grad_()
+            (leaf @ w).sum().backward()               # its graph (and the leaf its AccumulateGrad holds) gone
+            g, leaf = [leaf.grad], None
+            if empty:
+                seeded.let_go_unread([y])
+            seeded.backward([y], g)
+        return allocation_rise(pieces), x.grad, w.grad
+
+    kept, emptied = run(False), run(True)
+    torch.testing.assert_close(emptied[1:], kept[1:], rtol=0, atol=0)
+    assert kept[0] - emptied[0] >= 0.9 * 256 * 1024 * 8

@@ -30,6 +30,25 @@ class _Seed(torch.autograd.Function):
         return (None, *grads)
 
 
+def unread(tensor: torch.Tensor) -> bool:
+    """Whether nothing but `tensor` itself holds its data: no other tensor shares its storage (a
+    detached alias, an autograd graph's saved copy of an output) and nothing in C++ holds the
+    tensor (a graph that saved it as an input, a collective in flight). A backward that starts from
+    such a tensor needs only its node: its storage can be emptied first."""
+    if tensor._is_view() or tensor._use_count() != 1:
+        return False
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) == 2      # the tensor's and `storage`'s
+
+
+def let_go_unread(tensors) -> None:
+    """Empty the storage of each of `tensors` that `unread` finds held by nothing else. Only for
+    tensors whose values nobody reads again from Python: the caller's promise."""
+    for t in tensors:
+        if torch.is_tensor(t) and unread(t):
+            t.untyped_storage().resize_(0)
+
+
 def backward(tensors: list, grads: list) -> None:
     """`torch.autograd.backward(tensors, grads)`, each gradient let go once its node has read it.
     Empties `grads`: what the caller still references elsewhere stays alive."""

@@ -27,11 +27,18 @@ class PieceBackward:
             scale = ex.spec.grad_scale * getattr(ex.clip, "loss_scale", 1.0)
             _add(run.grads, cut.outputs[-1], torch.full_like(outs[-1], scale))
 
-    def _targets(self, run: _Pass, piece: int):
+    def _targets(self, run: _Pass, piece: int, cut: Cut):
+        """The piece's outputs that get a gradient, and those gradients. Those the region does not
+        output are read by later pieces alone, whose backwards have run and let go of them (the
+        detached inputs they saved): what still holds their data holds it for nothing (torch's one
+        eager graph frees such a tensor after its last reader's backward), so it is emptied."""
         tensors, grads = [], []
         for j, out in enumerate(run.outs.pop(piece)):
-            g = run.grads.pop(Source("piece", piece, j), None)
+            source = Source("piece", piece, j)
+            g = run.grads.pop(source, None)
             if g is not None and torch.is_tensor(out) and out.requires_grad:
+                if source not in cut.outputs:
+                    seeded.let_go_unread([out])
                 tensors.append(out)
                 grads.append(g)
         return tensors, grads
@@ -47,7 +54,7 @@ class PieceBackward:
             self._seed(ex, run, node, region, cut)
         if piece in run.kept:
             self._rerun(ex, run, node, region, cut, piece)
-        tensors, grads = self._targets(run, piece)
+        tensors, grads = self._targets(run, piece, cut)
         boundary = run.boundary.pop(piece, [])
         if not inputs_only:
             if tensors:
