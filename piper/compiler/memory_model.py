@@ -11,7 +11,7 @@ The prediction replays each device's plan the way the executor spends memory
   that backward is done, every bucket it wrote); without ZeRO-2/3 let go at
   the unit's update, under ZeRO-2/3 handed to a reduce-scatter, which is in
   flight until the next compute or the next use of the unit, beside the
-  persistent gradient shard;
+  gradient shard its first reduce-scatter in the step makes, until the update;
 - optimizer state: its elements per parameter element (AdamW: 2) times the
   shard the device steps;
 - saved activations: each region's bytes saved for backward per microbatch
@@ -35,7 +35,7 @@ The prediction replays each device's plan the way the executor spends memory
   (`piper/runtime/moe/pieces.py`), what each piece saves on its own.
 
 The peak is sampled after every action, as `job.memory()[rank]["step_peak"]`
-is, in a steady-state step (optimizer state and gradient shards exist). The
+is, in a steady-state step (optimizer state exists). The
 items of an overlapped slot run at once in lanes (CPU), so what a step holds
 at the slot depends on how the lanes' threads interleave, which changes from
 step to step and run to run: `peak` is the worst interleaving (both items'
@@ -335,7 +335,7 @@ class _Unit:
         self.zero = zero
         self.gathered = False
         self.flat = False                  # a flat gradient buffer: from the unit's first backward
-        self.grad_shard = zero >= 2        # steady state: the shard of the last step's sums exists
+        self.grad_shard = False            # ZeRO-2/3: from the unit's first reduce-scatter to its update
         self.in_flight: list[int] = []     # bytes per reduce-scatter in flight
         self.opt = int(states * (self.full if zero == 0 else self.shard))
         self.experts = experts
@@ -595,6 +595,7 @@ class _Replay(_Reductions):
             units[node.region].expert_grads = False     # the expert optimizer lets go of them
             if units[node.region].zero <= 1:
                 units[node.region].flat = False         # `Unit.release_grads`
+            units[node.region].grad_shard = False       # and ZeRO-2/3's shards of the sums
         elif op == "ALL_GATHER" and node.phase and node.region in units:
             units[node.region].gathered = True
         elif op == "REDUCE_SCATTER" and node.region in units:

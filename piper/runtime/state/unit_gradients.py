@@ -101,13 +101,13 @@ class UnitGradients:
 
     def release_grads(self) -> None:
         """After an update (or a skipped one): let go of the flat gradient buffers, which the next
-        backward attaches anew (torch's `zero_grad(set_to_none=True)`); ZeRO-2/3's shards of the
-        sums stay, zeroed, for the next step's reduce-scatters to add into."""
+        backward attaches anew (torch's `zero_grad(set_to_none=True)`), and of ZeRO-2/3's shards of
+        the sums, which the next step's first reduce-scatter of each bucket makes anew (as FSDP2's
+        sharded gradients are set to None): held between steps, they sat through the next step's
+        forward and every backward before the unit's own."""
         self.flat_grad = [None] * len(self.flat_grad)
+        self.grad_shard = [None] * len(self.grad_shard)
         for leaves in self._by_bucket:
             for leaf, _ in leaves:
                 leaf.grad = None
-        for shard in self.grad_shard:
-            if shard is not None:
-                shard.zero_()
         self.count()
