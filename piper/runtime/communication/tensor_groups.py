@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ... import tensor_context
+from . import collectives
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class TensorGroup:
         self.ranks = ranks
         self.size = len(ranks)
         self.index = ranks.index(rank)
+        self.gloo = dist.get_backend(group) == "gloo"
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         start = time.perf_counter()
@@ -69,8 +71,13 @@ class TensorGroup:
         return dist.all_reduce(t, op=reduce, group=self.group, async_op=True)
 
     def all_gather_async(self, x: torch.Tensor, dim: int):
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        work = dist.all_gather(parts, x.contiguous(), group=self.group, async_op=True)
+        x = x.contiguous()
+        if self.gloo:
+            parts = [x if i == self.index else torch.empty_like(x) for i in range(self.size)]
+            work = collectives.broadcast_each(parts, self.group)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            work = dist.all_gather(parts, x, group=self.group, async_op=True)
         return work, lambda: torch.cat(parts, dim)
 
     def reduce_scatter_async(self, x: torch.Tensor, dim: int):

@@ -99,7 +99,7 @@ class Unit(UnitGradients):
         """ZeRO-1/2: share every member's updated slice."""
         works = []
         for full, shard in zip(self.full, self.shard):
-            works.append(collectives.all_gather_into(full.data, shard.detach().clone(), group))
+            works.append(collectives.all_gather_into(full.data, shard.detach(), group))
         return works
 
     # -- inspection -----------------------------------------------------------------------
