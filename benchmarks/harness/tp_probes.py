@@ -155,11 +155,19 @@ def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 30) 
         dist.all_gather(parts, out)
         return torch.cat(parts, dim)
 
+    def piper_all_gather():
+        from piper.runtime.communication.collectives import broadcast_each
+
+        parts = [out if i == rank else torch.empty_like(out) for i in range(world)]
+        broadcast_each(parts, None).wait()
+        return torch.cat(parts, dim)
+
     def all_reduce():
         dist.all_reduce(x.clone())
 
     ways = {"all_reduce": all_reduce, "all_reduce_chunk": piper_reduce_scatter,
-            "reduce_scatter_tensor": torch_reduce_scatter, "all_gather": all_gather, "clone": x.clone}
+            "reduce_scatter_tensor": torch_reduce_scatter, "all_gather": all_gather,
+            "broadcasts": piper_all_gather, "clone": x.clone}
     times: dict[str, list[float]] = {name: [] for name in ways}
     for fn in ways.values():
         fn()

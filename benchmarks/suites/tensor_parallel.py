@@ -8,7 +8,8 @@ composition against torchtitan's order, and `piper check` of a 4D plan at 8,192 
     Step time (A/B alternated), peak bytes per rank (the same probe on both sides), and in a further
     untimed step what each side communicates (benchmarks/harness/tp_probes.py).
 (b) Gloo's costs at the activation's size: an all-reduce + chunk (Piper's reduce-scatter on Gloo)
-    against `reduce_scatter_tensor`, an all-gather, a clone (Piper's `tp_copy`).
+    against `reduce_scatter_tensor`, a broadcast per member (Piper's all-gather on Gloo) against
+    `all_gather`, a clone (Piper's `tp_copy`).
 (c) DP x PP x TP (dp=2, pp=2, tp=2; 8 processes): ZeRO-3 x 1F1B x TP + SP + vocab against
     torchtitan's order (TP, FSDP2 per block, PipelineStage + Schedule1F1B).
 (d) `piper check` of dp=64 x pp=16 x tp=8 with 64 microbatches and `--regions PP=16`: the CLI as a
@@ -122,7 +123,8 @@ def _tp_tables(ctx, result, warmup: int, steps: int):
                   "float32, split along seq): median ms of 30, the ways taken in turn after a barrier each, "
                   "the slowest rank of the torch group",
                   ["tp", "all-reduce", "all-reduce + chunk (Piper's reduce-scatter)", "reduce_scatter_tensor",
-                   "all-gather", "clone (tp_copy)", "Piper's reduce-scatters per step", "their extra ms per step"])
+                   "all-gather", "a broadcast per member + cat (Piper's all-gather)", "clone (tp_copy)",
+                   "Piper's reduce-scatters per step", "their extra ms per step"])
     for n in (2, 4):
         group, rs_calls = None, 0
         for label, sequence in VARIANTS:
@@ -265,19 +267,19 @@ def _gloo_costs(ctx, group, shape, rs_calls, result, n) -> list:
     import ray
 
     if group is None:
-        return ["no torch group"] + [None] * 6
+        return ["no torch group"] + [None] * 7
     try:
         found = ray.get([a.__ray_call__.remote(tp_probes.gloo_costs, shape) for a in group.actors],
                         timeout=group.timeout)
     except Exception as exc:
         ctx.log(traceback.format_exc())
-        return [f"failed: {short_error(exc)}"] + [None] * 6
+        return [f"failed: {short_error(exc)}"] + [None] * 7
     worst = {k: max(f[k] for f in found) for k in found[0]}
     for k, v in worst.items():
         result.metrics[f"gloo.tp{n}.{k}_ms"] = v * 1e3
     extra = (worst["all_reduce_chunk"] - worst["reduce_scatter_tensor"]) * rs_calls
     return [ms(worst["all_reduce"]), ms(worst["all_reduce_chunk"]), ms(worst["reduce_scatter_tensor"]),
-            ms(worst["all_gather"]), ms(worst["clone"]), rs_calls, ms(extra)]
+            ms(worst["all_gather"]), ms(worst["broadcasts"]), ms(worst["clone"]), rs_calls, ms(extra)]
 
 
 def _mib_cell(value):
@@ -324,8 +326,8 @@ def _comm_notes() -> list[str]:
         "host cost: sharding propagation, redistribution); ms is the time until each collective and its wait "
         "returned. Piper: the worker's TensorGroup calls (the TP exchanges between the pieces of each cut region, "
         "and the tp-summed gradients), ms from each one's issue until its wait returned (what the plan runs in "
-        "between overlaps it); Piper's reduce-scatter is an all-reduce + chunk on Gloo, all_reduce (max) the vocab "
-        "loss's max.",
+        "between overlaps it); on Gloo Piper's reduce-scatter is an all-reduce + chunk and its all-gather a broadcast "
+        "per member, all_reduce (max) the vocab loss's max.",
         "Piper TP ops: the piper::tp_* nodes of the captured region graphs (one forward); each but tp_offset is "
         "one TP exchange of the plan, forward and backward (tp_copy's forward moves nothing and its backward is an "
         "all-reduce, tp_gather's a reduce-scatter, tp_reduce_scatter's an all-gather).",
