@@ -45,7 +45,9 @@ def broadcast_each(parts: list[torch.Tensor], group):
     on the others, one broadcast per member (async; one work for all). Gloo's own all-gather
     receives into a temporary of the whole output's size and copies out of it (at ZeRO-3 a
     gathered unit beside the backward's activations), and took 1.2-1.9x as long as the
-    broadcasts for 2-8 members and 16 KiB-6 MiB on our machines; each part must be contiguous."""
+    broadcasts for 2-8 members and 1.5-6 MiB gathered on our machines, and for 4 and 8 members
+    at 16 KiB (0.9x for two at 16 KiB, where a call's latency is all); each part must be
+    contiguous."""
     world = group if group is not None else dist.group.WORLD
     return _Works([dist.broadcast(part, src=dist.get_global_rank(world, i), group=group, async_op=True)
                    for i, part in enumerate(parts)])
