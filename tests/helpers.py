@@ -1,5 +1,8 @@
-"""What several test files share: one-device reference training, results against it, worker processes gone."""
+"""What several test files share: one-device reference training, results against it, worker processes gone,
+functions run in a real Gloo group of spawned processes."""
+import datetime
 import os
+import socket
 import time
 
 import torch
@@ -58,3 +61,35 @@ def allocation_rise(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return rise(prof)
+
+
+def on_gloo(fn, world: int) -> dict:
+    """`fn(rank)` in each of `world` spawned processes joined in one Gloo group (no Ray): rank -> what
+    it returned. `fn` lives at a module's top level and returns plain data (tensors passed between
+    processes need their sender alive)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_gloo_rank, args=(fn, rank, world, port, out)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(out.get() for _ in procs)
+    for p in procs:
+        p.join(timeout=120)
+    assert all(p.exitcode == 0 for p in procs)
+    return results
+
+
+def _gloo_rank(fn, rank: int, world: int, port: int, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        out.put((rank, fn(rank)))
+    finally:
+        dist.destroy_process_group()

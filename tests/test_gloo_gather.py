@@ -3,31 +3,20 @@ same bytes as torch's all-gather, without Gloo's temporary of the whole output. 
 of three processes (no Ray); a subgroup of two checks that members map to their global ranks."""
 from __future__ import annotations
 
-import datetime
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from piper.runtime.communication import collectives
 from piper.runtime.communication.tensor_groups import TensorGroup
+from tests.helpers import allocation_rise, on_gloo
 
 WORLD = 3
 NUMEL = 3 * 4096          # per gathered buffer: 48 KiB of float32, divisible by both group sizes
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gathered(group, members: int, member: int) -> dict:
     """Whether each way of gathering gives torch's all-gather bit for bit on this member, and the bytes
     `all_gather_into` allocated beside its output."""
-    from tests.helpers import allocation_rise
-
     seed = torch.Generator().manual_seed(member)
     shard = torch.randn(NUMEL // members, generator=seed)
     shard[0] = -0.0                                   # the sign of a zero travels too
@@ -50,30 +39,16 @@ def _gathered(group, members: int, member: int) -> dict:
             "tp": torch.equal(tp.all_gather(x, 1), torch.cat(parts, 1)), "rise": rise}
 
 
-def _rank(rank: int, port: int, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        pair = dist.new_group([0, 2])                 # every rank creates it; member 1 of it is rank 2
-        results = {"world": _gathered(None, WORLD, rank)}
-        if rank != 1:
-            results["pair"] = _gathered(pair, 2, rank // 2)
-        out.put((rank, results))
-    finally:
-        dist.destroy_process_group()
+def _every_way(rank: int) -> dict:
+    pair = dist.new_group([0, 2])                     # every rank creates it; member 1 of it is rank 2
+    results = {"world": _gathered(None, WORLD, rank)}
+    if rank != 1:
+        results["pair"] = _gathered(pair, 2, rank // 2)
+    return results
 
 
 def test_gloo_all_gather_is_exact_in_place_and_allocates_nothing_beside_its_output():
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(out.get() for _ in procs)
-    for p in procs:
-        p.join(timeout=120)
-    assert all(p.exitcode == 0 for p in procs)
+    results = on_gloo(_every_way, WORLD)
     assert set(results[0]) == {"world", "pair"} and set(results[1]) == {"world"}
     for per_rank in results.values():
         for got in per_rank.values():
