@@ -137,14 +137,17 @@ def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 30) 
     actor's world group (every actor calls this at once)."""
     import torch.distributed as dist
 
+    from piper.runtime.communication.tensor_groups import TensorGroup
+
     world, rank = dist.get_world_size(), dist.get_rank()
     x = torch.randn(shape)
     out = torch.empty_like(x.chunk(world, dim)[0]).contiguous()
+    piper_group = TensorGroup(None, tuple(range(world)), rank)        # Piper's own calls, on the world group
 
     def piper_reduce_scatter():
-        total = x.contiguous().clone()
-        dist.all_reduce(total)
-        return total.chunk(world, dim)[rank].contiguous()
+        work, result = piper_group.reduce_scatter_async(x, dim)
+        work.wait()
+        return result()
 
     def torch_reduce_scatter():
         # reduce_scatter_tensor splits dim 0: move `dim` to the front as DTensor's Shard(dim) does.
@@ -156,11 +159,9 @@ def gloo_costs(worker, shape: tuple[int, ...], dim: int = 1, repeats: int = 30) 
         return torch.cat(parts, dim)
 
     def piper_all_gather():
-        from piper.runtime.communication.collectives import broadcast_each
-
-        parts = [out if i == rank else torch.empty_like(out) for i in range(world)]
-        broadcast_each(parts, None).wait()
-        return torch.cat(parts, dim)
+        work, result = piper_group.all_gather_async(out, dim)
+        work.wait()
+        return result()
 
     def all_reduce():
         dist.all_reduce(x.clone())
