@@ -65,7 +65,9 @@ class JobStartup:
                               self.startup_timeout)
         params = dict(model.named_parameters())
         slots = self._multi_slots()
-        refs = [a.setup.remote(*self._spec(rank, params, optimizer, slots.get(rank, ())), self._fault)
+        received = self._received(slots)
+        refs = [a.setup.remote(*self._spec(rank, params, optimizer, slots.get(rank, ()), received.get(rank)),
+                               self._fault)
                 for rank, a in enumerate(self.actors)]
         self._get(refs, "set up", self.startup_timeout)
         self._progress(f"workers ready ({time.monotonic() - started:.1f} s)")

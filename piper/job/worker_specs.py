@@ -4,7 +4,7 @@ Mixed into `piper.job.Job`; builds the `WorkerSpec` (`runtime/launch/specs.py`) 
 """
 from __future__ import annotations
 
-from ..frontend.capture import BUFFER
+from ..frontend.capture import BUFFER, VALUE
 from ..ir.experts import groups as expert_groups, holdings, slots_lanes
 from ..runtime.moe.expert_groups import ExpertSpec
 from ..runtime.state.flat_buffers import flatten
@@ -24,7 +24,22 @@ class WorkerSpecs:
         return {rank: tuple(slot for slot in slots if len(slot) > 1)
                 for rank, slots in compute_slots(self.compiled).items()}
 
-    def _spec(self, rank: int, params, optimizer, slots=()):
+    def _received(self, slots: dict) -> dict:
+        """Per rank, the arrivals that prove its sends delivered (`compiler/received.py`), the
+        overlapped slots' stretches found as the workers find them (`Lanes`)."""
+        from ..compiler.received import sends_received
+        from ..compiler.slots import spans
+
+        program, plans = self.program, self.compiled.plans
+        units_of = {r: set(u) for r, u in units_used(self.compiled.ir).items()}
+        producer = {v.id: v.producer for v in program.values}
+        feeds = {r: {producer[i.ref] for i in region.inputs if i.kind == VALUE}
+                 for r, region in enumerate(program.regions)}
+        stretches = {rank: [(s.start, s.stop) for s in spans(plan, slots.get(rank, ()), units_of, feeds).values()]
+                     for rank, plan in plans.items()}
+        return sends_received(plans, stretches)
+
+    def _spec(self, rank: int, params, optimizer, slots=(), received=None):
         ir, program = self.compiled.ir, self.program
         mine = [r.index for r in ir.regions if rank in ir.devices_of(r.index)]
         units_of = units_used(ir)
@@ -54,6 +69,7 @@ class WorkerSpecs:
             spec.experts, init["experts"] = expert_spec(program, ir, rank, params, slots_lanes(self))
         if tensor is not None:
             spec.tensor = tensor_spec(self.mesh, tensor.axis, slots_lanes(self))
+        spec.received = received or {}
         spec.readers = self._readers(rank)      # data= / val_data=: what this rank reads of each batch
         self.training.configure(spec, ir, program)
         return spec, init

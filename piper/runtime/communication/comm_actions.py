@@ -32,7 +32,7 @@ class CommActions:
             tensor = self.values[(v, node.mb)].detach()
         else:
             tensor = self.grad_out.pop((v, node.mb, node.region))
-        self.sends.append(torch.distributed.isend(tensor.contiguous(), action.peer, tag=action.tag))
+        self.sends[action.key] = torch.distributed.isend(tensor.contiguous(), action.peer, tag=action.tag)
 
     def _recv(self, action) -> None:
         node = action.node
@@ -42,12 +42,23 @@ class CommActions:
         _, _, shape, dtype, _ = self.spec.values[v]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         work = torch.distributed.irecv(buf, action.peer, tag=action.tag)
-        key = (v, node.mb)
-        if node.phase == "F":
-            then = lambda: self.values.__setitem__(key, buf)  # noqa: E731
-        else:
-            then = lambda: self._accumulate(key, buf)  # noqa: E731
+        key, delivered = (v, node.mb), self.spec.received.get(action.key, ())
+
+        def then():
+            if node.phase == "F":
+                self.values[key] = buf
+            else:
+                self._accumulate(key, buf)
+            self._let_go_sends(delivered)
         self.pending[action.key] = ([work], then)
+
+    def _let_go_sends(self, keys) -> None:
+        """Wait for the sends an arrival proves delivered (`compiler/received.py`): at once, as
+        they are done, and their tensors go; else each would hold its tensor to the step's end."""
+        for key in keys:
+            work = self.sends.pop(key, None)
+            if work is not None:
+                work.wait()
 
     def _all_reduce(self, action) -> None:
         unit = self.units[action.node.region]

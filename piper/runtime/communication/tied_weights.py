@@ -33,7 +33,7 @@ def send(executor, action) -> None:
     _finish_reductions(executor, node.region)
     grad = _grad(executor.units[node.region], node.value)
     # A copy: this side adds the other's gradient into `grad` while the send may still read it.
-    executor.sends.append(torch.distributed.isend(grad.detach().clone(), action.peer, tag=action.tag))
+    executor.sends[action.key] = torch.distributed.isend(grad.detach().clone(), action.peer, tag=action.tag)
 
 
 def recv(executor, action) -> None:

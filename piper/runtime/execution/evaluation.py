@@ -54,9 +54,10 @@ class Evaluation:
             with torch.no_grad():
                 for action in plan:
                     self._run(action)
+                    self._let_go_values(action.key)
                 for key in list(self.pending):
                     self._wait(key)
-                for work in self.sends:
+                for work in self.sends.values():
                     work.wait()
                 self.sends.clear()
             return [float(x) for x in self.losses]

@@ -34,6 +34,7 @@ from .forward_actions import ForwardActions
 from .lanes import Lanes
 from .memory_accounting import MemoryAccounting
 from .step_loop import TRACE_STEPS, StepLoop
+from .value_lifetimes import last_readers
 
 # Imported from here by the driver (`piper.job`), `precision.py` and tests.
 __all__ = ["Executor", "RegionSpec", "WorkerSpec", "Unit", "TRACE_STEPS", "PARAM", "BUFFER", "BATCH", "VALUE"]
@@ -69,8 +70,9 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self.pieces = cut_regions(spec, self.experts)     # regions run as pieces and exchanges (`moe.pieces`)
         self.buffers = {k: v.to(self.device) for k, v in spec.buffers.items()}
         self.by_value = {(p, i): v for v, (p, i, *_rest) in spec.values.items()}
+        self._last_reads = last_readers(spec.plan, spec.regions, self.by_value)     # `_let_go_values`
         self.pending: dict[str, tuple[list, object]] = {}
-        self.sends: list = []
+        self.sends: dict[str, object] = {}     # SEND key -> its work, until waited for
         self._init_step_loop()
         self._init_backward(spec)
         self._init_accounting()

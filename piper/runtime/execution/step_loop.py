@@ -63,11 +63,14 @@ class StepLoop(StepState):
                 self._settle_reductions(self._reads[i])
             if span is None:
                 self._run(plan[i])
+                self._let_go_values(plan[i].key)
                 if not plan[i].node.is_compute:       # computes sample before they release (`_release`)
                     self._sample()
                 i += 1
             else:
                 self._run_span(span)
+                for action in plan[i:span.stop]:     # once every lane is done with them
+                    self._let_go_values(action.key)
                 i = span.stop
         self._marks.loop_done()
         return self._end_step()
@@ -108,6 +111,12 @@ class StepLoop(StepState):
             # also holds whatever other processes sharing the core took meanwhile.
             self.cpu_timings[action.key] = time.thread_time() - cpu
         return start, end
+
+
+    def _let_go_values(self, key: str) -> None:
+        """Drop the values whose last reader was action `key` (`value_lifetimes`)."""
+        for entry in self._last_reads.get(key, ()):
+            self.values.pop(entry, None)
 
 
 def _account_tensor(node, timings: dict, pending: dict) -> None:

@@ -32,7 +32,7 @@ class StepState:
         back, and let the step's tensors go. The losses of the step."""
         for key in list(self.pending):
             self._wait(key)
-        for work in self.sends:
+        for work in self.sends.values():
             work.wait()
         self.sends.clear()
         if self.clip is not None:        # the updates it held back, after clipping

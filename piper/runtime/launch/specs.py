@@ -46,4 +46,5 @@ class WorkerSpec:
     skip_nonfinite: bool = False                  # skip updates whose gradients hold inf/NaN (`precision.py`)
     experts: object = None                        # runtime.moe.expert_groups.ExpertSpec under `shard experts`
     tensor: object = None                         # communication.tensor_groups.TensorSpec under tensor parallelism
+    received: dict = field(default_factory=dict)  # RECV key -> SEND keys its arrival proves delivered (`received.py`)
     readers: dict = field(default_factory=dict)   # "train"/"val" -> piper.data.Reader: the rows it reads
