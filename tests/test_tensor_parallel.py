@@ -118,6 +118,32 @@ def test_dp2_x_tp2_with_zero1_and_its_checkpoint_at_tp1_and_at_pp2_x_tp2(tmp_pat
             assert_same((first + then, ref_losses, job.state_dict(), ref_state))
 
 
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_checkpoint_goes_from_no_tp_to_tp4_and_from_tp4_to_dp2_x_tp2(tmp_path):
+    """The other way round: a checkpoint of ZeRO-3 over dp=2 (no TP) loads at tp=4 with SP, and
+    that one's at dp=2 x tp=2 with ZeRO-1; every step equals one device's."""
+    import copy
+
+    from piper.testing import single_device
+
+    model, data = make_model(stages=1, vocab=VOCAB, kv_heads=4), batches(count=4, vocab=VOCAB)
+    ref_losses, ref_state = single_device(copy.deepcopy(model), data, ADAMW)
+    legs = ((load_strategy("use zero3() on dp\n"), {"dp": 2}, data[:2]),
+            (strategy(sequence=True), {"tp": 4}, data[2:3]),
+            (strategy(dp="zero1"), {"dp": 2, "tp": 2}, data[3:]))
+    losses, saved = [], None
+    for k, (plan, mesh, steps) in enumerate(legs):
+        with piper.compile(copy.deepcopy(model), data[0], strategy=plan, mesh=mesh, optimizer=ADAMW,
+                           progress=False) as job:
+            if saved is not None:
+                job.load(saved)
+            losses += [job.step(*b) for b in steps]
+            saved = tmp_path / f"leg{k}"
+            job.save(saved)
+            state = job.state_dict()
+    assert_same((losses, ref_losses, state, ref_state))
+
+
 @pytest.mark.full          # the 8-worker DP x PP x TP test runs 1F1B with SP by default
 @pytest.mark.usefixtures("ray_cluster")
 def test_pp2_x_tp2_with_1f1b_and_sequence_parallelism():
