@@ -46,3 +46,19 @@ def test_skip_goes_on_past_them():
                        nonfinite="skip") as job:
         loss = job.step(*XY)
         assert loss == loss and job.steps == 1          # finite, and the step counted (its update skipped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_check_finds_inf_and_nan_in_any_tensor_and_changes_no_value(dtype):
+    from piper.runtime.state.clip import gradients_finite
+
+    grads = [torch.randn(5, dtype=dtype), None, torch.randn(3, 4, dtype=dtype), torch.tensor([1e-40, -0.0])]
+    before = [g.clone() if g is not None else None for g in grads]
+    assert gradients_finite(grads)
+    assert all(g is None or torch.equal(g, b) and g.dtype == b.dtype for g, b in zip(grads, before))
+    assert torch.equal(grads[3].signbit(), torch.tensor([False, True]))       # -0.0 stays -0.0
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        grads[2][2, 3] = bad
+        assert not gradients_finite(grads)
+        grads[2][2, 3] = 0.0
+    assert gradients_finite([]) and gradients_finite([None])

@@ -33,6 +33,7 @@ from .evaluation import Evaluation
 from .forward_actions import ForwardActions
 from .lanes import Lanes
 from .memory_accounting import MemoryAccounting
+from .saved_sizes import SavedSizes
 from .step_loop import TRACE_STEPS, StepLoop
 from .value_lifetimes import last_readers
 
@@ -73,6 +74,7 @@ class Executor(StepLoop, Lanes, ForwardActions, BackwardActions, CommActions, Me
         self._last_reads = last_readers(spec.plan, spec.regions, self.by_value)     # `_let_go_values`
         self.pending: dict[str, tuple[list, object]] = {}
         self.sends: dict[str, object] = {}     # SEND key -> its work, until waited for
+        self._saved_sizes = SavedSizes()        # `_f`: saved bytes counted once per input signature
         self._init_step_loop()
         self._init_backward(spec)
         self._init_accounting()

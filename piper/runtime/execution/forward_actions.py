@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from ..autograd import recompute
-from ...compiler.saved import SavedBytes
 from ..launch.specs import BATCH, BUFFER, PARAM, RegionSpec
 
 
@@ -46,10 +45,13 @@ class ForwardActions:
         args, leaves = self._args(region, node.mb)
         if region.recompute:
             outs, kept, size = recompute.forward(region.graph, args, self.device, self._param_storages)
-        else:
-            with torch.set_grad_enabled(not self._evaluating), SavedBytes(self._param_storages) as saved:
+        elif self._evaluating:            # nothing is saved without autograd
+            with torch.no_grad():
                 outs = region.graph(*args)
-            size, kept = saved.size, outs
+            size, kept = 0, outs
+        else:
+            outs, size = self._saved_sizes.run(region, args, self._param_storages)
+            kept = outs
         self.saved_bytes[(node.region, node.mb)] = size
         with self._lock:
             self.activations += size
