@@ -376,3 +376,19 @@ def test_piper_saves_for_backward_what_torch_tensor_parallelism_saves():
         whole, cut = piper_saved(sequence, sizes, data)
         assert whole == cut and abs(whole - theirs) <= 0.01 * theirs, (sequence, theirs, whole, cut)
 
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_dispatch_comparison_runs_the_three_systems_from_the_same_weights():
+    """benchmarks/tp_dispatch.py at its tiny size on the CPU: eager torch, torch's TP on a mesh of one
+    and Piper's TP plan at tp=1 start from the same weights (their first losses agree, else it
+    stops) and each gets a median step."""
+    from benchmarks.tp_dispatch import measure, one_rank_group
+
+    device = torch.device("cpu")
+    with one_rank_group(device):
+        row = measure("tiny", device, steps=2, rounds=1)
+    assert set(row["median_ms"]) == {"eager", "torch TP (DTensor)", "Piper TP"}
+    assert all(ms > 0 for ms in row["median_ms"].values()) and row["eager_over"]["eager"] == 1.0
+    losses = list(row["first_loss"].values())
+    assert losses[0] > 0 and max(losses) - min(losses) <= 1e-5 * losses[0], row["first_loss"]

@@ -55,3 +55,31 @@ def test_benchmark_harness_runs_on_cuda(tmp_path):
     assert report.read_text().startswith("# Measured on GPU (CUDA, NCCL)")
     numbers = json.loads(metrics.read_text())["data-parallel"]
     assert numbers["dp.dp2.ratio"] > 0 and numbers["zero3.dp2.ratio"] > 0
+
+
+def test_one_gpu_runs_the_tensor_parallel_plan_and_its_checkpoint_goes_to_the_cpu(tmp_path):
+    """The Llama plan with sequence and vocab sharding at tp=1 on the GPU (the sharded capture,
+    the vocab-parallel loss and the sequence-sharded norms as CUDA kernels; at tp=1 there are no
+    exchanges), saved there and loaded by a Gloo job on the CPU at tp=2: every step equals one
+    device's, whichever device ran it."""
+    import copy
+
+    import piper
+    from piper.testing import single_device
+    from tests.helpers import assert_same
+    from tests.test_tensor_parallel import ADAMW, VOCAB, batches, make_model, strategy
+
+    model, data = make_model(stages=1, vocab=VOCAB), batches(count=4, vocab=VOCAB)
+    ref_losses, ref_state = single_device(copy.deepcopy(model), data, ADAMW)
+    losses = []
+    for device, mesh, steps in (("cuda", {"tp": 1}, data[:2]), ("cpu", {"tp": 2}, data[2:])):
+        with piper.compile(copy.deepcopy(model), data[0], strategy=strategy(sequence=True), mesh=mesh,
+                           optimizer=ADAMW, device=device, progress=False) as job:
+            if device == "cpu":
+                job.load(tmp_path / "gpu")
+            losses += [job.step(*b) for b in steps]
+            if device == "cuda":
+                assert job.placement()[0]["device"].startswith("cuda:")
+                job.save(tmp_path / "gpu")
+            state = job.state_dict()
+    assert_same((losses, ref_losses, state, ref_state))
