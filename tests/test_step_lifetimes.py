@@ -1,6 +1,7 @@
 """What a step holds, for how long: a value kept by id (a region's output, a received activation) goes
 after its last forward reader, and a sent tensor once an arrival proves it delivered
 (`runtime/execution/value_lifetimes.py`, `compiler/received.py`); both were held to the step's end."""
+import copy
 import functools
 
 import pytest
@@ -12,6 +13,7 @@ from piper.compiler.received import sends_received
 from piper.dsl.script import load_strategy
 from piper.ir.dag import Node
 from piper.runtime.execution.value_lifetimes import last_readers
+from piper.testing import single_device
 from tests.test_train import gpt, gpt_batches
 
 ONE_F_ONE_B = "use one_f_one_b(microbatches=4) on pp\n"
@@ -84,17 +86,8 @@ def test_a_pipeline_step_holds_no_finished_value_or_delivered_send_to_its_end():
     import ray
 
     model, batches = gpt(2, torch.float64), gpt_batches(2)
-    reference = gpt(2, torch.float64)
-    reference.load_state_dict(model.state_dict())
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for batch in batches:
-        opt.zero_grad()
-        loss = reference(*batch)
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
     optimizer = functools.partial(torch.optim.SGD, lr=0.1)
+    expected, _ = single_device(copy.deepcopy(model), batches, optimizer)
     with piper.compile(model, batches[0], strategy=load_strategy(ONE_F_ONE_B), mesh={"pp": 2},
                        optimizer=optimizer) as job:
         ray.get([a.__ray_call__.remote(_held_at_the_end) for a in job.actors])
