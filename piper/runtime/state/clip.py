@@ -119,7 +119,8 @@ def gradients_finite(grads) -> bool:
     found: dict = {}
     for (device, _), tensors in groups.items():
         if device not in found:
-            found[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+            found[device] = (torch.zeros(1, dtype=torch.float32, device=device),
+                             torch.ones(1, dtype=torch.float32, device=device))
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, *found[device])
     return not any(flag.item() for flag, _ in found.values())
 
