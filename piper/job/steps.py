@@ -12,6 +12,7 @@ from ..frontend.batch_check import check_step_inputs
 from ..frontend.capture import BATCH
 from ..diagnostics import PiperError, error
 from ..frontend.lr_schedules import scale_at
+from ..runtime.launch import wire
 
 
 class JobSteps:
@@ -49,7 +50,7 @@ class JobSteps:
         else:
             payloads = self._payloads(batch, named)
             refs = [actor.step.remote(payload, scale) for actor, payload in zip(self.actors, payloads)]
-            self.sent_bytes = sum(x.numel() * x.element_size() for p in payloads for mbs in p.values() for x in mbs)
+            self.sent_bytes = sum(_nbytes(x) for p in payloads for mbs in p.values() for x in mbs)
         results = self._get(refs, "step")
         skipped = {rank: r["nonfinite"] for rank, r in enumerate(results) if isinstance(r, dict)}
         losses = [loss for r in results for loss in (r["losses"] if isinstance(r, dict) else r)]
@@ -98,7 +99,7 @@ class JobSteps:
 
     def _payloads(self, batch: tuple, named: dict) -> list[dict]:
         """Per rank, the microbatches of each batch input its regions read: its data-parallel
-        shard of the global batch, cut into microbatches."""
+        shard of the global batch, cut into microbatches, packed for the wire (`wire.pack`)."""
         if named:
             batch = _by_name(batch, named, self.program.input_names)
         check_step_inputs(batch, self.program.batch, self.batch_size, self.input_names)
@@ -109,7 +110,8 @@ class JobSteps:
             payload = {}
             for i in wanted:
                 x = self.training.cast(batch[i].detach().cpu())
-                payload[i] = [x[start + m * per:start + (m + 1) * per].clone() for m in range(self.microbatches)]
+                payload[i] = [wire.pack(x[start + m * per:start + (m + 1) * per].clone())
+                              for m in range(self.microbatches)]
             payloads.append(payload)
         return payloads
 
@@ -187,3 +189,8 @@ def _by_name(batch: tuple, named: dict, names: tuple[str, ...]) -> tuple:
         raise error("bad-inputs", f"step got {', '.join(named)} by keyword; this job takes {expected}",
                     hint="pass the batch the way example_inputs was passed (a dict for keywords)")
     return tuple(named[n] for n in names)
+
+
+def _nbytes(x) -> int:
+    """Bytes of a packed microbatch (`wire.pack`'s array, or its `Viewed` form)."""
+    return (x.array if isinstance(x, wire.Viewed) else x).nbytes

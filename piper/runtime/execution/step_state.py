@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import torch
 
+from ..launch import wire
+
 
 class StepState:
     """`_begin_step` and `_end_step`; needs the units, `pending`, `sends`, `clip`, `experts`, `_run`
     and `_wait`."""
 
     def _begin_step(self, batch: dict[int, list[torch.Tensor]]) -> None:
-        self.batch = {i: [t.to(self.device) for t in mbs] for i, mbs in batch.items()}
+        self.batch = {i: [wire.unpack(t).to(self.device) for t in mbs] for i, mbs in batch.items()}
         self.values: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_out: dict[tuple[int, int, int], torch.Tensor] = {}
