@@ -1,5 +1,6 @@
 """A region's forward counts what it saves for backward once per input signature (`saved_sizes`):
 the count equals the hook's every time, and a graph whose shapes depend on data is counted every time."""
+import pytest
 import torch
 import torch.fx as fx
 
@@ -25,23 +26,29 @@ def _aten_graph(nonzero: bool) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), g)
 
 
+@pytest.fixture
+def hooks(monkeypatch) -> list:
+    """Every counting hook `saved_sizes` installs from now on."""
+    made = []
+
+    class Counting(SavedBytes):
+        def __enter__(self):
+            made.append(self)
+            return super().__enter__()
+    monkeypatch.setattr(saved_sizes, "SavedBytes", Counting)
+    return made
+
+
 def test_which_graphs_have_fixed_shapes():
     program = capture(llama_tp.make_model(torch.float32, stages=2), llama_tp.batches(count=1)[0])
     assert all(shapes_fixed(r.graph) for r in program.regions)
     assert shapes_fixed(_aten_graph(nonzero=False)) and not shapes_fixed(_aten_graph(nonzero=True))
 
 
-def test_the_count_is_the_hooks_and_is_taken_once_per_signature(monkeypatch):
+def test_the_count_is_the_hooks_and_is_taken_once_per_signature(hooks):
     program = capture(llama_tp.make_model(torch.float32, stages=1), llama_tp.batches(count=1)[0])
     region = program.regions[0]
     params = dict(llama_tp.make_model(torch.float32, stages=1).named_parameters())
-    hooks = []
-
-    class Counting(SavedBytes):
-        def __enter__(self):
-            hooks.append(self)
-            return super().__enter__()
-    monkeypatch.setattr(saved_sizes, "SavedBytes", Counting)
     sizes = SavedSizes()
 
     def run(batch):
@@ -63,14 +70,7 @@ def test_the_count_is_the_hooks_and_is_taken_once_per_signature(monkeypatch):
     assert len(hooks) == 3
 
 
-def test_a_graph_with_data_dependent_shapes_is_counted_every_time(monkeypatch):
-    hooks = []
-
-    class Counting(SavedBytes):
-        def __enter__(self):
-            hooks.append(self)
-            return super().__enter__()
-    monkeypatch.setattr(saved_sizes, "SavedBytes", Counting)
+def test_a_graph_with_data_dependent_shapes_is_counted_every_time(hooks):
     sizes, region = SavedSizes(), _Region(0, _aten_graph(nonzero=True))
     for _ in range(3):
         sizes.run(region, [torch.randn(4, requires_grad=True)], frozenset())
