@@ -41,17 +41,22 @@ SIZES = {       # (model sizes, batch, sequence)
 ADAMW = dict(lr=1e-4)
 
 
-def eager(model, device):
-    model = model.to(device)
+def _trainer(model, device, context=contextlib.nullcontext):
+    """(one step of AdamW on `model`, nothing to close); forward and backward run in `context()`."""
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
 
     def step(idx, tgt):
         opt.zero_grad(set_to_none=True)
-        loss = model(idx.to(device), tgt.to(device))
-        loss.backward()
+        with context():
+            loss = model(idx.to(device), tgt.to(device))
+            loss.backward()
         opt.step()
         return loss.item()
     return step, lambda: None
+
+
+def eager(model, device):
+    return _trainer(model.to(device), device)
 
 
 def dtensor(model, device):
@@ -61,24 +66,15 @@ def dtensor(model, device):
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("tp",))
-    model = parallelize_module(model.to(device), mesh, torch_plan(model, sequence=True))
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-
-    def step(idx, tgt):
-        opt.zero_grad(set_to_none=True)
-        with loss_parallel():
-            loss = model(idx.to(device), tgt.to(device))
-            loss.backward()
-        opt.step()
-        return loss.item()
-    return step, lambda: None
+    return _trainer(parallelize_module(model.to(device), mesh, torch_plan(model, sequence=True)), device,
+                    loss_parallel)
 
 
 def with_piper(model, device, example):
     from piper.dsl import load_strategy
 
-    plan = load_strategy(plan_text({"tp": 1}).split("\n", 1)[1])        # the plan without its mesh line
-    job = piper.compile(model, example, strategy=plan, mesh={"tp": 1}, device=device.type, progress=False,
+    job = piper.compile(model, example, strategy=load_strategy(plan_text({"tp": 1})), mesh={"tp": 1},
+                        device=device.type, progress=False,
                         optimizer=lambda params: torch.optim.AdamW(params, **ADAMW))
     return job.step, job.close
 

@@ -50,7 +50,7 @@ class JobSteps:
         else:
             payloads = self._payloads(batch, named)
             refs = [actor.step.remote(payload, scale) for actor, payload in zip(self.actors, payloads)]
-            self.sent_bytes = sum(_nbytes(x) for p in payloads for mbs in p.values() for x in mbs)
+            self.sent_bytes = sum(wire.nbytes(x) for p in payloads for mbs in p.values() for x in mbs)
         results = self._get(refs, "step")
         skipped = {rank: r["nonfinite"] for rank, r in enumerate(results) if isinstance(r, dict)}
         losses = [loss for r in results for loss in (r["losses"] if isinstance(r, dict) else r)]
@@ -190,7 +190,3 @@ def _by_name(batch: tuple, named: dict, names: tuple[str, ...]) -> tuple:
                     hint="pass the batch the way example_inputs was passed (a dict for keywords)")
     return tuple(named[n] for n in names)
 
-
-def _nbytes(x) -> int:
-    """Bytes of a packed microbatch (`wire.pack`'s array, or its `Viewed` form)."""
-    return (x.array if isinstance(x, wire.Viewed) else x).nbytes

@@ -43,7 +43,7 @@ class Evaluation:
         kept = (dict(self.timings), dict(self.cpu_timings), getattr(self, "step_peak", 0),
                 getattr(self, "activation_peak", 0))
         self._spans_now, self._done_at = [], {}
-        self.batch = {i: [wire.unpack(t).to(self.device) for t in mbs] for i, mbs in batch.items()}
+        self.batch = wire.unpack_batch(batch, self.device)
         self.values, self.grads, self.grad_out, self.saved, self.saved_bytes = {}, {}, {}, {}, {}
         self.losses = []
         self._reducing = {}

@@ -14,7 +14,7 @@ class StepState:
     and `_wait`."""
 
     def _begin_step(self, batch: dict[int, list[torch.Tensor]]) -> None:
-        self.batch = {i: [wire.unpack(t).to(self.device) for t in mbs] for i, mbs in batch.items()}
+        self.batch = wire.unpack_batch(batch, self.device)
         self.values: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_out: dict[tuple[int, int, int], torch.Tensor] = {}
