@@ -60,6 +60,7 @@ FILES = {
     "mesh-mismatch": "the script's `mesh` line differs from the mesh it is run on",
     "file-not-found": "the script file cannot be read",
     "script-too-large": "a script over the size limit (256 KiB), reported without reading the rest",
+    "unreadable-file": "a file Piper is handed (config, manifest, cache) that is no regular file, too large or not UTF-8",
 }
 WARNINGS = {
     "unused-let": "a `let` that nothing reads (warning)",

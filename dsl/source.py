@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import stat
 import unicodedata
 
+from piper import user_files
 from piper.diagnostics import Diagnostic, Span
 
 # Real strategies are a few kilobytes (the largest standard-library file is under 4 KiB);
@@ -72,18 +72,24 @@ def resolve_import(base, path_text: str) -> str:
     return real
 
 
+_NOT_A_SCRIPT = "a script is a plain .pps file; Piper does not read devices, pipes or folders"
+
+
+def _source_error(refused: user_files.Refused) -> SourceError:
+    """`user_files`' refusal as this module's SourceError (a phrase after "it")."""
+    if refused.reason == "does not exist":
+        return SourceError("file-not-found", "no such file", "check the path")
+    hint = _NOT_A_SCRIPT if "not a regular file" in refused.reason else refused.hint
+    return SourceError("file-not-found", f"it {refused.reason}", hint)
+
+
 def _regular(path) -> os.stat_result:
-    """The stat of `path`, a regular file outside the kernel's folders; SourceError otherwise."""
+    """The stat of `path`, a regular file outside the kernel's folders; SourceError otherwise
+    (`user_files.check_path`: nothing is opened, so a FIFO cannot block)."""
     try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise SourceError("file-not-found", "no such file", "check the path") from None
-    except (OSError, ValueError) as err:     # ValueError: a NUL byte in the path
-        raise SourceError("file-not-found", getattr(err, "strerror", None) or str(err), "check the path") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = _kind(info.st_mode)
-        raise SourceError("file-not-found", f"it is {kind}, not a regular file",
-                          "a script is a plain .pps file; Piper does not read devices, pipes or folders")
+        info = user_files.check_path(path)
+    except user_files.Refused as refused:
+        raise _source_error(refused) from None
     if any(_under(os.path.realpath(path), folder) for folder in KERNEL_FOLDERS):
         raise SourceError("file-not-found", "it is one of the kernel's files (/proc, /sys, /dev), not a script",
                           "a script is a plain .pps file")
@@ -91,17 +97,16 @@ def _regular(path) -> os.stat_result:
 
 
 def _read_bytes(path, count: int) -> bytes:
-    """At most `count` bytes of the regular file `path`, opened without blocking (O_NONBLOCK), and
-    refused if it is no longer a regular file once open (it was replaced after the stat)."""
+    """At most `count` bytes of the regular file `path`, opened without blocking and refused if it
+    is no longer a regular file once open (it was replaced after the stat): `user_files`' reader."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise SourceError("file-not-found", "it is not a regular file",
-                                  "a script is a plain .pps file; Piper does not read devices, pipes or folders")
-            return f.read(count)
-    except OSError as err:
-        raise SourceError("file-not-found", err.strerror or str(err), "check the path and its permissions") from None
+        fd = user_files.open_regular(path)
+        try:
+            return user_files.read_open(fd, count)
+        finally:
+            os.close(fd)
+    except user_files.Refused as refused:
+        raise _source_error(refused) from None
 
 
 def read_prefix(path, count: int) -> bytes:
@@ -135,20 +140,6 @@ _TOO_LARGE_HINT = "split the strategy into files joined by `import`, or generate
 
 def _too_large(size: int, limit: int, more: bool = False) -> str:
     return f"it holds {'over ' if more else ''}{size:,} bytes; a script holds at most {limit:,}"
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a pipe (FIFO)"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
 
 
 def too_large(text: str, file: str, limit: int = MAX_SCRIPT_BYTES) -> Diagnostic | None:

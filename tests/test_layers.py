@@ -25,7 +25,8 @@ TOP_LEVEL = {
     "piper.mesh": "base",          # the device mesh, read by front ends, compiler and runtime
     "piper.lazy": "base",          # modules loaded on first use (`piper check` without torch)
     "piper.gc_guard": "base",      # garbage-collector guard the runtime and the driver share
-    "piper.cache_dir": "base",     # where caches live; read by the parser (dsl) and by `piper tune`
+    "piper.cache_dir": "base",
+    "piper.user_files": "base",    # the one bounded reader of files users and caches hand Piper     # where caches live; read by the parser (dsl) and by `piper tune`
     "piper.expert_context": "base",  # the calling thread's expert group: nn's MoE ops ask, the runtime sets it
     "piper.lane_context": "base",  # a per-thread group for ops issuing collectives (the expert and tensor contexts)
     "piper.tensor_context": "base",  # the calling thread's tensor-parallel group: the TP ops ask, the runtime sets it
