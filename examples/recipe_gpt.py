@@ -12,15 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import numpy as np
 import torch
 
-import piper
-import piper.data
-from examples.gpt import _corpus_tokens, make_model
-from piper.dsl import load_strategy
+# `python examples/recipe_gpt.py` puts examples/ first on the path, not the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import piper  # noqa: E402
+import piper.data  # noqa: E402
+from examples.gpt import _corpus_tokens, make_model  # noqa: E402
+from piper.dsl import load_strategy  # noqa: E402
 
 
 def write_token_files(folder: str) -> tuple[str, str]:

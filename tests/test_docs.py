@@ -58,25 +58,6 @@ def test_pps_blocks_check_clean(script, tmp_path, capsys):
     assert "error[" not in out and "warning[" not in out, out
 
 
-def commands():
-    """`piper check/show/simulate/explain` lines of the pages' bash blocks whose files are in the repository."""
-    for page in PAGES:
-        for kind, body in BLOCK.findall(page.read_text(encoding="utf-8")):
-            for line in body.splitlines() if kind == "bash" else ():
-                argv = shlex.split(line.split("  #")[0])
-                if argv[:1] != ["piper"] or argv[1] not in ("check", "show", "simulate", "explain"):
-                    continue
-                files = [a.split(":")[0] for a in argv if a.endswith(".pps") or ".py:" in a]
-                if all((REPO / f).is_file() for f in files):
-                    yield pytest.param(argv[1:], id=f"{page.relative_to(REPO)}:{' '.join(argv[1:3])}")
-
-
-@pytest.mark.parametrize("argv", list(commands()))
-def test_commands_in_the_pages_work(argv, monkeypatch, capsys):
-    monkeypatch.chdir(REPO)
-    assert main(argv) == 0, capsys.readouterr()
-
-
 def _own_model_files(tmp_path) -> tuple[Path, Path]:
     text = (REPO / "docs" / "own-model.md").read_text(encoding="utf-8")
     found = dict((body.splitlines()[0][2:].strip(), body) for kind, body in BLOCK.findall(text)
