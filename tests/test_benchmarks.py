@@ -140,6 +140,35 @@ def test_a_report_keeps_the_other_devices_part():
     assert merged("", gpu_v1, "cuda") == gpu_v1
 
 
+def test_a_run_replaces_only_the_sections_of_its_own_suites():
+    import datetime
+
+    from benchmarks.harness.report import markdown, merged
+    from benchmarks.harness.results import SuiteResult
+
+    def run(numbers, word, when):
+        results = [SuiteResult(f"s{n}", n, f"suite {n}", f"cmd {n}", notes=[f"{word} {n}"]) for n in numbers]
+        info = {"cores": "2", "commit": f"c{word}", "load": "0.50 0.40 0.30"}
+        return markdown(results, command=f"run {word}", started=datetime.datetime(2026, 12, 5, when), info=info)
+
+    first = merged("", run([1, 2, 3], "old", 1), "cpu")
+    both = merged(first, run([2], "new", 2), "cpu")
+    assert [line for line in both.splitlines() if line.startswith("## ")] == [
+        "## 1. `s1` — suite 1", "## 2. `s2` — suite 2", "## 3. `s3` — suite 3"]
+    assert "old 1" in both and "old 3" in both and "new 2" in both and "old 2" not in both
+    section = both.split("## 2.")[1].split("## 3.")[0]
+    assert "commit cnew" in section and "2026-12-05 02:00" in section and "`run new`" in section
+    assert "commit cold" in both.split("## 3.")[1]                 # each section keeps its own run
+
+
+def test_the_results_file_holds_only_what_the_harness_writes():
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    for section in text.split("\n## ")[1:]:
+        assert section.splitlines()[2].startswith("- run: "), section[:200]      # provenance first
+        assert section.rstrip().endswith("s._"), section[-200:]               # and the suite's time last
+    assert "\n# " not in text.split("\n", 1)[1] and "\n### " not in text
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_refused_with_the_fix(capsys):
     # In this process: the refusals come before any suite runs, and a traceback would fail the test;

@@ -37,10 +37,25 @@ def ray_cluster():
 
 # -- the machine -------------------------------------------------------------------------------------
 
+def commit() -> str:
+    """The checkout's commit, `-dirty` added when the tree has changes: what a result was measured on."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+
+
 def machine(device: str = "cpu") -> dict[str, str]:
     """Cores, memory, CPU model and library versions (and the GPUs on CUDA), for the results header."""
     info = {"python": platform.python_version(), "platform": platform.platform(),
-            "cores": str(os.cpu_count()), "torch": torch.__version__}
+            "cores": str(os.cpu_count()), "torch": torch.__version__, "commit": commit()}
     try:
         import ray
 

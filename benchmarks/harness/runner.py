@@ -123,7 +123,8 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps: checks the harness runs")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"write the markdown report here (default: {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS} "
-                             "for a full, non-quick run; otherwise no file unless --out is given)")
+                             "for a run without --quick, whose suites replace their own sections; with --quick no file "
+                             "unless --out is given)")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw metrics as JSON")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu (Gloo; default) or cuda (NCCL, one GPU per process): the GPU suites "
@@ -158,8 +159,8 @@ def main(argv=None) -> int:
                           f"(torch {__import__('torch').__version__}); run without --device cuda for the CPU suites",
                           highlight=False)
             return 2
-    full = not args.suite and not args.quick
-    out = args.out if args.out is not None else (RESULTS if full else None)
+    # Any run at full size updates RESULTS.md: each suite's section is replaced, the others kept.
+    out = args.out if args.out is not None else (None if args.quick else RESULTS)
     command = python_command(argv)
     started = datetime.datetime.now().astimezone()
     info = machine(args.device)
