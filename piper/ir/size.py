@@ -6,22 +6,26 @@ lowering makes each pass once per device that plans apart (one replica of the ba
 and tp's axes stands for the others). A strategy of a few
 lines can ask for any of these to be huge (`split MB into 4000000`, a region
 on a million devices), so each is bounded here, at real use: the
-stdlib's schedules at 64 stages x 256 microbatches x dp 8 are 16,384 passes of
-a region and microbatch, 512 region-device pairs and 131,072 passes on devices;
-the bounds below are 1x, 256x and 1x that (a plan with more pairs than the
-last bound could not be lowered, so `place` stops it before listing them). `piper check` answers within 5 s
-of CPU with the script's run on top: at these bounds ZBV (split backward) on
-dp 8 x pp 32 with 256 microbatches takes 2.2 s in all, gpipe's 4,096 regions
-1.6 s; at twice them ZBV took 4-5 s (`piper check` on 2 shared cores).
+stdlib's schedules at 64 stages x 512 microbatches x dp 8 (the README's and
+RESULTS.md's `piper check` figure) are 32,768 passes of a region and microbatch,
+512 region-device pairs and 32,768 passes on the devices that plan apart; the
+bounds below are 1x, 256x and 4x that (a plan with more pairs than the last
+bound could not be lowered, so `place` stops it before listing them). `piper
+check` answers within 5 s of CPU with the script's run on top: at these bounds
+ZBV and DualPipeV (split backward) on dp 8 x pp 32 with 512 microbatches take
+1.7-1.8 s in all and 250 MB, gpipe's 4,096 regions x 8 microbatches 1.1 s, 1F1B at
+64 x 512 x dp 8 0.7 s (`/usr/bin/time piper check`, a second run, 2 shared cores).
+The first bound was 16,384 while ZBV's and DualPipeV's `if`s ran through the
+general interpreter (2.0-2.2 s at 32,768); `dsl/slot_loops.py` runs them now.
 
     >>> MAX_COMPUTES, MAX_PLACEMENTS, MAX_DEVICE_COMPUTES
-    (16384, 131072, 131072)
+    (32768, 131072, 131072)
 """
 from __future__ import annotations
 
 from ..diagnostics import error
 
-MAX_COMPUTES = 1 << 14            # microbatches x regions: the global DAG's forwards (and backwards)
+MAX_COMPUTES = 1 << 15            # microbatches x regions: the global DAG's forwards (and backwards)
 MAX_PLACEMENTS = 1 << 17          # region-device pairs that `place` statements list: no more than lowering takes
 MAX_DEVICE_COMPUTES = 1 << 17     # microbatches x the devices of each region, summed: the plans' passes
 
