@@ -8,6 +8,7 @@ no dependency; every box has a tooltip with its action's name (`1F3`).
 """
 from __future__ import annotations
 
+import math
 import re
 from html import escape
 
@@ -77,21 +78,27 @@ def svg(sim, *, title: str = "", names: dict[int, str] | None = None, width: int
     axis_y = TOP + row * len(ranks)
     out.append(f'<line x1="{LABEL_W}" y1="{axis_y}" x2="{LABEL_W + plot_w}" y2="{axis_y}" stroke="#333"/>')
     step = _tick(span)
-    t = 0.0
-    while t <= span + 1e-9:
+    for i in range(int(span / step + 1e-9) + 1):       # by index: adding `step` up drifts
+        t = i * step
         tx = LABEL_W + t * scale
         out.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 5}" stroke="#333"/>'
                    f'<text x="{tx:.2f}" y="{axis_y + 17}" font-size="10" text-anchor="middle">{t:g}</text>')
-        t += step
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
 def _tick(span: float) -> float:
+    """The axis's tick spacing: 1, 2 or 5 times a power of ten, the smallest that leaves at most 12
+    intervals over `span` (1 for a span that is not positive).
+
+        _tick(100) == 10;  _tick(0.5) == 0.05;  _tick(2e-5) == 2e-6
+    """
+    if not span > 0 or not math.isfinite(span):
+        return 1.0
     raw = span / 12
-    mag = 10 ** len(str(int(raw))) / 10 if raw >= 1 else 10 ** -len(f"{raw:.10f}".split(".")[1].lstrip("0"))
-    for k in (1, 2, 5, 10):
-        if raw <= k * mag:
+    mag = 10.0 ** math.floor(math.log10(raw))
+    for k in (1, 2, 5):
+        if raw <= k * mag * (1 + 1e-9):
             return k * mag
     return 10 * mag
 
