@@ -23,6 +23,7 @@ from .checkpoint import describe_strategy
 from ..compiler.plans import Compiled
 from ..diagnostics import error
 from .inspection import JobInspection
+from .many_steps import JobTrain
 from .progress import reporter
 from .startup import JobStartup
 from .state import JobState
@@ -43,10 +44,11 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def _data_options(model, data, batch_size, shuffle, seed):
     """`data=`'s options, checked (None without data=)."""
-    from ..data import DataOptions, check_dataset
+    from ..data import DataOptions, check_dataset, for_model
 
     if data is None:
         return None
+    data = for_model(data, model)          # a token file checked against the model's vocabulary
     check_dataset(data, batch_size, model.forward)
     return DataOptions(data, batch_size, bool(shuffle), int(seed))
 
@@ -132,8 +134,9 @@ def compile(model: torch.nn.Module, example_inputs=None, strategy=None, mesh=Non
         raise error("bad-inputs", f"example_inputs hold a batch of {batch} and batch_size={data_options.batch_size}",
                     hint="leave example_inputs None with data=: global batch 0 of the data is the example")
     if val_data is not None:
-        from ..data import check_dataset
+        from ..data import check_dataset, for_model
 
+        val_data = for_model(val_data, model)
         check_dataset(val_data, batch, model.forward, "val_data")
     check_parameters(model)
     started = time.monotonic()
@@ -168,7 +171,7 @@ def _captured(model, training, mb_inputs, names, directives, mesh) -> Program:
 # each in the module of this package named for what it holds: startup (Ray, placement, set-up),
 # worker_specs (what each worker is given), steps (`step` and waiting on the workers),
 # state (checkpoints, `state_dict`), inspection (memory, timings, trace, plans).
-class Job(JobStartup, WorkerSpecs, JobSteps, JobState, JobInspection):
+class Job(JobStartup, WorkerSpecs, JobSteps, JobTrain, JobState, JobInspection):
     """A compiled strategy running on Ray actors, one per device."""
 
     def __init__(self, model, program: Program, compiled: Compiled, optimizer, *, batch: int, microbatches: int,

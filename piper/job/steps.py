@@ -18,12 +18,13 @@ from ..runtime.launch import wire
 class JobSteps:
     """`step`, `evaluate`, and `_get`, the one way the driver waits for its workers (deadline, health)."""
 
-    def _get(self, refs, what: str, limit: float | None = None):
+    def _get(self, refs, what: str, limit: float | None = None, on_poll=None):
         """ray.get with a deadline; a dead, stalled or failing worker closes the job with an error
-        naming it (`runtime.health.watch`)."""
+        naming it (`runtime.health.watch`). `on_poll`, called while waiting, returns True when the
+        workers made progress, which moves the deadline (`job.train`'s steps)."""
         ranks = list(range(len(refs))) if len(refs) == len(self.actors) else [0] * len(refs)
         try:
-            return self._watch.wait(refs, what, self.timeout if limit is None else limit, ranks)
+            return self._watch.wait(refs, what, self.timeout if limit is None else limit, ranks, on_poll)
         except BaseException as exc:
             self._broken = True     # its workers may be mid-collective: never kept for another job
             if isinstance(exc, PiperError):

@@ -39,9 +39,10 @@ class Watch(Probing, FailureMessages):
         return describe_rank(rank, coords, self.where.get(rank))
 
     # -- waiting ------------------------------------------------------------------------
-    def wait(self, refs: list, what: str, limit: float, ranks: list[int] | None = None) -> list:
+    def wait(self, refs: list, what: str, limit: float, ranks: list[int] | None = None, on_poll=None) -> list:
         """Results of `refs` (one per rank in `ranks`, default all) within `limit` seconds,
-        or a PiperError naming the worker that died, stalled or failed."""
+        or a PiperError naming the worker that died, stalled or failed. `on_poll()`, called at each
+        poll, returns True when the calls made progress: the `limit` then counts from there."""
         import ray
 
         ranks = list(range(len(refs))) if ranks is None else ranks
@@ -58,6 +59,8 @@ class Watch(Probing, FailureMessages):
             ready, remaining = ray.wait(remaining, num_returns=1, timeout=min(POLL_S, left))
             if not ready:
                 self._poll()
+                if on_poll is not None and on_poll():
+                    deadline = time.monotonic() + limit
                 continue
             for ref in ready:
                 try:

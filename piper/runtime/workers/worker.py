@@ -8,13 +8,15 @@ import socket
 import ray
 import torch
 
+from ... import tensor_ops
 from ..communication import collectives
 from ..health import faults
 from ..execution.executor import Executor
+from .train_loop import TrainLoop
 from .worker_queries import WorkerQueries
 
 
-class Worker(WorkerQueries):
+class Worker(WorkerQueries, TrainLoop):
     """One device's process: joins torch.distributed, runs its plan each step, and is kept or
     reset between jobs (`pool.py`). What the driver asks of a set-up worker is in `WorkerQueries`."""
 
@@ -78,8 +80,10 @@ class Worker(WorkerQueries):
         schedule's multiplier of every group's base rate for this step (None: the base rates)."""
         if lr_scale is not None:
             self.executor.set_lr_scale(lr_scale)
-        losses = self.executor.run_step(batch)
+        with tensor_ops.deferred_vocab_checks() as vocab:      # ids outside a `shard vocab` vocabulary
+            losses = self.executor.run_step(batch)
         self.steps_done += 1
+        vocab.check()              # after the losses are read: no wait of its own on the device
         skipped = self.executor.skipped_updates()
         # Rare: said beside the losses only when a non-finite gradient skipped an update here.
         return {"losses": losses, "nonfinite": skipped} if skipped else losses
@@ -94,7 +98,10 @@ class Worker(WorkerQueries):
 
     def evaluate(self, batch):
         """The losses of this device's forward-only plan on its part of `batch` (no update)."""
-        return self.executor.run_eval(batch)
+        with tensor_ops.deferred_vocab_checks() as vocab:
+            losses = self.executor.run_eval(batch)
+        vocab.check()
+        return losses
 
     def where(self) -> dict:
         """Where this worker runs: pid, Ray node id and address, device (`cuda:N` is the physical GPU)."""
