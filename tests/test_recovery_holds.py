@@ -185,7 +185,7 @@ def training_batches(batch_size):
     ("--save", "{tmp}/missing/w.pt", "which does not exist"),
     ("--save", "{tmp}/a_file/ckpt", "which is a file"),
     ("--trace", "{tmp}", "is a directory"),
-    ("--metrics", "{tmp}/missing/m.jsonl", "which does not exist"),
+    ("--metrics", "{tmp}/a_file/m.jsonl", "which is a file"),
     ("--checkpoint-dir", "{tmp}/a_file", "is a file"),
 ])
 def test_output_paths_are_checked_before_anything_starts(tmp_path, capsys, monkeypatch, flag, path, says):
