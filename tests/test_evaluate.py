@@ -9,7 +9,8 @@ import torch
 
 import piper
 from piper.dsl.script import load_strategy
-from piper.runtime.execution.evaluation import forward_only
+from piper.ir.tied import units_used
+from piper.runtime.execution.evaluation import forward_only, is_release_only
 from tests.helpers import assert_same
 from tests.test_train import data_parallel, gpt, gpt_batches
 
@@ -35,12 +36,60 @@ def test_the_forward_only_plan_keeps_the_forward_half_in_order():
     model, batch = gpt(2, torch.float64), gpt_batches(1)[0]
     compiled = plan(load_strategy("use one_f_one_b(microbatches=2) on pp\nuse zero3() on dp\n"),
                     mesh={"dp": 2, "pp": 2}, program=capture(model, tuple(x[:2] for x in batch)))
-    assert [a.key for a in forward_only(compiled.plans[0])] == [
-        "0ALL_GATHER_F0", "0F0", "0SEND_F0>1.0", "0F1", "0SEND_F1>1.0"]
-    last = forward_only(compiled.plans[1])     # dp=0, pp=1: the last stage
-    assert [a.node.op for a in last] == ["RECV", "ALL_GATHER", "F", "RECV", "F"]
+    uses = units_used(compiled.ir)
+    assert [a.key for a in forward_only(compiled.plans[0], uses)] == [
+        "0ALL_GATHER_F0", "0F0", "0SEND_F0>1.0", "0F1", "0SEND_F1>1.0", "0B1"]    # B1: its release alone
+    last = forward_only(compiled.plans[1], uses)     # dp=0, pp=1: the last stage
+    assert [a.node.op for a in last] == ["RECV", "ALL_GATHER", "F", "RECV", "F", "B"]
+    assert is_release_only(last[-1]) and last[-1].release == (1,)
     keys = {a.key for a in last}
     assert all(w in keys for a in last for w in a.waits)
+
+
+def _walk(plan, uses):
+    """Run the forward-only `plan`'s gathers and releases: the ZeRO-3 units each forward finds
+    unavailable (nothing gathered, or a gather it does not wait for), and those gathered at the end."""
+    gathered, waited, missing = {}, set(), []
+    zero3 = {a.node.region for a in plan if a.node.op == "ALL_GATHER" and a.node.phase}
+    for a in plan:
+        waited.update(a.waits)
+        if a.node.op == "ALL_GATHER" and a.node.phase:
+            assert a.node.region not in gathered, f"{a.key}: gathers a unit that is gathered"
+            gathered[a.node.region] = a.key
+        elif a.node.op == "F":
+            missing += [(a.key, u) for u in uses[a.node.region]
+                        if u in zero3 and (u not in gathered or gathered[u] not in waited)]
+        if a.node.is_compute:
+            assert a.node.op == "F" or is_release_only(a) and a.release
+            for u in a.release:
+                gathered.pop(u, None)
+    return missing, gathered
+
+
+@pytest.mark.parametrize("script,stages", [
+    ("use one_f_one_b(microbatches=4) on pp\nuse zero3() on dp\n", 2),
+    ("use dualpipev(microbatches=4) on pp\nuse zero3() on dp\n", 4),
+    ("use zbv(microbatches=4) on pp\nuse zero3() on dp\n", 4),
+    ("use interleaved_zero_bubble(microbatches=4) on pp\nuse zero3() on dp\n", 4)])
+def test_forwards_read_gathered_parameters_with_a_region_per_block(script, stages):
+    """With a region per block 1F1B runs `0B0 0F2` back to back, 0F2 on the parameters gathered for
+    0B0: the forward-only plan keeps that gather, 0F2 waits on it, and the backward's release stays."""
+    from examples.gpt import make_model
+    from piper.frontend.capture import capture
+    from piper.job import plan
+
+    model = make_model(n_layer=stages, n_regions=stages, layer_regions=True, n_embd=32, n_head=2, block_size=16)[0]
+    compiled = plan(load_strategy(script), mesh={"dp": 2, "pp": 2},
+                    program=capture(model, tuple(x[:2] for x in gpt_batches(1)[0])))
+    uses = units_used(compiled.ir)
+    for rank, device_plan in compiled.plans.items():
+        missing, left = _walk(forward_only(device_plan, uses), uses)
+        assert missing == [] and left == {}, rank
+    if stages == 2:
+        first = {a.key: a for a in forward_only(compiled.plans[0], uses)}
+        assert "0ALL_GATHER_B0" in first and "0ALL_GATHER_B0" in first["0F2"].waits
+        assert "1B0" in first and first["1B0"].release == (1,)      # kept for its release alone
+        assert not any(k.startswith("1ALL_GATHER_B") for k in first)    # read by no forward: dropped
 
 
 @pytest.mark.usefixtures("ray_cluster")
