@@ -14,7 +14,7 @@ from .frontend.lr_schedules import warmup_cosine
 from .frontend.strategy import strategy
 
 __all__ = ["annotate", "annotate_modules", "strategy", "compile", "Mesh", "PiperError", "PiperWarning", "Diagnostic",
-           "Span", "FP16", "loss_scale", "param_groups", "warmup_cosine"]
+           "Span", "FP16", "loss_scale", "param_groups", "per_group", "warmup_cosine"]
 
 
 def __getattr__(name):
@@ -47,3 +47,12 @@ def param_groups(cls, *, no_decay=(), weight_decay: float = 0.0, **defaults):
     from .frontend.param_groups import param_groups as _param_groups
 
     return _param_groups(cls, no_decay=no_decay, weight_decay=weight_decay, **defaults)
+
+
+def per_group(by_pattern):
+    """Each parameter stepped by the optimizer of the first name pattern that takes it, as the
+    `optimizer=` of `piper.compile`: `piper.per_group({"**.weight@2d": torch.optim.Muon, "*":
+    torch.optim.AdamW})` (see `piper.frontend.param_groups.per_group`)."""
+    from .frontend.param_groups import per_group as _per_group
+
+    return _per_group(by_pattern)

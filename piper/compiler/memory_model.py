@@ -57,6 +57,7 @@ import torch
 
 from ..frontend.capture import BATCH, BUFFER, PARAM, Program
 from .flat_layout import job_layouts
+from .optimizer_bytes import unit_state_bytes
 from .saved import SavedBytes
 from ..ir.dag import node_key
 
@@ -311,8 +312,13 @@ def _states_per_element(optimizer) -> float:
 
 def optimizer_states(optimizer=None) -> float:
     """State elements per parameter element the optimizer keeps (AdamW: 2, SGD: 0, momentum SGD: 1)."""
+    from ..frontend.param_groups import Grouped
+    from .optimizer_bytes import state_rate
+
     if optimizer is None:
         optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    if isinstance(optimizer, Grouped):       # its first group's (an expert row's optimizer)
+        return state_rate(optimizer)
     try:
         return _states_per_element(optimizer)
     except TypeError:                                  # unhashable callable: no cache
@@ -328,7 +334,8 @@ class _Unit:
     __slots__ = ("full", "shard", "zero", "gathered", "flat", "grad_shard", "in_flight", "opt", "low",
                  "experts", "expert_grads", "expert_opt")
 
-    def __init__(self, layout, zero: int, states: float, low_size: int = 0, experts: int = 0):
+    def __init__(self, layout, zero: int, states: float, low_size: int = 0, experts: int = 0,
+                 opt: int | None = None):
         self.full = sum(b.padded * element_size(b.dtype) for b in layout.buckets) if layout else 0
         self.shard = sum(b.shard_size * element_size(b.dtype) for b in layout.buckets) if layout else 0
         self.low = sum(b.padded * low_size for b in layout.buckets) if layout and low_size else 0
@@ -337,7 +344,8 @@ class _Unit:
         self.flat = False                  # a flat gradient buffer: from the unit's first backward
         self.grad_shard = False            # ZeRO-2/3: from the unit's first reduce-scatter to its update
         self.in_flight: list[int] = []     # bytes per reduce-scatter in flight
-        self.opt = int(states * (self.full if zero == 0 else self.shard))
+        # `opt`: the unit's optimizer-state bytes on this device (`optimizer_bytes.unit_state_bytes`)
+        self.opt = int(states * (self.full if zero == 0 else self.shard)) if opt is None else opt
         self.experts = experts
         self.expert_grads = False          # from the unit's first backward to its update
         self.expert_opt = int(states * experts)
@@ -414,7 +422,7 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
                 cut[n.region] = (at_moe or n.op == "ALL_TO_ALL", at_tp or n.op == "TP")
         saved = region_bytes(program, dtype, cut)
     saved = {r: RegionBytes.of(b) for r, b in saved.items()}
-    states = optimizer_states(optimizer)
+    states = optimizer_states(optimizer) if sharded_experts(compiled) else 0.0    # expert rows' optimizer
     ir = compiled.ir
     sharded = experts.expert_params(program) if ir.sharded("experts") else {}
     layouts = job_layouts(compiled, program, optimizer)
@@ -428,10 +436,14 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
     slots = None
     out: dict[int, MemoryPrediction] = {}
     by_group: dict[tuple, MemoryPrediction] = {}
+    opt_cache: dict = {}
     for rank in ranks:
         group = tuple(r.index for r in ir.regions if rank in ir.devices_of(r.index))
-        if group in by_group:           # expert rows divide evenly: every member holds as many
-            out[rank] = by_group[group]
+        opt = {u: unit_state_bytes(layouts[u], compiled.zero, _member(layouts[u], rank), optimizer, opt_cache)
+               for u in group if u in layouts}
+        key = (group, tuple(opt.items()))     # members owning different whole parameters differ
+        if key in by_group:           # expert rows divide evenly: every member holds as many
+            out[rank] = by_group[key]
             continue
         if slots is None:
             slots = compute_slots(compiled)
@@ -441,16 +453,28 @@ def predict_memory(compiled, program: Program, *, optimizer=None, saved: dict | 
         lanes = spans(plan, multi, {r: set(units_of[r]) for r in group}, {r: feeds[r] for r in group}) \
             if lanes_on else {}
         rows = _expert_bytes(compiled, program, rank) if sharded else {}
-        units = {u: _Unit(layouts.get(u), compiled.zero, states, low_size, rows.get(u, 0))
+        units = {u: _Unit(layouts.get(u), compiled.zero, states, low_size, rows.get(u, 0), opt.get(u))
                  for u in group if u in layouts or u in rows}
         worst = _replay(plan, units, units_of, saved, whole, skip, lanes, recompute)
         least = worst.peak
         if lanes:                       # the same step with each slot's lanes in their kindest order
-            units = {u: _Unit(layouts.get(u), compiled.zero, states, low_size, rows.get(u, 0))
+            units = {u: _Unit(layouts.get(u), compiled.zero, states, low_size, rows.get(u, 0), opt.get(u))
                      for u in group if u in layouts or u in rows}
             least = _replay(plan, units, units_of, saved, whole, skip, lanes, recompute, worst=False).peak
-        out[rank] = by_group[group] = replace(worst, least=least)
+        out[rank] = by_group[key] = replace(worst, least=least)
     return out
+
+
+def sharded_experts(compiled) -> bool:
+    return compiled.ir.sharded("experts")
+
+
+def _member(layout, rank: int) -> int:
+    """`rank`'s index in the unit's group (under tp the group is tp index 0's devices: the same
+    index along the other axes)."""
+    if rank in layout.group:
+        return layout.group.index(rank)
+    return 0
 
 
 def predict_job(job, **options) -> dict[int, MemoryPrediction]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,15 +36,35 @@ class Grouped:
     defaults: dict
     options: tuple[dict, ...]                  # per group, its options other than "params"
     of: dict[str, int] = field(default_factory=dict)     # parameter name -> its group
+    # `piper.per_group`: each group's own (class, defaults); empty when every group uses cls/defaults
+    makers: tuple[tuple[type, dict], ...] = ()
+
+    def maker(self, g: int) -> tuple[type, dict]:
+        return self.makers[g] if self.makers else (self.cls, self.defaults)
+
+    def kind(self, g: int) -> str:
+        """Group `g`'s update kind, "element" or "tensor" (`optim_check.update_kind`)."""
+        from .optim_check import update_kind
+
+        return update_kind(self.maker(g)[0]) or "element"
 
     def make(self, tensors, groups) -> torch.optim.Optimizer:
         """The optimizer over `tensors`, `groups[i]` the group of `tensors[i]` (groups with no
-        tensor here are left out)."""
+        tensor here are left out). Under `per_group` one optimizer per class and defaults,
+        stepped together (`combined.Combined`)."""
+        from .combined_optimizer import Combined
+
         found: dict[int, list] = {}
         for t, g in zip(tensors, groups):
             assert g is not None, "a tensor without a parameter group under param_groups"
             found.setdefault(g, []).append(t)
-        return self.cls([{"params": found[g], **self.options[g]} for g in sorted(found)], **self.defaults)
+        by_maker: dict = {}           # groups sharing a class and defaults share one optimizer
+        for g in sorted(found):
+            cls, defaults = self.maker(g)
+            by_maker.setdefault((cls, repr(sorted(defaults.items()))), []).append(g)
+        built = [self.maker(gs[0])[0]([{"params": found[g], **self.options[g]} for g in gs], **self.maker(gs[0])[1])
+                 for gs in by_maker.values()]
+        return built[0] if len(built) == 1 and not self.makers else Combined(built)
 
 
 DEFAULT = (torch.optim.AdamW, {"lr": 1e-3})     # a bare list of groups: Piper's default optimizer
@@ -95,6 +115,123 @@ def param_groups(cls, *, no_decay=(), weight_decay: float = 0.0, **defaults) -> 
     return ParamGroups(cls, no_decay=no_decay, weight_decay=weight_decay, **defaults)
 
 
+class PerGroup:
+    """`piper.per_group({pattern: optimizer, ...})`: each parameter stepped by the optimizer of
+    the first pattern that names it (see `per_group`)."""
+
+    def __init__(self, by_pattern: dict):
+        from .optim_check import check_optimizer, optimizer_class
+
+        if not isinstance(by_pattern, dict) or not by_pattern:
+            raise error("bad-param-groups", "piper.per_group takes a non-empty dict {pattern: optimizer}",
+                        hint='e.g. piper.per_group({"**.weight@2d": torch.optim.Muon, "*": torch.optim.AdamW})')
+        self.by_pattern = []
+        for key, value in by_pattern.items():
+            if not isinstance(key, str):
+                raise error("bad-param-groups", f"per_group's key {key!r} is not a pattern",
+                            hint='keys are parameter-name patterns such as "**.weight@2d", or "*" for the rest')
+            pattern, ndim = _split_dims(key)
+            if not isinstance(value, ParamGroups) and optimizer_class(value) is None:
+                raise error("bad-param-groups", f"per_group's `{key}` gives {value!r}; each value is an optimizer "
+                            "class, a functools.partial of one, or piper.param_groups(...) over one",
+                            hint="e.g. functools.partial(torch.optim.Muon, lr=0.02)")
+            check_optimizer(value.cls if isinstance(value, ParamGroups) else value)
+            self.by_pattern.append((key, pattern, ndim, value))
+
+    def resolve(self, named) -> Grouped:
+        """The `Grouped` record over `named` ((name, parameter) pairs)."""
+        names = [n for n, _ in named]
+        ndim = {n: p.dim() for n, p in named}
+        left = list(names)
+        options, makers, of = [], [], {}
+        for key, pattern, dims, value in self.by_pattern:
+            found = set(left if pattern == "*" else match_names(pattern, names))
+            taken = [n for n in left if n in found and (dims is None or ndim[n] == dims)]
+            if not taken:
+                warnings.warn(PiperWarning(Diagnostic(
+                    "optimizer-pattern-unmatched", f"per_group's pattern `{key}` names no parameter that an "
+                    "earlier pattern did not already take, so its optimizer steps nothing", "warning",
+                    hint="patterns are model.named_parameters() names with an optional @2d (number of "
+                         "dimensions), e.g. " + ", ".join(names[:3]))), stacklevel=3)
+                continue
+            left = [n for n in left if n not in taken]
+            subset = [(n, p) for n, p in named if n in taken]
+            if isinstance(value, ParamGroups):
+                cls, defaults, groups = value.cls, dict(value.defaults), value(subset)
+            else:
+                cls, defaults = _partial_parts(value)
+                groups = [{"params": [p for _, p in subset]}]
+            part_options, part_of = _assign(groups, subset)
+            for name, g in part_of.items():
+                of[name] = g + len(options)
+            options += part_options
+            makers += [(cls, defaults)] * len(part_options)
+        if left:
+            raise error("param-not-in-group", f"{len(left)} parameter(s) match no pattern of per_group: "
+                        + ", ".join(f"`{n}`" for n in left[:5]) + (" ..." if len(left) > 5 else ""),
+                        hint='add a last pattern "*" for the rest, e.g. "*": torch.optim.AdamW')
+        grouped = Grouped(makers[0][0], makers[0][1], tuple(options), of, tuple(makers))
+        _try_make(grouped, named)
+        return grouped
+
+    def build(self, named) -> torch.optim.Optimizer:
+        """The optimizer one device builds over `named` ((name, parameter) pairs): the reference
+        a job with this `optimizer=` is equal to (`piper.testing.single_device`).
+
+            opt = per.build(model.named_parameters())
+        """
+        named = list(named)
+        grouped = self.resolve(named)
+        return grouped.make([p for _, p in named], [grouped.of[n] for n, _ in named])
+
+    def __repr__(self) -> str:
+        return "per_group({" + ", ".join(f"{k!r}: {v!r}" for k, _, _, v in self.by_pattern) + "})"
+
+
+def per_group(by_pattern: dict) -> PerGroup:
+    """Different optimizers for different parameters, in one job, for
+    `piper.compile(..., optimizer=...)`: each parameter goes to the first pattern that names it.
+
+        piper.per_group({"**.weight@2d": functools.partial(torch.optim.Muon, lr=0.02),
+                         "*": piper.param_groups(torch.optim.AdamW, lr=3e-4, no_decay="**.bias")})
+
+    A pattern is a `model.named_parameters()` name pattern as in `param_groups` (`*` within one
+    dotted part, `**` across parts), with an optional suffix `@Nd` (`@2d`: only the parameters
+    with 2 dimensions; `@matrix` means `@2d`). `"*"` alone is every parameter no earlier
+    pattern took. A value is an optimizer class, a `functools.partial` of one, or
+    `piper.param_groups(...)` over one. A parameter no pattern names is an error
+    (param-not-in-group); a pattern that takes none is a warning (optimizer-pattern-unmatched).
+    Each optimizer keeps its state under torch's names (Muon's `momentum_buffer`, AdamW's
+    `exp_avg`...) per parameter, in checkpoints too.
+    """
+    return PerGroup(by_pattern)
+
+
+def _split_dims(key: str) -> tuple[str, int | None]:
+    """("**.weight", 2) from "**.weight@2d"; (key, None) without a suffix."""
+    if "@" not in key:
+        return key, None
+    pattern, _, suffix = key.rpartition("@")
+    if suffix == "matrix":
+        return pattern, 2
+    if len(suffix) >= 2 and suffix.endswith("d") and suffix[:-1].isdigit():
+        return pattern, int(suffix[:-1])
+    raise error("bad-param-groups", f"per_group's pattern `{key}` ends in `@{suffix}`, which is not a number of "
+                "dimensions", hint="write @2d for matrices (or @matrix), @1d for vectors")
+
+
+def _partial_parts(value) -> tuple[type, dict]:
+    """(class, keyword defaults) of a class or a (nested) functools.partial of one."""
+    keywords: dict = {}
+    while isinstance(value, functools.partial):
+        if value.args:
+            raise error("bad-param-groups", f"{value!r} passes positional arguments; per_group builds each "
+                        "optimizer from its parameter groups and keywords", hint="pass lr=... as a keyword")
+        keywords = {**value.keywords, **keywords}
+        value = value.func
+    return value, keywords
+
+
 def _is_flat(optimizer) -> bool:
     """An optimizer class (or a partial of one): it takes a list of tensors, no groups."""
     target = optimizer
@@ -110,8 +247,12 @@ def resolve(optimizer, model: torch.nn.Module):
     the named parameters) is left to `optim_check.check_optimizer` as a flat optimizer; so is
     one that handed the (name, parameter) pairs to a torch optimizer as they are (torch takes
     them as one group: `lambda params: SGD(params, lr=0.1)`)."""
-    if optimizer is None or isinstance(optimizer, (str, torch.optim.Optimizer)) or _is_flat(optimizer) \
-            or not callable(optimizer):
+    if isinstance(optimizer, PerGroup):
+        return optimizer.resolve(list(model.named_parameters()))
+    if optimizer is None or isinstance(optimizer, (str, torch.optim.Optimizer)) or not callable(optimizer):
+        return None
+    if _is_flat(optimizer):
+        _check_whole(optimizer, model)
         return None
     named = list(model.named_parameters())
     if isinstance(optimizer, ParamGroups):
@@ -136,12 +277,44 @@ def resolve(optimizer, model: torch.nn.Module):
         else:
             return None
     grouped = Grouped(cls, defaults, *_assign(groups, named))
-    try:            # what every worker will do, once here: a wrong option is a compile-time error
-        grouped.make([torch.zeros(1, requires_grad=True) for _ in grouped.options], range(len(grouped.options)))
-    except Exception as exc:  # noqa: BLE001 - the user's options, reported with torch's words
-        raise error("bad-param-groups", f"{cls.__name__} refuses these groups: {type(exc).__name__}: {exc}",
-                    hint="give each group only options the optimizer takes (lr, weight_decay, betas...)") from None
+    _try_make(grouped, named)
     return grouped
+
+
+def _try_make(grouped: Grouped, named) -> None:
+    """Build the optimizer once here, as every worker will, over one meta tensor per group of
+    the shape of a parameter in it (Muon takes only matrices): a wrong option is a
+    compile-time error."""
+    shape_of = {n: tuple(p.shape) for n, p in named}
+    first: dict[int, tuple] = {}
+    for name, g in grouped.of.items():
+        first.setdefault(g, shape_of[name])
+    groups = sorted(first)
+    try:
+        grouped.make([torch.empty(first[g], device="meta", requires_grad=True) for g in groups], groups)
+    except Exception as exc:  # noqa: BLE001 - the user's options, reported with torch's words
+        names = sorted({grouped.maker(g)[0].__name__ for g in groups})
+        raise error("bad-param-groups", f"{', '.join(names)} refuses these groups: {type(exc).__name__}: {exc}",
+                    hint="give each group only options the optimizer takes (lr, weight_decay, betas...), and a "
+                         "matrix-only optimizer such as Muon only 2-D parameters (piper.per_group's `@2d`)") from None
+
+
+def _check_whole(optimizer, model: torch.nn.Module) -> None:
+    """A per-tensor optimizer class over every parameter: built once over meta tensors of the
+    parameters' shapes, so Muon given a bias is refused here, not on every worker."""
+    from .optim_check import optimizer_class, update_kind
+
+    cls = optimizer_class(optimizer)
+    if cls is None or update_kind(cls) != "tensor":
+        return
+    for name, p in model.named_parameters():
+        try:
+            optimizer([torch.empty(p.shape, device="meta", requires_grad=True)])
+        except Exception as exc:  # noqa: BLE001 - the optimizer's own words
+            raise error("bad-optimizer", f"{cls.__name__} refuses parameter `{name}` of shape {tuple(p.shape)}: "
+                        f"{type(exc).__name__}: {exc}",
+                        hint=f"give {cls.__name__} only the parameters it takes and the rest to another optimizer: "
+                             f"optimizer=piper.per_group({{\"**@2d\": {cls.__name__}_fn, \"*\": adamw_fn}})") from None
 
 
 def _accepted(cls, defaults: dict) -> dict:
@@ -202,4 +375,17 @@ def for_program(grouped: Grouped, model: torch.nn.Module, program_params) -> Gro
     for name, t in model.state_dict(keep_vars=True).items():
         if name in program_params and id(t) in names:
             of[name] = grouped.of[names[id(t)]]
-    return Grouped(grouped.cls, grouped.defaults, grouped.options, of)
+    return replace(grouped, of=of)
+
+
+def whole_params(optimizer, names) -> frozenset[str]:
+    """The parameter names (of `names`) whose optimizer updates a tensor at a time
+    (`optim_check.update_kind` "tensor"): all of them for a flat Muon, a group's under `per_group`."""
+    from .optim_check import kind_of
+
+    if isinstance(optimizer, Grouped):
+        kinds = {g: optimizer.kind(g) for g in range(len(optimizer.options))}
+        return frozenset(n for n in names if n in optimizer.of and kinds[optimizer.of[n]] == "tensor")
+    if optimizer is None or not callable(optimizer):
+        return frozenset()
+    return frozenset(names) if kind_of(optimizer) == "tensor" else frozenset()

@@ -9,11 +9,17 @@ flat layout keeps each group's parameters in buckets of their own
 (`piper.compiler.flat_layout.layout_unit`), so a ZeRO shard never mixes two groups: each shard joins
 the torch param group of its bucket, and every element is stepped with exactly
 its group's options.
+
+A per-tensor optimizer (Muon, Adafactor: `frontend.optim_check.update_kind`) is built over
+the parameters themselves instead, each a view of the flat shard in its own shape (`unit.Unit`),
+those this member owns under ZeRO; a member owning none holds an empty `Combined`, as does a
+`piper.per_group` job one `Combined` of its optimizers.
 """
 from __future__ import annotations
 
 import torch
 
+from ...frontend.combined_optimizer import Combined
 from ...frontend.param_groups import Grouped
 
 
@@ -23,6 +29,8 @@ def build(optimizer, tensors: list[torch.Tensor], groups: list[int | None]) -> t
     as `initial_lr` (torch's LambdaLR keeps it there too) for `set_lr_scale`."""
     if isinstance(optimizer, Grouped):
         built = optimizer.make(tensors, groups)
+    elif not tensors:      # a member that owns no parameter of a per-tensor optimizer's bucket
+        built = Combined([])
     else:
         built = optimizer(tensors)
     for group in built.param_groups:

@@ -44,7 +44,15 @@ class Unit(UnitGradients):
             self.grad_shard.append(None)
             self.leaves.update((e.name, leaf) for leaf, e in leaves)
             self._by_bucket.append(leaves)
-        self.optimizer = optimizers.build(optimizer, self.shard, [b.param_group for b in layout.buckets])
+        # per bucket, the parameters this member updates whole (`Bucket.whole`): views of its shard
+        self.whole: list[list[tuple[torch.Tensor, object]]] = [
+            _whole_views(b, shard, self.index, zero) if b.whole else [] for b, shard in zip(layout.buckets, self.shard)]
+        stepped, groups = [], []
+        for bucket, shard, whole in zip(layout.buckets, self.shard, self.whole):
+            tensors = [view for view, _ in whole] if bucket.whole else [shard]
+            stepped += tensors
+            groups += [bucket.param_group] * len(tensors)
+        self.optimizer = optimizers.build(optimizer, stepped, groups)
         if zero == 3:
             self.release()          # views made; the parameters come back on each gather
         self.count()
@@ -129,6 +137,16 @@ def _buffers(bucket, data: torch.Tensor, index: int, zero: int, device):
         shard = torch.nn.Parameter(full if zero == 0 else full[lo:hi])
     leaves = [(full[e.offset:e.offset + e.numel].view(e.shape).requires_grad_(), e) for e in bucket.entries]
     return full, shard, leaves
+
+
+def _whole_views(bucket, shard: torch.Tensor, index: int, zero: int) -> list[tuple[torch.Tensor, object]]:
+    """(a leaf viewing the parameter in `shard`, in its own shape; its entry) for each parameter of
+    a `whole` bucket this member updates: the optimizer steps these, so it sees every parameter
+    whole, and its in-place update lands in the shard the all-gather shares."""
+    base = 0 if zero == 0 else bucket.bounds(index)[0]
+    flat = shard.detach()
+    return [(flat[e.offset - base:e.offset - base + e.numel].view(e.shape).requires_grad_(), e)
+            for e in bucket.owned(index, zero)]
 
 
 def _storage_bytes(tensors, seen: set[int]) -> int:

@@ -85,19 +85,30 @@ class UnitGradients:
 
     def step(self) -> None:
         for i, (bucket, shard) in enumerate(zip(self.layout.buckets, self.shard)):
-            if self.zero >= 2:
-                shard.grad = self.grad_shard[i]
-            elif self.flat_grad[i] is None:     # no backward reached the unit: no update
-                shard.grad = None
-            elif self.zero == 0:
-                shard.grad = self.flat_grad[i]
-            else:
-                lo, hi = bucket.bounds(self.index)
-                shard.grad = self.flat_grad[i][lo:hi]
+            grad = self._shard_grad(i)
+            if not bucket.whole:
+                shard.grad = grad
+                continue
+            base = 0 if self.zero == 0 else bucket.bounds(self.index)[0]
+            for view, e in self.whole[i]:       # each parameter whole, in its own shape
+                view.grad = None if grad is None else grad[e.offset - base:e.offset - base + e.numel].view(e.shape)
         self.optimizer.step()
-        for shard in self.shard:
+        for shard, whole in zip(self.shard, self.whole):
             shard.grad = None
+            for view, _ in whole:
+                view.grad = None
         self.release_grads()      # and counts: the optimizer's state appears at its first step
+
+    def _shard_grad(self, i: int):
+        """The gradient of bucket `i`'s shard (the whole bucket under plain dp), None without one."""
+        if self.zero >= 2:
+            return self.grad_shard[i]
+        if self.flat_grad[i] is None:     # no backward reached the unit: no update
+            return None
+        if self.zero == 0:
+            return self.flat_grad[i]
+        lo, hi = self.layout.buckets[i].bounds(self.index)
+        return self.flat_grad[i][lo:hi]
 
     def release_grads(self) -> None:
         """After an update (or a skipped one): let go of the flat gradient buffers, which the next
