@@ -421,3 +421,16 @@ def test_the_dispatch_comparison_runs_the_three_systems_from_the_same_weights():
     assert all(ms > 0 for ms in row["median_ms"].values()) and row["eager_over"]["eager"] == 1.0
     losses = list(row["first_loss"].values())
     assert losses[0] > 0 and max(losses) - min(losses) <= 1e-5 * losses[0], row["first_loss"]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.full)])
+def test_the_driver_loop_comparison_starts_both_sides_from_the_same_weights(world, tmp_path):
+    """benchmarks/driver_loop.py at its tiny size: Piper's job.train and job.step against an eager loop
+    (one device) or DDP's spawned ranks, their first losses equal (else it raises), each a step time."""
+    from benchmarks.driver_loop import _token_file, compare
+
+    row = compare(world, "tiny", _token_file(str(tmp_path), 16), steps=2, rounds=1)
+    assert row["torch"] == ("eager loop" if world == 1 else "DDP (spawned ranks)")
+    assert all(row[k] > 0 for k in ("torch_ms", "piper_train_ms", "piper_step_ms"))
+    assert abs(row["first_loss"]["piper"] - row["first_loss"]["torch"]) <= 1e-5 * row["first_loss"]["torch"]
