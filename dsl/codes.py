@@ -167,6 +167,8 @@ JOBS = {
     "bad-lr-schedule": "`lr_schedule=` that is not a function of the step returning a multiplier >= 0",
     "bad-config": "`piper run --config` with a key that is no flag, a value of the wrong kind, or bad TOML",
     "bad-dataset": "`data=` that is not a dataset of samples forward takes, or a batch_size that does not fit it",
+    "token-out-of-range": "a token id or target outside the model's vocabulary (a token file, or under `shard vocab`)",
+    "token-file-shrank": "a token file cut short while a job reads it",
 }
 # The other commands: show, simulate, export, import; the IR's text form.
 COMMANDS = {

@@ -15,6 +15,7 @@ parallel forms):
     tp_max(x)                   forward: all-reduce max, no gradient (the vocab-parallel loss's shift)
     tp_offset(x, per)           this device's index along tp times `per` (where its vocabulary rows start)
     vocab_terms(logits, shift, local)  no collective: the vocab-parallel loss's local sums, with its own backward
+    vocab_check(count, vocab, what)    no collective: a zero that raises `token-out-of-range` where `count` > 0
 
 Each is a `torch.library` custom op, so strict `torch.export` records it as one
 node with a static shape (`n` is the axis size, known at capture). What it does
@@ -23,9 +24,12 @@ is decided when it runs: the runtime installs the calling thread's group
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
+from .diagnostics import PiperError, error
 from .tensor_context import current
 
 
@@ -256,12 +260,16 @@ def _terms_backward(ctx, g_terms, g_exp):
 vocab_terms.register_autograd(_terms_backward, setup_context=_terms_setup)
 
 
-def vocab_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: int = 1) -> Tensor:
+def vocab_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: int = 1,
+                        vocab: int | None = None) -> Tensor:
     """`cross_entropy(full_logits, target)` from this device's vocabulary columns `logits`
     (`[N, V/tp]`, its rows `[offset, offset + V/tp)` of the vocabulary), never gathering the
     full logits: the row maxima, the sums of exponentials and the target logits are reduced
     over tp (Megatron-LM's vocab-parallel cross entropy; torchtitan's loss_parallel).
-    `reduction`: 0 none, 1 mean over the targets that are not `ignore_index`, 2 sum (ATen's)."""
+    `reduction`: 0 none, 1 mean over the targets that are not `ignore_index`, 2 sum (ATen's).
+    `vocab`: V (capture passes it: a traced graph keeps it as a constant); None: `V/tp` times the
+    calling thread's group size. A target outside `[0, V)` (not `ignore_index`) raises
+    `token-out-of-range` (`vocab_check`), as `cross_entropy` raises for one."""
     per = logits.shape[-1]
     offset = tp_offset(logits, per)
     shift = tp_max(logits.detach().amax(-1))          # any shift gives the same loss and gradient
@@ -270,11 +278,93 @@ def vocab_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100
     # gather's backward would), which would make the loss keep as many bytes at tp=2 as the full
     # logits' log_softmax does.
     terms, _ = vocab_terms(logits, shift, local)
-    sum_exp, target_logit = tp_reduce(terms).unbind(0)
     valid = target != ignore_index
-    loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit))
+    # Targets no device holds a logit of, counted here and summed by the same all-reduce as the
+    # sums (one more column): every device of the group sees the count of all.
+    vocab = per * _size() if vocab is None else vocab
+    outside = (valid & ((target < 0) | (target >= vocab))).sum().to(terms.dtype)
+    flag = torch.stack([outside, torch.zeros_like(outside)]).unsqueeze(1)
+    reduced = tp_reduce(torch.cat([terms, flag], 1))
+    sum_exp, target_logit = reduced[:, :-1].unbind(0)
+    checked = vocab_check(reduced[0, -1].detach(), vocab, "target")
+    loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit)) + checked
     if reduction == 0:
         return loss
     if reduction == 2:
         return loss.sum()
     return loss.sum() / valid.sum().to(loss.dtype)
+
+
+# -- ids outside the vocabulary ----------------------------------------------------------------------------
+# A vocab-parallel lookup or loss finds no row for an id outside [0, V) on any device: the lookup
+# gives zeros and the target's logit 0, so it would train silently where one device's
+# `nn.Embedding` and `cross_entropy` raise. Each counts such ids into a tensor for `vocab_check`,
+# whose zero it adds downstream (so the check stays in the graph). Alone (a direct call, the
+# driver's measurements) the count is looked at on the spot; inside a worker's step
+# (`deferred_vocab_checks`) it is kept and looked at once the step's losses are read, so no step
+# waits on its device for it and every device of a group finishes the step before any raises.
+
+_deferred: list | None = None
+
+
+def _size() -> int:
+    group = _group()
+    return group.size if group is not None else 1
+
+
+def out_of_vocabulary(vocab: int, what: str) -> PiperError:
+    """`token-out-of-range` for a `what` ("token id" or "target") outside `[0, vocab)`."""
+    where = ("reached the embedding divided by `shard vocab`: no device holds its row, so it would be "
+             "looked up as zeros" if what == "token id" else
+             "reached the loss computed on `shard vocab`'s shards: no device holds its logit, so it would "
+             "train toward nothing")
+    return error("token-out-of-range", f"a {what} outside the vocabulary of {vocab:,} (0 to {vocab - 1:,}) {where}",
+                 notes=("on one device `nn.Embedding` and `cross_entropy` raise IndexError for it",),
+                 hint="check the data: token ids and targets lie in [0, vocabulary size) (a target to skip is "
+                      "ignore_index, -100); a token file read with `data=` (piper.data.TokenFile, piper run "
+                      "--data) names the position of the first such id")
+
+
+@torch.library.custom_op("piper::vocab_check", mutates_args=())
+def vocab_check(count: Tensor, vocab: int, what: str) -> Tensor:
+    """A scalar zero of `count`'s dtype; `token-out-of-range` where `count` (ids outside the
+    vocabulary) is above 0: at once, or when the step's losses are read (`deferred_vocab_checks`)."""
+    if count.device.type != "meta":      # capture traces the loss on meta tensors
+        if _deferred is not None:
+            _deferred.append((count, vocab, what))
+        elif bool(count > 0):
+            raise out_of_vocabulary(vocab, what)
+    return count.new_zeros(())
+
+
+@vocab_check.register_fake
+def _(count, vocab, what):
+    return count.new_empty(())
+
+
+class VocabChecks:
+    """The counts `vocab_check` kept during a step; `check()` raises for the first above 0."""
+
+    def __init__(self):
+        self.found: list = []
+
+    def check(self) -> None:
+        found = list(self.found)
+        self.found.clear()
+        for count, vocab, what in found:
+            if bool(count > 0):
+                raise out_of_vocabulary(vocab, what)
+
+
+@contextlib.contextmanager
+def deferred_vocab_checks():
+    """Within the body `vocab_check` keeps its counts in the `VocabChecks` yielded (every thread:
+    a step's lanes run in threads of their own); the caller checks them once it has read the
+    step's results (a worker's step, whose losses wait for the device anyway)."""
+    global _deferred
+    checks = VocabChecks()
+    previous, _deferred = _deferred, checks.found
+    try:
+        yield checks
+    finally:
+        _deferred = previous

@@ -69,8 +69,8 @@ def test_token_file_is_nanogpts_bin_as_blocks(tmp_path):
     assert x.dtype == torch.int64 and torch.equal(x, tokens[48:64]) and torch.equal(y, tokens[49:65])
     import pickle
 
-    again = pickle.loads(pickle.dumps(data))                # a worker maps the file itself
-    assert again._map is None and torch.equal(again[3][0], x)
+    again = pickle.loads(pickle.dumps(data))                # a worker opens the file itself
+    assert again._fd is None and torch.equal(again[3][0], x)
 
 
 def test_a_reader_reads_only_its_rows_and_inputs():

@@ -157,7 +157,11 @@ def _vocab_embedding_forward(self, ids):
 
     plan = self._piper_tp
     per = self.weight.shape[0]
-    local = ids - tensor_ops.tp_offset(ids, per)
+    # An id outside the whole vocabulary would find its row on no device (zeros, trained silently):
+    # counted, and raised on by `vocab_check` (ids are the same on every device along tp).
+    vocab = per * plan.size
+    outside = ((ids < 0) | (ids >= vocab)).sum()
+    local = ids - tensor_ops.tp_offset(ids, per) + tensor_ops.vocab_check(outside, vocab, "token id")
     mine = (local >= 0) & (local < per)
     out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
     if self.padding_idx is not None:     # nn.Embedding's padding row is looked up but gets no gradient

@@ -99,7 +99,7 @@ def _inline_loss(gm: fx.GraphModule, loss: fx.Node, options: dict) -> fx.Node:
     examples = [torch.empty(_shape(n), dtype=n.meta["val"].dtype, device="meta") for n in (logits, target)]
 
     def fn(x, t):
-        return tensor_ops.vocab_cross_entropy(x, t, options["ignore_index"], options["reduction"])
+        return tensor_ops.vocab_cross_entropy(x, t, options["ignore_index"], options["reduction"], options["vocab"])
     traced = make_fx(fn)(*examples)
     env: dict = {}
     holders = iter((logits, target))
@@ -133,6 +133,7 @@ def rewrite(gm: fx.GraphModule) -> int:
         if options is None:
             continue
         per = full[-1] // size
+        options["vocab"] = full[-1]           # targets outside it raise (`tensor_ops.vocab_check`)
         collect.replace_all_uses_with(local)
         for node in chain:
             if node.target in _RESHAPES:

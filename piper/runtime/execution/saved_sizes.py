@@ -22,7 +22,7 @@ _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 # Piper's own ops whose output shapes follow from their inputs' (the TP collectives and the
 # vocab-parallel loss's local half); the MoE ones route a data-dependent number of tokens.
 _PIPER_STATIC = {"tp_collect", "tp_copy", "tp_gather", "tp_max", "tp_offset", "tp_reduce", "tp_reduce_scatter",
-                 "tp_split", "vocab_terms"}
+                 "tp_split", "vocab_terms", "vocab_check"}
 
 
 def shapes_fixed(graph) -> bool:
