@@ -220,3 +220,38 @@ def test_adafactor_alone_under_zero2():
 def test_a_users_per_tensor_optimizer_under_zero3():
     assert_same_training(train_against_one_device(data_parallel(*ZERO[3]), {"dp": 2}, NormScaled),
                          rtol=1e-9, atol=1e-9)
+
+
+# ---- checkpoints
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("load_strategy, load_mesh", [
+    (None, None),
+    pytest.param(data_parallel(*ZERO[3]), {"dp": 4}, marks=pytest.mark.full),
+], ids=["one-device", "zero3-dp4"])
+def test_a_muon_checkpoint_of_zero1_loads_elsewhere_and_goes_on_as_one_device(tmp_path, load_strategy, load_mesh):
+    """Saved after 2 steps under ZeRO-1 over dp=2 (each matrix's momentum on its owner), loaded where
+    other devices own the matrices, one more step: as 3 steps on one device."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    optimizer = piper.per_group(RECIPE)
+    batches = gpt_batches()
+    reference = gpt(2, torch.float64)
+    ref_losses, ref_state = single_device(reference, batches, lambda _: optimizer.build(reference.named_parameters()))
+    with piper.compile(gpt(2, torch.float64), batches[0], strategy=data_parallel(*ZERO[1]), mesh={"dp": 2},
+                       optimizer=optimizer, progress=False) as job:
+        losses = [job.step(*b) for b in batches[:2]]
+        job.save(tmp_path / "step-2")
+    keys = FileSystemReader(str(tmp_path / "step-2")).read_metadata().state_dict_metadata
+    assert "optim.state.blocks.0.attn.c_attn.weight.momentum_buffer" in keys        # Muon's, torch's name
+    assert "optim.state.blocks.0.ln_1.weight.exp_avg" in keys                       # AdamW's
+    other = gpt(2, torch.float64)
+    with torch.no_grad():
+        for p in other.parameters():          # other weights: everything must come from the checkpoint
+            p.add_(0.5)
+    with piper.compile(other, batches[0], strategy=load_strategy, mesh=load_mesh, optimizer=optimizer,
+                       progress=False) as job:
+        job.load(tmp_path / "step-2")
+        losses.append(job.step(*batches[2]))
+        state = job.state_dict()
+    assert_same_training((losses, ref_losses, state, ref_state), rtol=1e-9, atol=1e-9)

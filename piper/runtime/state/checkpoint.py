@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from . import checkpoint_files
+from .whole_state import whole_state
 
 MODEL, OPTIM, META = "model", "optim", "piper"
 
@@ -173,6 +174,9 @@ def unit_state(unit, *, saving: bool) -> tuple[dict, dict]:
             params.update(_chunks(bucket, unit.shard[b].detach(), lo, lo, hi, layout))
         else:
             params.update(_chunks(bucket, unit.full[b], 0, *((lo, hi) if saving else whole), layout))
+        if bucket.whole:          # each parameter's state whole, on its owner (`whole_state.py`)
+            optim.update(whole_state(unit, b))
+            continue
         shard = unit.shard[b]
         base = 0 if unit.zero == 0 else lo          # the optimizer steps the whole unit under plain dp
         span = (lo, hi) if saving or unit.zero else whole

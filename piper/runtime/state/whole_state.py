@@ -1,0 +1,26 @@
+"""The optimizer state of a unit's `whole` buckets (parameters a per-tensor optimizer such as
+Muon or Adafactor updates whole) as the checkpoint keys it: `optim.state.<name>.<key>`, torch's
+own state names, each tensor one chunk at offset 0 of its own shape.
+
+Each such parameter's state lives on its one owner (`Bucket.owned`): the owner writes it and,
+loading, asks for it whole, whichever device owned it when it was saved; a job with another
+owner, dp size or ZeRO level reads the same keys. Its shape is the optimizer's, not always
+the parameter's (Adafactor keeps a row and a column vector for a matrix).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def whole_state(unit, b: int) -> dict[str, dict]:
+    """{parameter name: {state key: Chunks or value}} for bucket `b` of `unit` (a `whole` one)."""
+    from .checkpoint import Chunks
+
+    out: dict[str, dict] = {}
+    for view, e in unit.whole[b]:
+        for key, value in unit.optimizer.state.get(view, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                out.setdefault(e.name, {})[key] = Chunks(tuple(value.shape), [((0,) * value.dim(), value)])
+            else:          # a step count
+                out.setdefault(e.name, {})[key] = value
+    return out
