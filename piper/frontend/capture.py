@@ -115,6 +115,9 @@ def _export_divided(model, meta_inputs, names, tensor):
             raise err from None
     tensor_parallel.merge_copies(exported.graph_module)
     vocab_loss.rewrite(exported.graph_module)
+    if tensor.size == 1:           # nothing to exchange: the collectives are identities that cost a dispatch
+        from .unit_collectives import drop_unit_collectives
+        drop_unit_collectives(exported.graph_module)
     return exported, layout, undivided
 
 
