@@ -24,6 +24,7 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
     if not model_spec:
         raise error("no-regions", "planning needs the model's regions",
                     hint="pass --model PATH.py:FACTORY or --regions PP=N")
+    from ..frontend.directives import Shard
     from ..frontend.microbatches import microbatch_inputs, split_counts
     from ..frontend.models import example_batch, load_model
 
@@ -31,7 +32,18 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
 
     model, module = load_model(model_spec)
     micro, shards = split_counts(mesh, directives)
-    inputs = example_batch(module, batch_size or micro * shards)
+    if batch_size is not None and batch_size % (micro * shards):
+        # Said before the batch is made: a mesh's shards may ask for more rows than memory holds.
+        raise error("indivisible-batch", f"the global batch of {batch_size} does not divide into {micro} "
+                    f"microbatch(es) x {_count(shards)} data-parallel shard(s)",
+                    hint="use a batch size that is a multiple of their product")
+    if batch_size is None:
+        # Capture sees one microbatch of one data-parallel shard: a batch of one row per microbatch
+        # gives it the rows a global batch of one row per microbatch and shard would, without
+        # making rows in proportion to the mesh (dp=65,536 would make 65,536; a batch sharded
+        # over dp three times, dp^3, before the plan says `sharded-twice`).
+        directives = [d for d in directives if not (isinstance(d, Shard) and "batch" in d.what)]
+    inputs = example_batch(module, batch_size or micro)
     training = TrainingOptions(compute_dtype(precision))
     mb_inputs = microbatch_inputs(inputs, mesh, directives)[0]
     from ..frontend.tensor_parallel import plan_of
@@ -41,6 +53,12 @@ def program_for(mesh, directives, *, model_spec: str | None = None, regions=None
                       tensor=plan_of(directives, mesh))
     training.master_specs(program, model, mb_inputs)
     return program
+
+
+def _count(number: int) -> str:
+    """A count as a message shows it: digits, or their number where there are too many to read."""
+    text = str(number)
+    return text if len(text) <= 24 else f"a {len(text)}-digit number of"
 
 
 def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=None,

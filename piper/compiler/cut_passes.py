@@ -94,7 +94,9 @@ def add_exchanges(compiled, program: Program):
         return compiled
     order, edges = [], []
     moved_src, moved_dst = {}, {}          # a pass's token -> the piece its outgoing / incoming edges move to
-    release = {a.key: a.release for plan in compiled.plans.values() for a in plan
+    # The devices of a group run one sequence, so one replica of each holds every release (every
+    # device's plan would be made in proportion to the mesh: 131,072 at dp=65,536 x tp=2).
+    release = {a.key: a.release for plan in compiled.plans.representatives().values() for a in plan
                if a is not None and a.node.is_compute and a.release}
     for n in compiled.order:
         if n.op not in ("F", "B", "BI") or len(n.devices or ()) < 2 or (n.region not in cuts

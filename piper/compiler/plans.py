@@ -23,6 +23,7 @@ from operator import and_, eq, itemgetter
 from ..diagnostics import Diagnostic, error
 from ..ir.dag import COLLECTIVES, COMPUTE, IR, Edge, Node, distinct_edges
 from ..ir.lower import check_orders, lower_transfers, resolve_placement, temporal_edges, zero_levels
+from ..ir.mesh_coords import axis_coords
 from ..ir.table import Table
 from ..ir.tied import add_tie_exchanges, tied_params
 from .actions import Action
@@ -98,7 +99,7 @@ class _Sequences:
     def _base(self, group: tuple) -> tuple[list, list[tuple]]:
         """The group's actions but its SEND/RECVs (None), and those as (position, node number,
         tag, peer group); made once."""
-        found = self._bases.get(group)
+        found = self._bases.get(id(group))      # by identity: a group of 100k ranks hashes in 100k steps
         if found is None:
             seq, table, release = self._sequences[group], self._table, self._release
             node, key, ops, tags = table.node, table.key, table.ops, self._tags
@@ -113,7 +114,7 @@ class _Sequences:
                                                        release.get(k, ()))))
                 else:
                     actions.append(_tuple_new(Action, (node(k), None, None, group, tuple(map(key, waits)), ())))
-            found = self._bases[group] = (actions, transfers)
+            found = self._bases[id(group)] = (actions, transfers)
         return found
 
 
@@ -137,7 +138,8 @@ class Plans(_Sequences, Mapping):
         self._sequences: dict[tuple, list[int]] | None = None      # group -> its node numbers in order
         self._group_of: dict[int, tuple] = {}
         self._tags: dict = {}
-        self._bases: dict[tuple, tuple] = {}      # group -> (its actions, None where a SEND/RECV goes; those)
+        self._bases: dict[int, tuple] = {}        # id(group) -> (its actions, None where a SEND/RECV goes; those);
+        # the groups are kept alive by `_sequences`
         self._cache: dict[int, tuple[Action, ...]] = {}
         # Whether `verify`'s simulation of the representatives runs to the end on the global order
         # (`piper.compiler.replay`): then the plans cannot deadlock. Its times are found when asked.
@@ -213,10 +215,7 @@ def project_table(table: Table, order: list[int], release: dict[int, tuple],
     # A device's shard: its batch shard and, under tp, its tensor shard (transfers pair equals).
     tensor = ir.tensor_axis()
     batch_axes = ir.batch_axes() + ((tensor,) if tensor is not None else ())
-    shard_of = {}
-    for rank in range(mesh.world_size):
-        c = mesh.coords(rank)
-        shard_of[rank] = tuple(c[a] for a in batch_axes)
+    shard_of = dict(enumerate(axis_coords(mesh, batch_axes)))
     groups = {r.index: ir.devices_of(r.index) for r in ir.regions}
     # A transfer pairs the devices that hold the same shard of the batch.
     member_by_shard = {g: {shard_of[r]: r for r in g} for g in set(groups.values())}

@@ -18,6 +18,7 @@ from operator import add, itemgetter, mul, not_
 
 from ..diagnostics import Diagnostic, Label, Span, error
 from .dag import _DST, _SRC, COMPUTE, IR, Edge, Node, node_key
+from .mesh_coords import varying_axes
 from .table import Table, unknown_edge
 from .tied import share_across_devices
 
@@ -38,7 +39,7 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
     """
     mesh = ir.mesh
     if not ir.placement:
-        everyone = mesh.group().ranks
+        everyone = tuple(range(mesh.world_size))      # `mesh.group().ranks`, without a dict per device
         ir = ir.with_(placement=tuple((r.index, everyone) for r in ir.regions))
     placed = {r for r, _ in ir.placement}
     missing = [r for r in ir.regions if r.index not in placed]
@@ -53,10 +54,11 @@ def resolve_placement(ir: IR, warnings: list[Diagnostic]) -> IR:
     tensor = ir.tensor_axis()
     dividing = batch_axes + ((tensor,) if tensor is not None else ())
     spans = {r: ir.placement_span(r) for r, _ in ir.placement}
+    varying_of: dict[int, set] = {}
     for region in ir.regions:
         ranks = ir.devices_of(region.index)
-        coords = [mesh.coords(rank) for rank in ranks]
-        varying = {a for a in mesh.names if len({c[a] for c in coords}) > 1}
+        varying = found if (found := varying_of.get(id(ranks))) is not None else \
+            varying_of.setdefault(id(ranks), varying_axes(mesh, ranks))     # regions share their groups
         expected = 1
         for a in dividing:
             expected *= mesh.size(a)
