@@ -132,3 +132,36 @@ def test_evaluate_equals_one_device_and_changes_nothing(name):
         state = job.state_dict()
     torch.testing.assert_close(torch.tensor(evals), torch.tensor(ref_evals), rtol=1e-9, atol=1e-9)
     assert_same((losses, ref_losses, state, {k: v.detach() for k, v in reference.state_dict().items()}), tol=1e-9)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_failing_evaluation_leaves_the_checkpoint_of_its_step_saved(tmp_path, monkeypatch):
+    """`piper run --eval-every 1 --checkpoint-every 1`: step 1's checkpoint is written before its
+    evaluation runs, so an evaluation that fails (a worker raising at its first action) costs no
+    checkpoint: training could resume from step 1."""
+    import numpy as np
+
+    from examples.gpt import _corpus_tokens
+    from piper.cli import main
+    from piper.job.checkpoint import checkpoints
+    from piper.job.recovery import checkpoint_problem
+
+    tokens = _corpus_tokens()[1].numpy().astype(np.uint16)
+    tokens[:4000].tofile(tmp_path / "train.bin")
+    tokens[4000:6000].tofile(tmp_path / "val.bin")
+    (tmp_path / "job.pps").write_text("mesh dp=2\nuse zero3() on dp\n")
+    # The first action rank 0 runs once it has finished one step: step 1's evaluation.
+    monkeypatch.setenv("PIPER_FAULT", "rank=0 do=raise step=1")
+    ckpt = tmp_path / "ckpt"
+    argv = ["run", str(tmp_path / "job.pps"), "--model", "examples/gpt.py:two_stage_gpt", "--steps", "3",
+            "--batch-size", "4", "--data", str(tmp_path / "train.bin"), "--val-data", str(tmp_path / "val.bin"),
+            "--block-size", "16", "--eval-every", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    try:
+        code = main(argv)
+    except piper.PiperError as err:
+        code, failed = 1, err
+    else:
+        failed = None
+    assert code != 0 and (failed is None or failed.code == "worker-failed")
+    assert checkpoints(ckpt) == [(1, str(ckpt / "step-1"))]
+    assert checkpoint_problem(ckpt / "step-1") is None

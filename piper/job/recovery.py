@@ -140,7 +140,8 @@ def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Ch
 
     `resume` starts from the newest whole checkpoint in `checkpoints`; without it, a restart
     loads only checkpoints this run wrote. `data(step)` gives the step's batch;
-    `on_step(step, loss, seconds)` (the job's own step number, from 0) and `on_restart(Restart)`
+    `on_step(step, loss, seconds)` (the job's own step number, from 0; after the step's checkpoint,
+    if one is due, is saved) and `on_restart(Restart)`
     report progress; `finish(job)` runs after the last step, before the job closes. A worker
     lost while a checkpoint is written or while `finish` runs restarts the job too: training
     goes on from the last checkpoint, then the save or `finish` runs again.
@@ -162,12 +163,14 @@ def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Ch
                     start = time.perf_counter()
                     loss = job.step(*data(step))
                     losses[step] = loss
-                    if on_step is not None:
-                        on_step(step, loss, time.perf_counter() - start)
+                    seconds = time.perf_counter() - start
                     step += 1
                     if checkpoints is not None:
                         during = "save"
                         checkpoints.after_step(job, step, last=step == steps)
+                    if on_step is not None:       # after the save: a failing evaluation keeps the checkpoint
+                        during = "step"
+                        on_step(step - 1, loss, seconds)
                 during = "finish"
                 if finish is not None:
                     finish(job)
