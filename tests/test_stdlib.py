@@ -247,12 +247,38 @@ def test_pipeline_composes_with_zero3():
     simulate(compiled.plans)
 
 
-@pytest.mark.parametrize("script,regions", [("gpt_zero3_1f1b.pps", 2), ("gpt_dualpipev.pps", 4),
-                                            ("gpt_zero2_interleaved.pps", 4), ("gpt_zbv.pps", 4)])
-def test_example_scripts_plan(script, regions):
-    strategy = load_strategy(ROOT / "examples" / script)
-    compiled = plan(strategy, program=Program.chain(f"PP={regions}"))
-    simulate(compiled.plans)
+# script -> (the devices of each PP region, microbatches, the data-parallel collectives, the bubble
+# per device with unit costs from its schedule's docstring, p = 2)
+EXAMPLE_SCRIPTS = {
+    "gpt_zero3_1f1b.pps": ({0: (0, 2), 1: (1, 3)}, 8, {"ALL_GATHER", "REDUCE_SCATTER"}, F + B),
+    "gpt_dualpipev.pps": ({0: (0,), 1: (1,), 2: (1,), 3: (0,)}, 8, set(), F + B - 2 * W),   # V; slots in sequence
+    "gpt_zero2_interleaved.pps": ({0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}, 4,
+                                  {"ALL_GATHER", "REDUCE_SCATTER"}, F + B),
+    "gpt_zbv.pps": ({0: (0,), 1: (1,), 2: (1,), 3: (0,)}, 8, set(), F + B - 2 * W),
+}
+
+
+@pytest.mark.parametrize("script", list(EXAMPLE_SCRIPTS))
+def test_example_scripts_plan(script):
+    """Each example script plans on its own mesh: every region on the devices its comment names,
+    each device running every microbatch's forward and backward of its regions and one update,
+    with the data-parallel collectives its `use` lines ask for, and the plans run to the end with
+    the bubble of the schedule's docstring."""
+    devices, microbatches, collectives, bubble = EXAMPLE_SCRIPTS[script]
+    compiled = plan(load_strategy(ROOT / "examples" / script), program=Program.chain(f"PP={len(devices)}"))
+    assert {r: compiled.ir.devices_of(r) for r in devices} == devices
+    assert sorted(compiled.plans) == sorted({d for ds in devices.values() for d in ds})
+    for rank, actions in compiled.plans.items():
+        mine = {r for r, ds in devices.items() if rank in ds}
+        computes = [a.node for a in actions if a.node.is_compute]
+        assert {n.region for n in computes} == mine
+        for r in mine:
+            ops = [n.op for n in computes if n.region == r]
+            assert ops.count("F") == microbatches and ops.count("UPD") == 1, (rank, r)
+            assert ops.count("B") + ops.count("BW") == microbatches and ops.count("BI") == ops.count("BW")
+        assert {a.node.op for a in actions if not a.node.is_compute} - {"SEND", "RECV"} == collectives
+    sim = simulate(compiled.plans)      # raises `deadlock` where the plans cannot finish
+    assert [sim.bubble(r) for r in sorted(compiled.plans)] == [bubble] * len(compiled.plans)
 
 
 def test_whole_backward_after_split_names_bi_and_bw():
