@@ -4,7 +4,10 @@ dataclasses a caller names. Nothing in a cache file runs when it is read (a pick
     value = cached({"what": "machine"}, measure, types=())     # read tune-<hash>.json, else measure and store
 
 A file that does not parse, has another version or key, or names a type the caller did not allow
-is ignored (one line through `log`, no traceback) and the value measured again.
+is ignored (one line through `log`, no traceback) and the value measured again; so is one that is
+not the user's own (`cache_dir.distrusted`: another user's, or writable by others) and one that is
+not a regular file of at most `MAX_BYTES` (read by `user_files.read_text`: a FIFO does not block,
+`/dev/zero` does not fill memory). A cache is never worth failing a run.
 """
 from __future__ import annotations
 
@@ -13,9 +16,12 @@ import hashlib
 import json
 import os
 import socket
+import sys
 
 FORMAT = "piper-tune-cache"
 VERSION = 3        # 2: pickles (`tune-*.pkl`, never read now); 3: this JSON form
+# A profile holds a line per parameter and region: well under a megabyte for an 80-layer model.
+MAX_BYTES = 32 << 20
 
 
 class CacheFormatError(ValueError):
@@ -97,23 +103,36 @@ def cache_key(key: dict) -> dict:
 
 
 def cache_path(full: dict) -> str:
-    """The file for a full key (`cache_key`) in the cache folder (`piper.cache_dir`), which is made."""
-    from ..cache_dir import cache_dir
+    """The file for a full key (`cache_key`) in the cache folder (`piper.cache_dir`), which is made
+    (private, where this makes it)."""
+    from ..cache_dir import make_cache_dir
 
-    folder = cache_dir()
-    os.makedirs(folder, exist_ok=True)
+    folder = make_cache_dir()
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return os.path.join(folder, f"tune-{digest}.json")
 
 
 def read(path: str, full: dict, types=()):
     """The value stored at `path` for `full`; `CacheFormatError` if the file is not one this version
-    wrote for that key, `FileNotFoundError` if there is none."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
-            raise CacheFormatError(f"not JSON ({err})") from None
+    wrote for that key, not the user's own or not a regular file of at most `MAX_BYTES`;
+    `FileNotFoundError` if there is none."""
+    from ..cache_dir import distrusted
+    from ..diagnostics import PiperError
+    from ..user_files import read_text
+
+    reason = distrusted(path)
+    if reason is not None:
+        raise CacheFormatError(f"{reason}, so it is not read (point PIPER_CACHE at a folder of your own)")
+    try:
+        text = read_text(path, limit=MAX_BYTES, what="the tune cache file")
+    except PiperError as err:
+        if err.code == "file-not-found":
+            raise FileNotFoundError(path) from None
+        raise CacheFormatError(err.diagnostics[0].message) from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as err:      # JSONDecodeError, and an int too long to convert
+        raise CacheFormatError(f"not JSON ({err})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CacheFormatError("not a tune cache file")
     if data.get("version") != VERSION:
@@ -131,7 +150,14 @@ def write(path: str, full: dict, value) -> None:
     text = json.dumps({"format": FORMAT, "version": VERSION, "key": json.loads(json.dumps(full, default=str)),
                        "value": encode(value)})
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    try:
+        os.unlink(tmp)                  # left by a run of the same pid that died
+    except FileNotFoundError:
+        pass
+    # The user's alone whatever the umask (a group-writable file would be ignored when read back);
+    # O_EXCL: a link planted at the temporary name is not followed.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
 
@@ -140,22 +166,30 @@ def cached(key: dict, make, *, types=(), again: bool = False, log=None):
     """The value stored under `key` (and this machine, torch and version), else (or with `again`)
     `make()`, stored there unless it is None. `types`: the dataclasses the value may hold; a file
     that holds anything else, or is not this version's, is ignored with a line through `log`."""
+    say = log or (lambda m: print(f"piper: {m}", file=sys.stderr))
     full = cache_key(key)
-    path = cache_path(full)
+    try:
+        path = cache_path(full)
+    except OSError as err:
+        say(f"cannot make the cache folder ({err.strerror or err}): measuring without a cache")
+        return make()
     if not again:
         try:
             return read(path, full, types)
         except FileNotFoundError:
             pass
         except OSError as err:
-            (log or (lambda m: None))(f"cannot read the cache file {path} ({err.strerror}): measuring again")
+            say(f"cannot read the cache file {path} ({err.strerror or err}): measuring again")
         except CacheFormatError as err:
-            (log or (lambda m: None))(f"ignoring the cache file {path}: {err}; measuring again")
+            say(f"ignoring the cache file {path}: {err}; measuring again")
     value = make()
     if value is None:          # nothing made: try again next time
         return value
-    try:
-        write(path, full, value)
-    except OSError:
-        pass
+    from ..cache_dir import distrusted
+
+    if distrusted(path, folder_only=True) is None:     # a folder others may write: keep nothing there
+        try:
+            write(path, full, value)
+        except OSError:
+            pass
     return value
