@@ -1,7 +1,7 @@
 """Shared fixtures: one local Ray cluster for the session's tests, shut down at the end.
 
 The suite is hermetic: Piper's cache (`PIPER_CACHE`: tune's
-measurements) live in a temporary folder for the session, removed at its end, and
+measurements) lives in a temporary folder for the session, removed at its end, and
 a local Ray cluster needs no token file (`RAY_AUTH_MODE=disabled`), so nothing is
 written under $HOME.
 """
