@@ -88,6 +88,7 @@ STATEMENTS = {
     "order-before-split": "`split MB` comes after an `order` statement",
     "sharded-twice": "one thing (or one module pattern) is sharded by two `shard` statements",
     "sequence-without-tp": "`shard sequence` without `shard columns` or `shard rows` for it to run between",
+    "pattern-too-long": "a module or parameter name pattern (`shard ... of`, `no_decay`, `annotate_modules`) is too long",
     "bad-order-item": "an order item that is not a pass of a microbatch (UPD, or a region alone)",
     "unknown-node": "an order item names a microbatch or pass that does not exist",
     "ordered-twice": "one pass of one microbatch appears twice in an `order`",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..diagnostics import Diagnostic, Label, Span
 from ..mesh import DeviceGroup
+from .name_patterns import pattern_problem
 from .selectors import Selector
 
 SHARDABLE = ("batch", "optimizer", "grads", "params", "experts", "columns", "rows", "vocab", "sequence")
@@ -99,6 +100,9 @@ def shard_problem(what: tuple[str, ...], of: tuple[str, ...], span: Span | None 
         return Diagnostic("bad-shard", f"`of` belongs to `{what[kinds[0]]}` alone; `{what[other]}` takes no `of`",
                           span=at(what_spans, other), hint=f"shard `{what[other]}` in a statement of its own")
     for i, pattern in enumerate(of):
+        too_long = pattern_problem(pattern, at(of_spans, i))
+        if too_long is not None:
+            return too_long
         if not pattern.strip():
             return Diagnostic("bad-shard", "an empty pattern matches no module", span=at(of_spans, i),
                               hint='write a module path pattern, e.g. "blocks.*.attn.q" or "**.q_proj"')

@@ -13,14 +13,13 @@ tag to nest regions (a `PP` region per stage, an `L` region per block).
 """
 from __future__ import annotations
 
-import fnmatch
-import re
 import types
 
 import torch
 import torch.fx.traceback as fx_traceback
 
 from ..diagnostics import did_you_mean, error
+from .name_patterns import match_names   # the one matcher; its old home, imported from here too
 
 _ATTR = "_piper_regions"          # module -> {tag: group index}, read by the forward wrapper
 _GROUPS = "_piper_module_groups"  # root model -> {tag: [[names]]}, read by capture's order check
@@ -71,23 +70,6 @@ def annotate_modules(model: torch.nn.Module, tag: str, groups) -> torch.nn.Modul
     registry[tag] = [list(g) for g in groups]
     object.__setattr__(model, _GROUPS, registry)
     return model
-
-
-def match_names(pattern: str, names) -> list[str]:
-    """The dotted `names` that `pattern` matches: `*` within one part, `**` across parts, and a
-    leading `**.` also none (`"**.bias"` is `bias` and every `x.y.bias`).
-
-        match_names("**.ln_*.weight", ["ln_f.weight", "blocks.0.ln_1.weight", "blocks.0.ln_1.bias"])
-            == ["ln_f.weight", "blocks.0.ln_1.weight"]
-    """
-    names = list(names)
-    if not any(c in pattern for c in "*?["):
-        return [pattern] if pattern in names else []
-    regex = re.compile("".join(
-        "(?:.*\\.)?" if part == "**." else ".*" if part == "**" else "[^.]*" if part == "*"
-        else fnmatch.translate(part)[4:-3]
-        for part in re.split(r"(\A\*\*\.|\*\*|\*)", pattern) if part) + r"\Z")
-    return [n for n in names if regex.match(n)]
 
 
 _match = match_names
