@@ -20,7 +20,8 @@ import sys
 
 FORMAT = "piper-tune-cache"
 VERSION = 3        # 2: pickles (`tune-*.pkl`, never read now); 3: this JSON form
-# A profile holds a line per parameter and region: well under a megabyte for an 80-layer model.
+# A profile holds an entry per parameter and region: 15 KB for examples/gpt.py's small_gpt (4 layers),
+# so some hundreds of KB for 80 layers; 32 MiB is far past any, and bounds what a bad file costs.
 MAX_BYTES = 32 << 20
 
 
