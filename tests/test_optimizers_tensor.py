@@ -167,6 +167,17 @@ def test_tensor_updates_are_refused_under_tensor_parallelism():
     assert err.value.code == "bad-optimizer" and "ZeRO-1/2/3" in str(err.value)
 
 
+def test_tensor_updates_are_refused_under_shard_experts():
+    from tests.test_experts import EP, Tiny, moe_layer, script, tiny_batches
+
+    model = Tiny(1, moe_layer()).double()
+    with pytest.raises(piper.PiperError, match="`shard experts` divides") as err:
+        piper.compile(model, tiny_batches()[0], strategy=script("use dp() on dp\n" + EP), mesh={"dp": 2},
+                      optimizer=piper.per_group({"**@2d": MUON, "**@3d": torch.optim.Adafactor, "*": ADAMW}),
+                      progress=False)
+    assert err.value.code == "bad-optimizer"
+
+
 # ---- equal to one device
 
 @pytest.mark.usefixtures("ray_cluster")
