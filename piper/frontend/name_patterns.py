@@ -16,10 +16,10 @@ from __future__ import annotations
 import fnmatch
 import re
 
-from ..diagnostics import Diagnostic, Span, clip
+from ..diagnostics import Diagnostic, PiperError, Span, clip
 
 # Far past any module path (a Hugging Face name is under 100 characters), and small enough that
-# a pattern's position set is a few machine words.
+# a pattern's set of positions is at most 16 machine words.
 MAX_PATTERN = 1000
 STEPS = 1 << 14       # the states and steps of one pattern's automaton kept (dictionary entries)
 
@@ -48,8 +48,6 @@ def pattern_problem(pattern: str, span: Span | None = None) -> Diagnostic | None
 def match_names(pattern: str, names) -> list[str]:
     """The dotted `names` that `pattern` matches, in their order (see the module's docstring);
     raises `pattern-too-long` for a pattern past `MAX_PATTERN` characters."""
-    from ..diagnostics import PiperError
-
     names = list(names)
     problem = pattern_problem(pattern)
     if problem is not None:
