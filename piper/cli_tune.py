@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import replace
 
-from .compiler.tune import Candidate, Result, Search, _cached, at_load, candidates, group_notes, groups, profile
+from .compiler.tune import Candidate, Result, Search, _cached, at_load, candidates, group_notes, groups
 
 
 def calibrate(search: Search, *, log=None, again: bool = False):
@@ -103,7 +103,7 @@ def calibration_from(search: Search, chosen: list[Candidate], runs: list[dict], 
 
     def priced(c: Candidate, run: dict):
         b = c.microbatch(search.batch)
-        exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+        exact = search.exact_profile(c)
         program = (exact or search.reference).program
         compiled = run["compiled"]
         fwd, bwd, _ = search._scaled(b, exact)
@@ -210,9 +210,7 @@ def _verify(search: Search, results: list[Result], steps: int = 3) -> tuple[list
 
 def _predicted(search: Search, c: Candidate) -> float | None:
     """`c`'s step under `search`'s calibration, its activations at its own microbatch size."""
-    b = c.microbatch(search.batch)
-    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
-    r = search.evaluate(c, exact)
+    r = search.evaluate(c, search.exact_profile(c))
     return r.step_s if r is not None else None
 
 
@@ -226,18 +224,21 @@ def loadavg() -> float:
 
 
 def _nothing_fits(args, search, every, budget: int, batch: int, elapsed: float):
-    """The `no-fit` error: nothing compiles, or nothing fits the budget (and what would)."""
+    """The `no-fit` error: nothing compiles, or nothing fits the budget (and what would); the
+    candidates skipped, and why, as its notes."""
     from .diagnostics import error
     from .compiler.memory_model import format_bytes
+    from .compiler.tune_parallel import skip_lines, skip_summary
 
+    skipped = tuple(skip_lines(skip_summary(search.skipped, no_sequence=search.no_sequence)))
     if not every:
         return error("no-fit", f"no strategy compiles for {args.devices} device(s) and a batch of {batch}",
-                     hint=f"the model has {search.regions} PP region(s); use a device count its pipeline "
+                     notes=skipped, hint=f"the model has {search.regions} PP region(s); use a device count its pipeline "
                           "schedules fit (p or 2p regions over p devices) or a batch that divides over the devices")
     smallest = min(every, key=lambda r: r.peak_bytes)
     return error("no-fit", f"nothing fits {format_bytes(budget)} per device: the smallest predicted peak is "
                  f"{format_bytes(smallest.peak_bytes)} ({smallest.candidate.label()})",
-                 notes=(f"searched {len(every)} strategies in {elapsed:.1f} s",),
+                 notes=(f"searched {len(every)} strategies in {elapsed:.1f} s", *skipped),
                  hint=f"raise --memory to at least {format_bytes(smallest.peak_bytes)} "
                       f"({smallest.peak_bytes} bytes), use more devices, or a smaller --batch-size")
 
@@ -268,6 +269,7 @@ def main(args) -> int:
     from rich.table import Table
 
     from .compiler.memory_model import format_bytes, parse_bytes
+    from .compiler.tune_parallel import skip_lines, skip_summary
 
     try:
         budget = parse_bytes(args.memory)
@@ -300,8 +302,10 @@ def main(args) -> int:
     tolerance, cal = search.tolerance, search.calibration
     numbers = groups(shown, tolerance)
     again: dict[int, float | None] = {}
+    skipped = skip_summary(search.skipped, no_sequence=search.no_sequence)
     if args.format == "json":
-        sys.stdout.write(json.dumps(_json_rows(search, shown, numbers, measured, beside), indent=1) + "\n")
+        sys.stdout.write(json.dumps({"strategies": _json_rows(search, shown, numbers, measured, beside),
+                                     "skipped": skipped}, indent=1) + "\n")
         return 0
     table = Table(title=f"piper tune: {len(fits)} of {len(every)} strategies fit {format_bytes(budget)} per device "
                         f"({args.devices} devices, batch {batch}; searched in {elapsed:.1f} s)")
@@ -323,6 +327,8 @@ def main(args) -> int:
     console.print(table)
     for line in group_notes(shown, numbers, tolerance, calibrated=cal is not None):
         console.print(line)
+    for line in skip_lines(skipped):
+        console.print(line, markup=False)
     for i, step in again.items():
         if step is not None:
             console.print(f"row {i + 1}: {measured[i][2]:.1f} cores busy with other work while it ran (load average "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_tune_ranks_what_fits_and_writes_the_best(tmp_path, capsys):
     budget = "3MiB"
     assert main(["tune", "--model", MODEL, "--devices", "4", "--memory", budget, "--format", "json",
                  "-o", str(best), "--no-calibrate"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["strategies"]
     assert rows and all(r["peak_bytes"] <= parse_bytes(budget) for r in rows)
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert rows[0]["exact_activations"]
@@ -101,7 +102,7 @@ def test_a_budget_that_only_recompute_fits_picks_recompute(tmp_path, capsys):
     best = tmp_path / "best.pps"
     assert main(["tune", "--model", MODEL, "--devices", "4", "--memory", str(budget), "--format", "json",
                  "-o", str(best), "--no-calibrate"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["strategies"]
     assert rows and all(r["recompute"] and r["peak_bytes"] <= budget for r in rows)
     assert "recompute PP=*" in rows[0]["script"] and "recompute PP=*\n" in best.read_text()
     # the same candidate without recompute is predicted over the budget
@@ -179,3 +180,51 @@ def test_tune_searches_tensor_parallel_sizes(tmp_path, monkeypatch):
     assert two.memory["params"] < one.memory["params"]
     assert search.evaluate(next(c for c in found if c.tp == 4)) is None
     assert "does not divide" in search.skipped[-1][1]
+    from piper.compiler.tune_parallel import skip_lines, skip_summary
+
+    (entry,) = skip_summary(search.skipped)
+    assert entry["what"] == "tp=4" and entry["candidates"] == 1 and "does not divide" in entry["reason"]
+    assert skip_lines([entry])[0].startswith("skipped tp=4 (1 candidate): ")
+    # a plan without a `sequence` parameter: no sequence-parallel candidates, and the reason said
+    assert not any(c.sequence for c in search.candidates()) and "sequence" in search.no_sequence
+    assert skip_summary([], no_sequence=search.no_sequence)[0]["what"] == "sequence parallelism"
+
+
+def test_candidates_with_sequence_and_expert_parallelism():
+    """`sequence`: every tp > 1 candidate again with sequence=true; `experts`: every dp > 1
+    candidate again with its experts divided over dp (its script uses expert_parallel)."""
+    plain = candidates(4, 16, 4, tensor="llama_tensor_parallel")
+    both = candidates(4, 16, 4, tensor="llama_tensor_parallel", sequence=True, experts=True)
+    assert not any(c.sequence or c.experts for c in plain)
+    sp = [c for c in both if c.sequence]
+    ep = [c for c in both if c.experts]
+    assert {replace(c, sequence=False) for c in sp} == {c for c in both if c.tp > 1 and not c.sequence}
+    assert {replace(c, experts=False) for c in ep} == {c for c in both if c.dp > 1 and not c.experts}
+    assert all(c.tp > 1 for c in sp) and all(c.dp > 1 for c in ep)
+    c = Candidate(2, 1, None, 1, None, "zero1", tp=2, tensor="llama_tensor_parallel", sequence=True, experts=True)
+    assert c.script() == ("mesh dp=2, tp=2\nuse zero1() on dp\nuse expert_parallel() on dp\n"
+                          "use llama_tensor_parallel(sequence=true) on tp\n")
+    assert c.label() == "dp=2 pp=1 tp=2 sp · m=1 · zero1 · ep"
+
+
+@pytest.mark.parametrize("value, code, words", [
+    ("nosuch", "bad-flag", "no strategy is called `nosuch`"),
+    ("plans.pps", "bad-flag", "takes a strategy's name or FILE.pps:NAME"),
+    ("plans.pps:nosuch", "bad-flag", "no strategy is called `nosuch`"),
+    ("missing.pps:tp", "bad-flag", "cannot import"),
+    ("zero3", "bad-flag", "divides no module over tp"),
+    ("plans.pps:unmatched", "unknown-module", "matches no module of the model"),
+])
+def test_an_unusable_tensor_parallel_flag_is_an_error(value, code, words, tmp_path, monkeypatch, capsys):
+    """Not "no TP" with exit 0: a name that is no strategy, a malformed FILE:NAME, a strategy that
+    shards no module, a plan whose pattern matches no module are errors before anything is measured."""
+    monkeypatch.setenv("PIPER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plans.pps").write_text('strategy unmatched(axis = tp):\n'
+                                        '    shard columns of "nosuch.*" over axis\n'
+                                        '    shard rows of "blocks.*.mlp.down" over axis\n')
+    assert main(["tune", "--model", str(ROOT / MODEL), "--devices", "4", "--memory", "8MiB", "--no-calibrate",
+                 "--tensor-parallel", value]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"error[{code}]" in err and words in err
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())   # nothing measured

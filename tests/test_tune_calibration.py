@@ -138,12 +138,12 @@ def test_tune_uses_the_cached_calibration_and_groups_what_it_cannot_tell_apart(m
     monkeypatch.setattr(cli_tune, "_calibrate_on", lambda search, c, log: runs.append(c) or measured)
     args = ["tune", "--model", MODEL, "--devices", "4", "--memory", "8MiB", "--format", "json"]
     assert main(args) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["strategies"]
     assert main(args) == 0 and len(runs) == 1           # measured once, then read from the cache
-    assert json.loads(capsys.readouterr().out) == rows
+    assert json.loads(capsys.readouterr().out)["strategies"] == rows
     assert all(r["calibrated"] and r["tolerance"] == pytest.approx(0.1) for r in rows)
     assert [r["group"] for r in rows] == sorted(r["group"] for r in rows) and rows[0]["group"] == 1
-    plain = json.loads(_out(main, args + ["--no-calibrate"], capsys))
+    plain = json.loads(_out(main, args + ["--no-calibrate"], capsys))["strategies"]
     # the runtime's costs make every step dearer than the computes alone
     assert min(r["step_s"] for r in rows) > min(r["step_s"] for r in plain) + measured.driver
     assert not any(r["calibrated"] for r in plain)
@@ -415,5 +415,5 @@ def test_tune_says_how_far_the_pipeline_beside_the_calibration_was_predicted(mon
     text = " ".join(capsys.readouterr().out.split())
     # the wait was not kept (0 ms); the pipeline's +30% sets the groups' tolerance
     assert "0.00 ms more per collective, fitted beside the pipeline, which it predicts +30%" in text
-    rows = json.loads(_out(main, args + ["--format", "json"], capsys))
+    rows = json.loads(_out(main, args + ["--format", "json"], capsys))["strategies"]
     assert all(r["tolerance"] == pytest.approx(0.3) for r in rows)

@@ -233,6 +233,26 @@ def _pieces_saved(graph, args, exclude, experts: bool = True, tensor: bool = Fal
     return total
 
 
+def _on_cpu(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` with every device its nodes name pointed at the CPU, as a worker points them at its own
+    (`runtime/launch/packed_graphs.unpack`): capture exports on the meta device, so a Hugging Face
+    model's rotary positions and masks are `arange(..., device=meta)` and `inv_freq.to(meta)` in
+    its graphs, which meet the CPU inputs here. `gm` itself when it names no device."""
+    from torch.utils import _pytree as pytree
+
+    def cpu(a):
+        return torch.device("cpu") if isinstance(a, torch.device) else a
+
+    if not any(isinstance(a, torch.device) for n in gm.graph.nodes for a in pytree.tree_leaves((n.args, n.kwargs))):
+        return gm
+    graph = torch.fx.Graph()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        copy = env[n] = graph.node_copy(n, env.__getitem__)
+        copy.args, copy.kwargs = pytree.tree_map(cpu, (copy.args, copy.kwargs))
+    return torch.fx.GraphModule(gm, graph)
+
+
 def _run_regions(program, backward, timer, clock, dtype=None, pieces=frozenset()):
     values = {v.id: v for v in program.values}
     params = {n: _zeros(s, True, dtype) for n, s in program.params.items()}
@@ -259,14 +279,15 @@ def _run_regions(program, backward, timer, clock, dtype=None, pieces=frozenset()
                     t.requires_grad_()
                 args.append(t)
         inputs = _storage_keys(args, exclude)        # what `recompute` keeps (runtime/autograd/recompute.py)
+        graph = _on_cpu(region.graph)
         start = clock()
         with torch.enable_grad(), _SavedAndInputs(exclude, set(inputs)) as counted:
-            outs = region.graph(*args)
+            outs = graph(*args)
         if timer is not None:
             timer(region.index, "F", clock() - start)
         if region.index in pieces:       # {region: (cut at its MoE layers, at its TP collectives)}, or a set: MoE
             experts, tensor = pieces[region.index] if isinstance(pieces, dict) else (True, False)
-            saved[region.index] = _pieces_saved(region.graph, args, exclude, experts, tensor, tp_size)
+            saved[region.index] = _pieces_saved(graph, args, exclude, experts, tensor, tp_size)
         else:
             saved[region.index] = RegionBytes(counted.size, sum(inputs.values()), counted.size - counted.of_inputs)
         for v, o in zip(region.outputs, outs):

@@ -8,7 +8,14 @@ schedules the model's regions allow (a schedule with one region per device
 needs p PP regions, a V or interleaved one v*p), microbatch counts, the
 data-parallel strategies (dp, ZeRO-1/2/3), and `recompute PP=*` for the
 candidates that do not fit without it (recomputing only adds compute, so it
-never beats the same candidate that fits without). Each candidate is compiled (so
+never beats the same candidate that fits without). On a MoE model each dp > 1
+candidate is tried again with its experts divided over dp (`use
+expert_parallel() on dp`, planned on the captured graphs, its all-to-alls priced
+by the routed rows' bytes: `tune_parallel`); with `--tensor-parallel PLAN`, tp
+sizes too (dp x pp x tp meshes), each again with `PLAN(sequence=true)` where
+the plan takes it (sequence parallelism). A flag value tune cannot use is an
+error; a size a plan cannot divide is skipped, and tune says why (`skipped` in
+`--format json`). Each candidate is compiled (so
 only strategies that compile and verify are kept), its peak memory per
 device is predicted (`piper.compiler.memory_model`), and its step time simulated
 (`piper.compiler.simulate`) with costs measured on this machine:
@@ -55,6 +62,8 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from .tune_parallel import EXPERT_CODES, check_tensor_flag, tensor_lines, tensor_plan, with_all_to_alls
+
 SCHEDULES_ONE = ("one_f_one_b", "gpipe", "zero_bubble")          # p regions on p devices
 SCHEDULES_TWO = ("zbv", "dualpipev")                             # 2p regions, a V
 SCHEDULES_VIRTUAL = ("interleaved_1f1b", "interleaved_zero_bubble")   # v*p regions, v >= 2
@@ -73,6 +82,8 @@ class Candidate:
     recompute: bool = False        # `recompute PP=*`: every PP region keeps only its inputs
     tp: int = 1                    # tensor parallelism's size (with `tensor`, its plan: a strategy used on tp)
     tensor: str | None = None
+    sequence: bool = False         # the plan with `sequence=true`: sequence parallelism
+    experts: bool = False          # `use expert_parallel() on dp`: the MoE layers' experts divided over dp
 
     def microbatch(self, batch: int) -> int:
         """Sequences per microbatch of a global `batch`."""
@@ -86,21 +97,26 @@ class Candidate:
             lines.append(f"use {self.schedule}(microbatches={self.microbatches}{extra}) on pp")
         if self.data:
             lines.append(f"use {self.data}() on dp")
+        if self.experts:
+            lines.append("use expert_parallel() on dp")
         if not self.schedule and self.microbatches > 1:
             lines.append(f"split MB into {self.microbatches}")
         if self.recompute:
             lines.append("recompute PP=*")
         if self.tp > 1:
-            lines = tensor_lines(self.tensor, lines)
+            lines = tensor_lines(self.tensor, lines, sequence=self.sequence)
         return "\n".join(lines) + "\n"
 
     def label(self) -> str:
-        parts = [f"dp={self.dp} pp={self.pp}" + (f" tp={self.tp}" if self.tp > 1 else "")]
+        parts = [f"dp={self.dp} pp={self.pp}" + (f" tp={self.tp}" if self.tp > 1 else "")
+                 + (" sp" if self.sequence else "")]
         if self.schedule:
             parts.append(f"{self.schedule}" + (f" v={self.virtual}" if self.virtual else ""))
         parts.append(f"m={self.microbatches}")
         if self.data:
             parts.append(self.data)
+        if self.experts:
+            parts.append("ep")
         if self.recompute:
             parts.append("recompute")
         return " · ".join(parts)
@@ -120,7 +136,8 @@ class Result:
         return {"script": c.script(), "step_s": self.step_s, "peak_bytes": self.peak_bytes,
                 "label": c.label(), "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp}, "schedule": c.schedule,
                 "microbatches": c.microbatches, "virtual": c.virtual, "data_parallel": c.data,
-                "recompute": c.recompute, "bubble": self.bubble, "memory": self.memory,
+                "recompute": c.recompute, "sequence_parallel": c.sequence, "expert_parallel": c.experts,
+                "bubble": self.bubble, "memory": self.memory,
                 "exact_activations": self.exact}
 
 
@@ -145,6 +162,7 @@ class Profile:
     forward: dict[int, float]
     backward: dict[int, float]
     saved: dict    # region -> memory_model.RegionBytes
+    moe: dict = field(default_factory=dict)    # region -> its MoE layers' routed bytes (`tune_parallel.moe_bytes`)
 
 
 def _graphless(program):
@@ -167,16 +185,17 @@ def profile_types() -> tuple:
 
 
 def profile(model_spec: str, microbatch: int, *, repeats: int = 7, log=None, tp: int = 1,
-            tensor: str | None = None) -> Profile:
+            tensor: str | None = None, sequence: bool = False) -> Profile:
     """Capture the model at `microbatch` sequences and time each region (cached on disk): the least
     CPU seconds of `repeats` runs, which other processes' load inflates least (on a loaded 2-core
     machine three runs left a size's profile up to 1.7x its neighbours'). With `tp > 1`, divided
-    over tp by the strategy `tensor` (one device's shards and collectives' shapes)."""
+    over tp by the strategy `tensor` (one device's shards and collectives' shapes; `sequence`: with
+    `sequence=true`)."""
     path, _, factory = model_spec.rpartition(":")
     key = {"model": os.path.abspath(path), "mtime": os.path.getmtime(path) if os.path.exists(path) else 0,
-           "factory": factory, "microbatch": microbatch, "repeats": repeats, "clock": "thread"}
+           "factory": factory, "microbatch": microbatch, "repeats": repeats, "clock": "thread", "moe": "bytes"}
     if tp > 1:
-        key.update(tp=tp, tensor=tensor)
+        key.update(tp=tp, tensor=tensor, sequence=sequence)
 
     def make():
         import torch
@@ -184,10 +203,11 @@ def profile(model_spec: str, microbatch: int, *, repeats: int = 7, log=None, tp:
         from ..frontend.capture import capture
         from .memory_model import run_regions
         from ..frontend.models import example_batch, load_model
+        from .tune_parallel import moe_bytes
 
         model, module = load_model(model_spec)
         inputs = example_batch(module, microbatch)
-        program = capture(model, inputs, tensor=_tensor_plan(tp, tensor))
+        program = capture(model, inputs, tensor=tensor_plan(tp, tensor, sequence=sequence))
         times: dict[tuple, list] = {}
         saved = {}
         with torch.random.fork_rng(devices=[]):
@@ -196,31 +216,9 @@ def profile(model_spec: str, microbatch: int, *, repeats: int = 7, log=None, tp:
                                     timer=lambda r, p, s: times.setdefault((r, p), []).append(s))
         fwd = {r: min(v) for (r, p), v in times.items() if p == "F"}
         bwd = {r: min(v) for (r, p), v in times.items() if p == "B"}
-        return Profile(microbatch, _graphless(program), fwd, bwd, saved)
+        return Profile(microbatch, _graphless(program), fwd, bwd, saved, moe_bytes(program))
 
     return _cached(key, make, types=profile_types(), log=log)
-
-
-def tensor_lines(tensor: str, lines: list[str]) -> list[str]:
-    """`lines` using the tensor-parallel plan `tensor` on tp: a standard strategy's name, or
-    `FILE.pps:NAME` (imported by its path from the working directory, as a script there would)."""
-    path, _, name = tensor.rpartition(":")
-    if path.endswith(".pps"):
-        return [f'import "{os.path.relpath(path)}"', *lines, f"use {name}() on tp"]
-    return [*lines, f"use {tensor}() on tp"]
-
-
-def _tensor_plan(tp: int, tensor: str | None):
-    """The `TensorPlan` of `use TENSOR() on tp` on a mesh with tp devices (None for tp 1)."""
-    if tp <= 1:
-        return None
-    from ..dsl import load_strategy
-    from ..frontend.tensor_parallel import plan_of
-    from .planning import build_strategy
-
-    text = "\n".join(tensor_lines(tensor, [f"mesh tp={tp}"])) + "\n"
-    mesh, directives = build_strategy(load_strategy(text, file="<tune>"), None)
-    return plan_of(directives, mesh)
 
 
 def _loopback_bytes_per_s(size: int = 16 << 20) -> float:
@@ -297,14 +295,23 @@ def pp_regions(program) -> int:
 
 
 def candidates(devices: int, batch: int, regions: int, *, max_microbatches: int = 64,
-               tensor: str | None = None) -> list[Candidate]:
+               tensor: str | None = None, sequence: bool = False, experts: bool = False) -> list[Candidate]:
     """Every composition to try: meshes dp x pp (x tp, with a tensor-parallel plan `tensor`) = devices,
-    schedules the regions allow, microbatches, dp/ZeRO."""
+    schedules the regions allow, microbatches, dp/ZeRO; with `sequence`, each tp > 1 candidate
+    again with sequence parallelism (`tensor` with `sequence=true`); with `experts` (a MoE model),
+    each dp > 1 candidate again with its experts divided over dp (`use expert_parallel() on dp`).
+
+        candidates(4, 16, 4, experts=True)   # ... dp=2 pp=2 · one_f_one_b · m=2 · zero1 · ep ...
+    """
     out = []
     for tp in range(1, devices + 1) if tensor else (1,):
-        if devices % tp == 0:
-            out += [replace(c, tp=tp, tensor=tensor if tp > 1 else None)
-                    for c in _dp_pp(devices // tp, batch, regions, max_microbatches)]
+        if devices % tp:
+            continue
+        for c in _dp_pp(devices // tp, batch, regions, max_microbatches):
+            c = replace(c, tp=tp, tensor=tensor if tp > 1 else None)
+            for sp in (False, True) if sequence and tp > 1 else (False,):
+                for ep in (False, True) if experts and c.dp > 1 else (False,):
+                    out.append(replace(c, sequence=sp, experts=ep))
     return out
 
 
@@ -350,12 +357,18 @@ class Search:
         self.batch = batch
         self.optimizer = optimizer
         self.log = log or (lambda msg: None)
+        self.tensor = tensor          # a tensor-parallel plan (a strategy used on tp): tp sizes are searched too
+        # A flag value it cannot use is an error before anything is measured; else why sequence
+        # parallelism is not searched (None: it is, with the plan's `sequence=true`).
+        self.no_sequence = check_tensor_flag(model_spec, tensor) if tensor else None
         self.machine = machine(self.log)
         self.reference = profile(model_spec, max(1, batch // max(devices, 1)), log=self.log)
-        self.tensor = tensor          # a tensor-parallel plan (a strategy used on tp): tp sizes are searched too
-        self._by_tp = {1: self.reference}
+        self.skipped: list[tuple[Candidate, str, str]] = []     # (candidate, why, what: "tp=4", ...)
+        self._by_tp = {(1, False): self.reference}
+        self._captured: dict[tuple, object] = {}     # (microbatch, tp, sequence) -> the program with its graphs
+        self._cut_saved: dict[tuple, dict] = {}
         self.regions = pp_regions(self.reference.program)
-        self.skipped: list[tuple[Candidate, str]] = []
+        self.experts = bool(self.reference.moe)       # a MoE model: expert parallelism is searched
         # The runtime's costs on this machine (`tune_calibration.Calibration`, from `calibrate`); None
         # prices the computes, the update and the bytes alone. `external`: cores other processes
         # keep busy (default: as measured during the calibration's run).
@@ -378,24 +391,67 @@ class Search:
         other.external = external if external is not None else calibration.external
         return other
 
-    def reference_for(self, tp: int) -> Profile:
+    def candidates(self) -> list[Candidate]:
+        """The candidates this search tries (`candidates` for its devices, batch, regions and plans)."""
+        return candidates(self.devices, self.batch, self.regions, tensor=self.tensor,
+                          sequence=self.tensor is not None and self.no_sequence is None, experts=self.experts)
+
+    def reference_for(self, tp: int, sequence: bool = False) -> Profile:
         """The profile at the reference microbatch size, divided over `tp` devices (measured once)."""
         from ..diagnostics import PiperError
 
-        found = self._by_tp.get(tp)
+        found = self._by_tp.get((tp, sequence))
         if found is None:
-            self.log(f"measuring the model divided over tp={tp}")
+            self.log(f"measuring the model divided over tp={tp}" + (" with sequence parallelism" if sequence else ""))
             try:
-                found = profile(self.model_spec, self.reference.microbatch, log=self.log, tp=tp, tensor=self.tensor)
+                found = profile(self.model_spec, self.reference.microbatch, log=self.log, tp=tp, tensor=self.tensor,
+                                sequence=sequence)
             except PiperError as err:      # the plan does not divide at this size: every such candidate skips
                 found = err
-            self._by_tp[tp] = found
+            self._by_tp[(tp, sequence)] = found
         if isinstance(found, PiperError):
             raise found
         return found
 
-    def _scaled(self, b: int, exact: Profile | None = None, tp: int = 1):
-        ref = exact or self.reference_for(tp)
+    def exact_profile(self, c: Candidate) -> Profile | None:
+        """`c`'s profile at its own microbatch size (None where that is the reference's)."""
+        b = c.microbatch(self.batch)
+        if b == self.reference.microbatch:
+            return None
+        return profile(self.model_spec, b, log=self.log, tp=c.tp, tensor=c.tensor, sequence=c.sequence)
+
+    def graphs(self, microbatch: int, tp: int = 1, sequence: bool = False):
+        """The program captured with its graphs at `microbatch` (divided over `tp`), kept in memory:
+        a candidate with its experts divided is planned on it, as `shard experts` checks and cuts
+        the MoE layers in the graphs (the cached profiles hold none)."""
+        key = (microbatch, tp, sequence)
+        if key not in self._captured:
+            from ..frontend.capture import capture
+            from ..frontend.models import example_batch, load_model
+
+            self.log(f"capturing the model's graphs at {microbatch} sequence(s) per microbatch (expert parallelism)")
+            model, module = load_model(self.model_spec)
+            self._captured[key] = capture(model, example_batch(module, microbatch),
+                                          tensor=tensor_plan(tp, self.tensor, sequence=sequence))
+        return self._captured[key]
+
+    def saved_as_pieces(self, compiled, program, microbatch: int, tp: int, sequence: bool) -> dict:
+        """Region -> what its forward saves at `microbatch` where the plans run the regions cut at
+        their collectives as `compiled` cuts them (`memory_model.region_bytes`; measured once)."""
+        from .memory_model import region_bytes
+
+        cut: dict[int, tuple[bool, bool]] = {}
+        for n in compiled.ir.nodes:
+            if n.value is not None and n.op in ("ALL_TO_ALL", "TP"):
+                at_moe, at_tp = cut.get(n.region, (False, False))
+                cut[n.region] = (at_moe or n.op == "ALL_TO_ALL", at_tp or n.op == "TP")
+        key = (microbatch, tp, sequence, tuple(sorted(cut.items())))
+        if key not in self._cut_saved:
+            self._cut_saved[key] = region_bytes(program, None, cut)
+        return self._cut_saved[key]
+
+    def _scaled(self, b: int, exact: Profile | None = None, tp: int = 1, sequence: bool = False):
+        ref = exact or self.reference_for(tp, sequence)
         k = b / ref.microbatch
         return ({r: t * k for r, t in ref.forward.items()}, {r: t * k for r, t in ref.backward.items()},
                 {r: s.scaled(k) for r, s in ref.saved.items()})
@@ -409,20 +465,32 @@ class Search:
         from .step_costs import comm_cost
 
         try:
-            ref = exact or self.reference_for(c.tp)
-            program = ref.program
+            ref = exact or self.reference_for(c.tp, c.sequence)
+        except PiperError as err:        # the plan cannot divide the model at this size
+            self.skipped.append((c, err.diagnostics[0].message, f"tp={c.tp}" + (" sp" if c.sequence else "")))
+            return None
+        try:
+            program = self.graphs(ref.microbatch, c.tp, c.sequence) if c.experts else ref.program
             compiled = plan(load_strategy(c.script(), file="<tune>"), program=program)
         except PiperError as err:
-            self.skipped.append((c, err.diagnostics[0].message))
+            expert = c.experts and err.code in EXPERT_CODES
+            self.skipped.append((c, err.diagnostics[0].message, f"expert parallelism over dp={c.dp}" if expert
+                                 else c.label()))
             return None
         b = c.microbatch(self.batch)
-        fwd, bwd, saved = self._scaled(b, exact, c.tp)
+        fwd, bwd, saved = self._scaled(b, exact, c.tp, c.sequence)
+        if c.experts:        # the MoE regions run as pieces cut at their all-to-alls: what those save
+            k = b / ref.microbatch
+            saved = {r: s.scaled(k) for r, s in
+                     self.saved_as_pieces(compiled, program, ref.microbatch, c.tp, c.sequence).items()}
         memory = predict_memory(compiled, program, optimizer=self.optimizer, saved=saved,
                                 ranks=compiled.plans.representatives())
         fullest = max(memory.values(), key=lambda m: m.peak)
         costs = self.compute_costs(compiled, program, c, fwd, bwd)
         bandwidth = self.machine["bandwidth"]
         comm = comm_cost(compiled, program, bandwidth=bandwidth, value_scale=b / ref.microbatch)
+        if c.experts:
+            comm = with_all_to_alls(comm, ref.moe, scale=b / ref.microbatch, bandwidth=bandwidth)
         step, bubble = self.step(compiled.plans.representatives(), costs, comm, overlapped_slots(compiled))
         return Result(c, step, fullest.peak, bubble, fullest.as_dict(), exact is not None)
 
@@ -439,7 +507,12 @@ class Search:
         per_tensor = self.machine.get("update_tensor", per_call)
         owned = {r.index: sum(program.params[p].nbytes for p in r.owned) for r in compiled.ir.regions}
         buckets = {u: len(layout.buckets) for u, layout in job_layouts(compiled, program, self.optimizer).items()}
+        # A later piece of a pass cut at its collectives costs nothing: the pass's cost falls on its
+        # piece 0 (`simulate`).
+        pieces = {n.key for n in compiled.ir.nodes if n.value is not None and n.is_compute}
         for n in compiled.ir.nodes:
+            if n.key in pieces:
+                continue
             if n.op == "F":
                 costs[n.key] = fwd.get(n.region, 0.0)
             elif n.op == "B":
@@ -449,7 +522,8 @@ class Search:
             elif n.op == "UPD":
                 shard = owned.get(n.region, 0) / 4 / (c.dp if c.data in ("zero1", "zero2", "zero3") else 1)
                 costs[n.key] = per_call + (buckets.get(n.region, 1) - 1) * per_tensor + shard * per_element
-        return recompute_costs(compiled, costs, measured=())      # B/BI of `recompute` regions: + their F
+        costs = recompute_costs(compiled, costs, measured=())      # B/BI of `recompute` regions: + their F
+        return {k: v for k, v in costs.items() if k not in pieces}
 
     def step(self, plans, costs: dict, comm, overlap=()) -> tuple[float, float]:
         """(predicted step seconds, bubble fraction) of `plans` (one replica per shard) with compute
@@ -491,12 +565,14 @@ class Search:
 
     def run(self, *, refine: int = 3) -> tuple[list[Result], list[Result]]:
         """(the results that fit, best first; every result) for every candidate."""
+        from ..diagnostics import PiperError
+
         every = []
         # A recomputing candidate computes more than the same one without, so it can only win
         # where that one does not fit: it is tried for those that miss the budget (or come
         # within the refinement's margin of it, where exact activations may still push them out).
         recomputable = any("PP" in dict(r.tags) for r in self.reference.program.regions)
-        for c in candidates(self.devices, self.batch, self.regions, tensor=self.tensor):
+        for c in self.candidates():
             r = self.evaluate(c)
             if r is not None:
                 every.append(r)
@@ -520,8 +596,11 @@ class Search:
                     r.exact = True
                     continue
                 self.log(f"measuring the model at {b} sequence(s) per microbatch")
-                exact = self.evaluate(r.candidate, profile(self.model_spec, b, log=self.log, tp=r.candidate.tp,
-                                                           tensor=r.candidate.tensor))
+                try:
+                    exact = self.evaluate(r.candidate, self.exact_profile(r.candidate))
+                except PiperError as err:         # the plan cannot divide the model at this size
+                    self.skipped.append((r.candidate, err.diagnostics[0].message, r.candidate.label()))
+                    exact = None
                 if exact is None:
                     del every[i]
                     break
@@ -585,7 +664,6 @@ def at_load(search: Search, result: Result, external: float) -> float | None:
     if search.calibration is None:
         return None
     c = result.candidate
-    b = c.microbatch(search.batch)
-    exact = profile(search.model_spec, b) if b != search.reference.microbatch else None
+    exact = search.exact_profile(c)
     again = search.with_calibration(search.calibration, external=external).evaluate(c, exact)
     return again.step_s if again is not None else None
