@@ -139,6 +139,8 @@ MODEL = {
     "tp-indivisible": "a module's features, vocabulary rows or head count do not divide by the tensor-parallel size",
     "tp-unpaired": "modules are sharded by rows but none by columns, or by columns but none by rows",
     "tp-conflict": "one module is matched by two kinds of tensor-parallel sharding",
+    "tp-tied-weight": "a weight tied between modules that tensor parallelism would divide differently, or "
+                      "divide in one and not the other",
     "sequence-needs-vocab": "`shard sequence` without a vocab-sharded embedding where the sequence shards begin",
     "tp-capture": "the model does not capture when its modules compute on one device's shards",
     "tp-mixed-use": "a replicated parameter is used both on values divided over tp and on values every device "

@@ -245,11 +245,14 @@ def apply(model: torch.nn.Module, plan: TensorPlan, *, from_block: bool = False)
     shapes: dict[str, tuple] = {}
     replaced: dict[int, torch.nn.Parameter] = {}
     first_name: dict[int, str] = {}            # id of a divided parameter -> the name it was divided under
+    divided_as: dict[int, tuple] = {}          # id of a parameter divided -> (it, name, kind, dim, span)
     for name, (kind, span) in kind_of.items():
         module = modules[name]
         fn, divided = _check_module(name, module, kind, plan, span)
         for pname, dim in divided.items():
             old = getattr(module, pname)
+            _same_division(divided_as.setdefault(id(old), (old, f"{name}.{pname}", kind, dim, span)),
+                           f"{name}.{pname}", kind, dim, span)
             new = replaced.get(id(old))
             if new is None:
                 shape = list(old.shape)
@@ -264,6 +267,7 @@ def apply(model: torch.nn.Module, plan: TensorPlan, *, from_block: bool = False)
         if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
             object.__setattr__(module, "_piper_padding", module.padding_idx)
         set_forward(module, fn)
+    _undivided_ties(model, divided_as)
     _tied_names(model, first_name, dims, shapes)
     _divide_heads(modules, kind_of, plan)
     if plan.sequence:
@@ -328,6 +332,33 @@ def _divisible(name, what, count, plan, span):
         raise error("tp-indivisible", f"`{name}` has {count} {what}, which do not divide over `{plan.axis}` of size "
                     f"{plan.size}", span=span,
                     hint=f"use a tensor-parallel size that divides {count}, or leave `{name}` whole")
+
+
+def _same_division(first: tuple, name: str, kind: str, dim: int, span) -> None:
+    """A parameter tied between two divided modules is divided once: along one dimension."""
+    _, first_name, first_kind, first_dim, first_span = first
+    if first_dim != dim:
+        raise error("tp-tied-weight", f"`{name}` is tied to `{first_name}`: `shard {kind}` divides it along "
+                    f"dimension {dim} and `shard {first_kind}` along dimension {first_dim}", span=span,
+                    labels=(Label(first_span, f"{first_kind} here"),) if first_span and first_span != span else (),
+                    hint="shard the modules that share a weight the same way, or untie the weights")
+
+
+def _undivided_ties(model, divided_as: dict) -> None:
+    """A parameter tied between a divided module and one no pattern names would be a shard in one
+    and whole in the other (the runtime has no whole copy to give the second): refused here, at
+    `piper check --model`, rather than after the workers start."""
+    for holder, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            found = divided_as.get(id(p)) if p is not None else None
+            if found is not None and found[0] is p:
+                _, name, kind, _, span = found
+                full = f"{holder}.{pname}" if holder else pname
+                raise error("tp-tied-weight", f"`{full}` is tied to `{name}`, which `shard {kind}` divides, but no "
+                            f"pattern names `{holder or type(model).__name__}`: it would read the whole weight "
+                            "while the other holds a shard", span=span,
+                            hint=f"add `{holder}` to `shard {kind} of ...` so both divide the weight alike, or "
+                                 "untie the weights (give the module a parameter of its own)")
 
 
 def _tied_names(model, first_name: dict, dims, shapes) -> None:
