@@ -188,6 +188,13 @@ def test_tune_searches_tensor_parallel_sizes(tmp_path, monkeypatch):
     # a plan without a `sequence` parameter: no sequence-parallel candidates, and the reason said
     assert not any(c.sequence for c in search.candidates()) and "sequence" in search.no_sequence
     assert skip_summary([], no_sequence=search.no_sequence)[0]["what"] == "sequence parallelism"
+    # and where nothing fits, the error says what was skipped too
+    from types import SimpleNamespace
+
+    from piper.cli_tune import _nothing_fits
+
+    notes = _nothing_fits(SimpleNamespace(devices=4), search, [one, two], 1, 8, 0.0).diagnostics[0].notes
+    assert notes[1].startswith("skipped tp=4 (1 candidate): ") and notes[2].startswith("not searched: sequence")
 
 
 def test_candidates_with_sequence_and_expert_parallelism():
