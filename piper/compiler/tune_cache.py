@@ -123,7 +123,8 @@ def read(path: str, full: dict, types=()):
 
     reason = distrusted(path)
     if reason is not None:
-        raise CacheFormatError(f"{reason}, so it is not read (point PIPER_CACHE at a folder of your own)")
+        raise CacheFormatError(f"{reason}, so it is not read (the cache folder must be yours alone: "
+                               f"`chmod 700 {os.path.dirname(path)}`, or set PIPER_CACHE to one that is)")
     try:
         text = read_text(path, limit=MAX_BYTES, what="the tune cache file")
     except PiperError as err:
