@@ -163,6 +163,7 @@ JOBS = {
     "checkpoint-mismatch": "`job.load` of a checkpoint of another model (names, shapes or optimizer state differ)",
     "checkpoint-corrupt": "a checkpoint file missing, cut short or not matching its checksum, or unreadable",
     "checkpoint-save-failed": "`job.save` could not write (full disk, unwritable path, a path holding other files)",
+    "checkpoint-dir-busy": "another `piper run` holds the --checkpoint-dir folder (its lock names the holder)",
     "bad-param-groups": "parameter groups that are not torch-style groups of the model's parameters",
     "param-in-two-groups": "a parameter in two of the optimizer's parameter groups",
     "param-not-in-group": "parameter groups that leave out some of the model's parameters",
@@ -190,7 +191,7 @@ COMMANDS = {
 # What a job is given and what a run writes, checked before workers start or as steps end
 # (job/, frontend/model_checks.py, run_paths.py).
 TRAINING_INPUTS = {
-    "bad-output": "a `piper run` output path (--save, --trace, --metrics, --checkpoint-dir) that cannot be written",
+    "bad-output": "a `piper run` output path (--save, --trace, --metrics, --tensorboard, --checkpoint-dir) that cannot be written",
     "non-finite": "a step's loss is inf or NaN",
     "bad-nonfinite": "`nonfinite=` other than 'stop' or 'skip'",
     "loss-without-gradient": "forward returns an integer loss, or one detached from every parameter",

@@ -21,11 +21,12 @@ import os
 import torch
 from rich.console import Console
 
-from .job import checkpoint
+from .job import checkpoint, checkpoint_lock
 from .diagnostics import error
 from .job import compile
 from .frontend.models import example_batch, load_model
 from .run_paths import WEIGHT_FILES, check_output_paths
+from .job.quiet import quiet_driver_noise
 
 OPTIMIZER_CLASSES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
 
@@ -61,14 +62,19 @@ def throughput(batch) -> tuple[int, str]:
 def run(args) -> int:
     # Lines are not broken at the console's width: a log or a pipe (80 columns) would otherwise
     # split the paths it names (checkpoints, shards) across lines; a terminal wraps them itself.
-    console = Console(stderr=True, soft_wrap=True)
-    if not args.model:
-        console.print("piper run: error: --model PATH.py:FACTORY is required (e.g. examples/gpt.py:small_gpt)")
-        return 2
-    # The recipe's flags (`piper.run_recipe`): --config first, since it fills in the others.
+    # Nor does a line carry rich's file:line column (`log_path`): it names Piper's source, not the run.
+    console = Console(stderr=True, soft_wrap=True, log_path=False)
+    # The recipe's flags (`piper.run_recipe`): --config first, since it fills in the others
+    # (the model and the script too).
     from . import run_recipe as recipe
 
     recipe.apply_config(args)
+    if not args.script:
+        console.print("piper run: error: the strategy SCRIPT is required (or `script = \"job.pps\"` in --config)")
+        return 2
+    if not args.model:
+        console.print("piper run: error: --model PATH.py:FACTORY is required (e.g. examples/gpt.py:small_gpt)")
+        return 2
     steps = 20 if args.steps is None else args.steps
     batch_size = 16 if getattr(args, "batch_size", None) is None else args.batch_size
     if steps < 1 or batch_size < 1:
@@ -83,6 +89,22 @@ def run(args) -> int:
         console.print(f"piper run: error: {problem}")
         return 2
     check_output_paths(args)          # before anything trains: a run is not lost to a bad --save at its end
+    # One run per checkpoint folder, held until the run ends (`piper.job.checkpoint_lock`).
+    directory = getattr(args, "checkpoint_dir", None)
+    try:
+        with checkpoint_lock.hold(directory if directory and (args.checkpoint_every or os.path.isdir(directory))
+                                  else None):
+            return _load_and_train(args, steps, batch_size, console)
+    except KeyboardInterrupt:         # in training, `_train` says what was kept; before it, nothing was
+        console.print("\ninterrupted (Ctrl-C) while loading the model: nothing was trained", highlight=False)
+        return 130
+
+
+def _load_and_train(args, steps: int, batch_size: int, console) -> int:
+    """The model, its data and optimizer, then `_train`."""
+    from . import run_recipe as recipe
+
+    quiet_driver_noise()
     torch.manual_seed(getattr(args, "seed", 0) or 0)
     model, module = load_model(args.model)
     train_data, val_data = recipe.datasets(args)
@@ -137,6 +159,10 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
     # --address the cluster is this run's own ("local"): never one another run left recorded.
     owns_ray = not ray.is_initialized()
     if owns_ray:
+        if not address:               # the local cluster goes with this process, even killed with -9
+            from .runtime.launch.cluster_reaper import watch_local_cluster
+
+            watch_local_cluster()
         ray.init(address=address or "local", include_dashboard=False, logging_level="ERROR", log_to_driver=True)
     started = []
 
@@ -168,8 +194,9 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
                       highlight=False)
         return job
 
+    # A resumed run's --metrics lines go on after the earlier run's: one file holds the whole training.
     report = StepReport(steps, tokens_per_batch=count, unit=unit, console=console,
-                        metrics=getattr(args, "metrics", None))
+                        metrics=getattr(args, "metrics", None), append=bool(getattr(args, "resume", False)))
 
     def on_step(step, loss, seconds):
         report.step(step, loss, seconds)
@@ -177,11 +204,13 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
 
     def on_restart(r):
         report.restarts += 1
+        # `failed_at` of a step is the steps done before it: the step itself is one more.
         what = {"save": f"while saving the checkpoint of step {r.failed_at}",
-                "finish": "while writing the outputs"}.get(r.during, f"at step {r.failed_at}")
+                "finish": "while writing the outputs"}.get(r.during, f"at step {r.failed_at + 1}")
+        since = f"the checkpoint of step {r.resumed_from}" if r.resumed_from else "the start"
         console.print(f"[yellow]restart {r.error.code}[/]: {r.error.diagnostics[0].message}")
-        console.print(f"  training again {r.seconds:.1f} s after the failure, from step {r.resumed_from} "
-                      f"(failed {what}), on node(s) {', '.join(n[:8] for n in r.nodes)}")
+        console.print(f"  training again {r.seconds:.1f} s after the failure, from {since} "
+                      f"(failed {what}), on node(s) {', '.join(n[:8] for n in r.nodes)}", highlight=False)
 
     def finish(job):
         # --save first: whatever happens to the trace, the trained weights are kept.
@@ -196,10 +225,13 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
     try:
         with report:
             if resume and checkpoints is not None and not _has_checkpoints(directory):
-                console.print(f"no checkpoint in {directory} yet: starting at step 0")
+                console.print(f"no checkpoint in {directory} yet: starting from the first step")
             losses, restarts = train(start_job, data, steps, max_restarts=getattr(args, "max_restarts", 0) or 0,
                                      checkpoints=checkpoints, resume=resume, on_step=on_step,
                                      on_restart=on_restart, finish=finish)
+    except KeyboardInterrupt:
+        _interrupted(args, report, steps, bool(started), console)
+        return 130
     finally:
         for observer in observers:
             observer.close()
@@ -227,7 +259,28 @@ def _checkpoints(args, directory: str, console):
         on_load=lambda step, path: console.print(f"loaded checkpoint {path} (step {step}): training goes "
                                                  "on from there", highlight=False),
         on_skip=lambda path, why: console.print(f"[yellow]warning[/]: skipping checkpoint {path}: {why}; "
-                                                "trying the one before it", highlight=False))
+                                                "trying the one before it", highlight=False),
+        on_save_failed=lambda path, err, lost: console.print(
+            f"[yellow]warning[/]: {err.diagnostics[0].message} ({path}); training goes on and the next "
+            f"checkpoint tries again; until one is written, {lost}", highlight=False))
+
+
+def _interrupted(args, report, steps: int, started: bool, console) -> None:
+    """Ctrl-C: what the run trained, what is kept (the newest checkpoint) and how to go on from it."""
+    done = report.done
+    console.print(f"\ninterrupted (Ctrl-C) " + (f"after step {done} of {steps}" if done else
+                                                 "before the first step" if started else
+                                                 "while starting the workers"), highlight=False)
+    directory = getattr(args, "checkpoint_dir", None)
+    found = checkpoint.checkpoints(directory) if directory and os.path.isdir(directory) else []
+    if found:
+        step, path = found[-1]
+        lost = f"; steps {step + 1}-{done} are in no checkpoint" if done and done > step else ""
+        console.print(f"the last checkpoint is {path} (step {step}){lost}. Go on from it with the same command "
+                      f"and --resume (it reads --checkpoint-dir {directory})", highlight=False)
+    elif done:
+        console.print(f"nothing was saved: steps 1-{done} are lost. Keep them next time with --checkpoint-dir "
+                      "DIR --checkpoint-every N, then --resume", highlight=False)
 
 
 def _has_checkpoints(directory) -> bool:

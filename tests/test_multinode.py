@@ -127,7 +127,7 @@ def test_piper_run_recovers_on_a_new_node_from_its_checkpoint_with_the_same_loss
     assert out.get("value") == 0, out
     text = " ".join(capsys.readouterr().err.split())     # rich wraps long lines
     assert "restart worker-died" in text and "rank 2 (dp=1, pp=0)" in text
-    assert "from step 1 (failed at step 1)" in text      # the checkpoint saved after step 0, reloaded
+    assert "from the checkpoint of step 1 (failed at step 2)" in text      # saved after the first step, reloaded
     # The restarted job runs on the surviving node and the new one, not the removed one.
     restarted_on = text.split("on node(s) ")[1].split()[0:2]
     assert removed[:8] not in " ".join(restarted_on)

@@ -90,7 +90,7 @@ def test_piper_run_writes_metrics_and_a_trace(tmp_path):
     assert main(["run", str(script), "--model", "examples/gpt.py:two_stage_gpt", "--steps", "2",
                  "--metrics", str(metrics), "--trace", str(trace)]) == 0
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1]
+    assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         assert m["step_s"] > 0 and m["loss"] > 0 and m["tokens_per_s"] == pytest.approx(16 * 64 / m["step_s"])
     doc = json.loads(trace.read_text())

@@ -18,7 +18,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from ..diagnostics import PiperError
+from ..diagnostics import PiperError, error
 
 RECOVERABLE = ("worker-died", "worker-timeout")
 
@@ -67,11 +67,19 @@ class Checkpoints:
 
     `on_save(path, seconds)` is told of each checkpoint written, `on_load(step, path)` of each one
     loaded, `on_skip(path, why)` of each newer one `restore` passed over because it is broken
-    (`checkpoint_problem`)."""
+    (`checkpoint_problem`), `on_save_failed(path, error, last_whole)` of each periodic save that could
+    not be written (a full disk): training goes on and the next save tries again.
 
-    def __init__(self, directory: str, every: int, keep: int = 2, *, on_save=None, on_load=None, on_skip=None):
+    A failed save is not a failed run: `job.save` leaves the folder's checkpoints as they were and
+    the job running, so only the final save's failure ends the run, its error saying which steps no
+    checkpoint holds."""
+
+    def __init__(self, directory: str, every: int, keep: int = 2, *, on_save=None, on_load=None, on_skip=None,
+                 on_save_failed=None):
         self.directory, self.every, self.keep = directory, every, keep
         self.on_save, self.on_load, self.on_skip = on_save, on_load, on_skip
+        self.on_save_failed = on_save_failed
+        self.failed: list[tuple[str, PiperError]] = []   # (path, error) of every save that could not be written
         self.written = False          # saved by this run (only then does a restart load one unasked)
         self.skipped: list[tuple[str, str]] = []      # (path, why) of every broken one passed over
         self.loaded: tuple[int, str] | None = None    # (step, path) of the last one `restore` loaded
@@ -86,14 +94,41 @@ class Checkpoints:
             return None
         began = time.perf_counter()
         final = os.path.join(self.directory, f"step-{steps_done}")
-        os.makedirs(self.directory, exist_ok=True)
-        job.save(final)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            job.save(final)
+        except OSError as exc:        # the folder itself cannot be made: as job.save reports its own
+            return self._failed(final, error("checkpoint-save-failed", f"the checkpoint could not be written: "
+                                             f"{type(exc).__name__}: {exc}"), steps_done, last)
+        except PiperError as err:
+            if err.code != "checkpoint-save-failed":
+                raise
+            return self._failed(final, err, steps_done, last)
         self.written = True
         for _, old in checkpoints(self.directory)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         if self.on_save is not None:
             self.on_save(final, time.perf_counter() - began)
         return final
+
+    def _failed(self, path: str, err: PiperError, steps_done: int, last: bool) -> None:
+        """A save that could not be written: said, and training goes on; after the last step, the
+        error, with what no checkpoint holds."""
+        from .checkpoint import checkpoints
+
+        self.failed.append((path, err))
+        whole = checkpoints(self.directory) if os.path.isdir(self.directory) else []
+        kept = whole[-1] if whole else None
+        lost = (f"steps {kept[0] + 1}-{steps_done} are in no checkpoint; the last one is {kept[1]}" if kept else
+                f"steps 1-{steps_done} are in no checkpoint (none was written)")
+        if last:
+            d = err.diagnostics[0]
+            raise error("checkpoint-save-failed", f"{d.message} (the final checkpoint, {path})",
+                        notes=(f"{lost}: the run ends here, having trained them",),
+                        hint=d.hint) from None
+        if self.on_save_failed is not None:
+            self.on_save_failed(path, err, lost)
+        return None
 
     def restore(self, job) -> int:
         """Load the newest whole checkpoint into `job`; the step to go on from (0 without one).

@@ -23,6 +23,10 @@ class JobStartup:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster needs no token
         if not ray.is_initialized():
             self._progress("starting Ray" + (f" (joining {address})" if address else " (a local cluster)"))
+            if not address:               # a cluster of its own goes with this process, however it ends
+                from ..runtime.launch.cluster_reaper import watch_local_cluster
+
+                watch_local_cluster()
             ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=True)
             self._owns_ray = True
         world = self.mesh.world_size
@@ -55,8 +59,13 @@ class JobStartup:
         else:
             self._pg, self.actors = self._new_workers(placement, device, world)
         self._watch = Watch(self.actors, self.mesh)
+        from .quiet import quiet_driver_noise, quiet_worker_noise
+
+        quiet_driver_noise()
+        quieted = [a.__ray_call__.remote(quiet_worker_noise) for a in self.actors]
         self.where = dict(enumerate(self._get([a.where.remote() for a in self.actors], "start",
                                               self.startup_timeout)))
+        self._get(quieted, "start", self.startup_timeout)
         self._watch.where = self.where
         self._progress(f"{world} worker{'s' if world != 1 else ''} started on {len({w['node'] for w in self.where.values()})} node(s) "
                        f"({time.monotonic() - started:.1f} s); joining torch.distributed")
