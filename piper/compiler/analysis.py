@@ -71,9 +71,12 @@ def compile_script(script, *, mesh=None, model_spec: str | None = None, regions=
 def compile_with_program(script, *, mesh=None, model_spec: str | None = None, regions=None,
                          batch_size: int | None = None, precision: str = "fp32") -> tuple[Compiled, Program]:
     """`compile_script`, and the program it planned for (for memory prediction)."""
+    from .use_sites import errors_traced
+
     mesh, directives = script.build(mesh)
-    program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size,
-                          precision=precision)
+    with errors_traced(directives):       # the model's capture checks a `use`d strategy's TP lines
+        program = program_for(mesh, directives, model_spec=model_spec, regions=regions, batch_size=batch_size,
+                              precision=precision)
     compiled = compile_directives(program, mesh, directives)
     compiled.program = program       # for `piper show --what ir`: where each op went
     return compiled, program

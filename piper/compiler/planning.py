@@ -17,9 +17,9 @@ from ..mesh import Mesh
 def compile_directives(program, mesh, directives) -> Compiled:
     """Apply the directives to the program's DAG, lower, schedule and verify."""
     from .stage_count import explain_unplaced   # a schedule placing fewer stages than the model has
-    from .use_sites import at_use_sites
+    from .use_sites import at_use_sites, errors_traced
 
-    with _no_cycle_collection(), explain_unplaced(program, directives):
+    with _no_cycle_collection(), errors_traced(directives), explain_unplaced(program, directives):
         ir = apply_all(initial_ir(program, mesh), directives)
         check_lowering(ir)
         compiled = compile_ir(ir)

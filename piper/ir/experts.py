@@ -73,6 +73,23 @@ def expert_params(program: Program) -> dict[str, int]:
     return found
 
 
+def _axis_hint(axis: str, batch: tuple) -> str:
+    """What to change when the experts' axis is not the batch's one axis. Where the batch is sharded,
+    its axis is the data-parallel one, so the experts move to it (sharding the batch over the experts'
+    axis instead would be wrong where that axis is the pipeline's)."""
+    why = "expert parallelism sends each data-parallel replica's tokens to the replica holding their expert"
+    if len(batch) == 1:
+        return (f"shard the experts over `{batch[0]}`, the axis the batch is sharded over (`use expert_parallel() "
+                f"on {batch[0]}`, or `shard experts over {batch[0]}`): {why}")
+    if axis in batch:
+        others = ", ".join(f"`{a}`" for a in batch if a != axis)
+        return f"shard the batch over `{axis}` alone (drop its sharding over {others}): {why}"
+    if batch:
+        return (f"shard the batch over one axis alone and the experts over the same one (e.g. `use dp() on "
+                f"{batch[0]}` and `use expert_parallel() on {batch[0]}`): {why}")
+    return f"shard the batch over `{axis}` too (`use dp() on {axis}`, or `shard batch over {axis}`): {why}"
+
+
 def check(program: Program, ir: IR) -> None:
     """Errors for a `shard experts` the program cannot take (none without the statement).
 
@@ -87,9 +104,7 @@ def check(program: Program, ir: IR) -> None:
         first = ir.sharding_span("batch")
         raise error("unsupported-sharding", f"experts are sharded over `{axis}` but the batch is sharded over "
                     f"{', '.join(f'`{a}`' for a in batch) or 'nothing'}", span=span,
-                    labels=(Label(first, "batch sharded here"),) if first else (),
-                    hint=f"shard the batch over `{axis}` alone (`shard batch over {axis}`): expert parallelism "
-                         "sends each replica's tokens to the replica holding their expert")
+                    labels=(Label(first, "batch sharded here"),) if first else (), hint=_axis_hint(axis, batch))
     if any(r.graph is None for r in program.regions):
         return
     size = ir.mesh.size(axis)
