@@ -28,7 +28,8 @@ ZERO = {1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", 
 
 class NormScaled(torch.optim.Optimizer):
     """A user's per-tensor update: each parameter steps by its gradient over the parameter's norm
-    (a flat slice's norm would give another model)."""
+    (a flat slice's norm would give another model), at a rate that falls with its count of
+    updates, a plain int in its state (a checkpoint must hand it back)."""
 
     piper_update = "tensor"
 
@@ -40,7 +41,9 @@ class NormScaled(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.sub_(group["lr"] * p.grad / (1.0 + p.norm()))
+                    state = self.state[p]
+                    state["updates"] = state.get("updates", 0) + 1
+                    p.sub_(group["lr"] / state["updates"] * p.grad / (1.0 + p.norm()))
 
 
 def train_against_one_device(strategy, mesh, optimizer, *, hook=None, model=None, batches=None):
@@ -241,11 +244,12 @@ def test_a_users_per_tensor_optimizer_under_zero3():
     pytest.param(data_parallel(*ZERO[3]), {"dp": 4}, marks=pytest.mark.full),
 ], ids=["one-device", "zero3-dp4"])
 def test_a_muon_checkpoint_of_zero1_loads_elsewhere_and_goes_on_as_one_device(tmp_path, load_strategy, load_mesh):
-    """Saved after 2 steps under ZeRO-1 over dp=2 (each matrix's momentum on its owner), loaded where
-    other devices own the matrices, one more step: as 3 steps on one device."""
+    """Saved after 2 steps under ZeRO-1 over dp=2 (each matrix's momentum on its owner, each bias's
+    count of updates on its), loaded where other devices own them, one more step: as 3 steps on
+    one device."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    optimizer = piper.per_group(RECIPE)
+    optimizer = piper.per_group({"**.weight@2d": MUON, "**.bias": NormScaled, "*": ADAMW})
     batches = gpt_batches()
     reference = gpt(2, torch.float64)
     ref_losses, ref_state = single_device(reference, batches, lambda _: optimizer.build(reference.named_parameters()))
@@ -256,6 +260,7 @@ def test_a_muon_checkpoint_of_zero1_loads_elsewhere_and_goes_on_as_one_device(tm
     keys = FileSystemReader(str(tmp_path / "step-2")).read_metadata().state_dict_metadata
     assert "optim.state.blocks.0.attn.c_attn.weight.momentum_buffer" in keys        # Muon's, torch's name
     assert "optim.state.blocks.0.ln_1.weight.exp_avg" in keys                       # AdamW's
+    assert "optim.state.blocks.0.ln_1.bias.updates" in keys                         # a user's plain int
     other = gpt(2, torch.float64)
     with torch.no_grad():
         for p in other.parameters():          # other weights: everything must come from the checkpoint

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from . import checkpoint_files
-from .whole_state import whole_state
+from .whole_state import restore_values, whole_state
 
 MODEL, OPTIM, META = "model", "optim", "piper"
 
@@ -317,6 +317,7 @@ def load(executor, path: str, with_state: bool, buffers) -> None:
             for key, value in mine.items():
                 if not torch.is_tensor(value) and key in loaded:
                     mine[key] = loaded[key]
+        restore_values(unit, optim)          # the same for whole parameters' state (`whole_state.py`)
         unit.count()
     experts = getattr(executor, "experts", None)
     for unit, name, leaf, _, _ in (experts.rows() if experts is not None else ()):

@@ -24,3 +24,14 @@ def whole_state(unit, b: int) -> dict[str, dict]:
             else:          # a step count
                 out.setdefault(e.name, {})[key] = value
     return out
+
+
+def restore_values(unit, loaded: dict) -> None:
+    """After a load: hand the state values that are not tensors (a plain-number count), which DCP
+    puts into `loaded` ({name: {key: value}}) rather than in place, to each whole parameter's state."""
+    for whole in unit.whole:
+        for view, e in whole:
+            mine = unit.optimizer.state.get(view, {})
+            for key, value in mine.items():
+                if not torch.is_tensor(value) and key in loaded.get(e.name, {}):
+                    mine[key] = loaded[e.name][key]
