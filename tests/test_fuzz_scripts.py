@@ -47,3 +47,29 @@ def test_mutated_scripts_end_in_diagnostics(worker, rng):
     name, text = case(rng)
     result = worker.run(name, text)
     assert result["outcome"] == "ok", (result, name, text)
+
+
+# ---- tensor-parallel scripts (benchmarks/fuzz_tp_scripts.py): hostile patterns, meshes and kinds
+
+
+@pytest.mark.parametrize("text", [
+    'mesh tp=2\nshard columns of "' + "*" * 60 + 'x" over tp\n',
+    'mesh tp=65536, dp=65536\nshard columns of "**.q_proj" over tp\nshard rows of "**.o_proj" over tp\n',
+    'mesh tp=2\nshard vocab of "", "\u202e", "a' + "." * 300 + '" over tp\n',
+    'mesh dp=2, pp=2, tp=2\nuse one_f_one_b(microbatches=64) on pp\nuse zero3() on dp\n'
+    'use llama_tensor_parallel(sequence=true) on tp\nshard sequence over tp\n',
+])
+def test_the_worker_reports_a_hostile_tp_case_as_diagnostics(worker, text):
+    result = worker.run("tp.pps", text)
+    assert result["outcome"] == "ok", result
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.randoms(use_true_random=False))
+def test_tp_scripts_end_in_diagnostics(worker, rng):
+    from benchmarks.fuzz_tp_scripts import case as tp_case
+
+    name, text = tp_case(rng)
+    result = worker.run(name, text)
+    assert result["outcome"] == "ok", (result, name, text)
