@@ -130,7 +130,7 @@ def _problem_with_limits(args) -> str | None:
     if (getattr(args, "max_restarts", 0) or 0) < 0:
         return f"--max-restarts {args.max_restarts} is not a number of restarts (0 or more)"
     for flag, name in (("--timeout", "timeout"), ("--startup-timeout", "startup_timeout"),
-                       ("--clip-grad-norm", "clip_grad_norm")):
+                       ("--clip-grad-norm", "clip_grad_norm"), ("--peak-flops", "peak_flops")):
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and value > 0):
             return f"{flag} {value} is not a positive number (e.g. {flag} {'1.0' if 'clip' in flag else '60'})"
@@ -181,6 +181,8 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
             with console.status("capturing the model, checking the plans, starting the workers on Ray "
                                 "(a minute on a busy machine)..."):
                 job = compile(model, data(0) or None, **options)
+        if not started:
+            _measure_mfu(job, args, report, console)
         started.append(job)
         if observers:
             observers[0].job = job
@@ -263,6 +265,20 @@ def _checkpoints(args, directory: str, console):
         on_save_failed=lambda path, err, lost: console.print(
             f"[yellow]warning[/]: {err.diagnostics[0].message} ({path}); training goes on and the next "
             f"checkpoint tries again; until one is written, {lost}", highlight=False))
+
+
+def _measure_mfu(job, args, report, console) -> None:
+    """Give the progress report what MFU needs (`piper.job.mfu`): the model's FLOPs per token from the
+    captured graph, and the devices' peak (`--peak-flops`, a known accelerator, or a GEMM measured here)."""
+    from .job.mfu import flops_per_item, peak_flops
+
+    per_item = flops_per_item(job.program)
+    if per_item <= 0:
+        return
+    peak, source = peak_flops(job.device, getattr(args, "peak_flops", None))
+    report.flops_per_item, report.peak_flops = per_item, peak * job.mesh.world_size
+    console.print(f"MFU against {peak:.3g} FLOP/s per device ({source}), {per_item:.3g} FLOPs per "
+                  f"{'token' if report.unit == 'tok' else 'sample'} (forward and backward)", highlight=False)
 
 
 def _interrupted(args, report, steps: int, started: bool, console) -> None:

@@ -84,6 +84,9 @@ def add_observation_arguments(run) -> None:
     run.add_argument("--trace", metavar="FILE.json", default=None,
                      help="write the last steps as a Chrome/Perfetto trace (open in ui.perfetto.dev)")
     run.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write one JSON line per step")
+    run.add_argument("--peak-flops", type=float, default=None, metavar="FLOPS",
+                     help="one device's peak FLOP/s for the MFU shown beside tokens/s (default: a table of known "
+                          "GPUs, or a float32 GEMM measured on one CPU thread)")
 
 
 def add_checkpoint_arguments(run) -> None:

@@ -31,7 +31,8 @@ def test_metrics_go_on_after_a_resume_and_steps_count_from_one_in_every_line(tmp
     # A checkpoint folder with a long name: its lines must come out whole through a pipe.
     ckpt = tmp_path / ("checkpoints-of-a-run-with-a-long-descriptive-name-" + "x" * 60)
     metrics = tmp_path / "logs" / "run" / "m.jsonl"                      # a folder that does not exist yet
-    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--metrics", str(metrics)]
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--metrics", str(metrics),
+             "--peak-flops", "1e9"]
     assert _run(tmp_path, 4, *flags) == 0
     first = capsys.readouterr().err
     assert _run(tmp_path, 6, *flags, "--resume") == 0
@@ -39,6 +40,10 @@ def test_metrics_go_on_after_a_resume_and_steps_count_from_one_in_every_line(tmp
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]           # appended, the job's own numbers
     assert rows[-1]["samples"] == 6 * 4
+    # MFU beside the throughput: 240 training FLOPs per sample (3 x (2*4*8 + 2*8*1)) against 1e9 FLOP/s.
+    assert "MFU against 1e+09 FLOP/s per device (--peak-flops), 240 FLOPs per sample" in first
+    assert all(r["mfu"] == pytest.approx(240 * r["samples_per_s"] / 1e9) for r in rows)
+    assert re.search(r"samples/s  MFU \d+\.\d\d%", first)
     # 1-based in the progress lines too: the first step is step 1, the resumed run's first is step 5.
     steps_shown = [int(n) for n in re.findall(r"\] step +(\d+)  loss", first + second)]
     assert steps_shown[0] == 1 and 0 not in steps_shown and 5 in steps_shown
@@ -120,3 +125,23 @@ def test_workers_drop_torchs_gradient_layout_warning_and_keep_others(ray_cluster
     with piper.compile(Net(), XY, optimizer=functools.partial(torch.optim.SGD, lr=0.1)) as job:
         seen = ray.get(job.actors[0].__ray_call__.remote(_layout_warnings), timeout=120)
     assert seen == ["a warning of the user's own"]
+
+
+def test_model_flops_are_counted_from_the_captured_graphs_matmuls():
+    """A GPT's training FLOPs per token: 6 x the matrix parameters, plus attention's two products per layer
+    (3 x 2 x 64 positions x (16 + 16) x 4 heads), as PaLM's MFU counts them."""
+    from examples.gpt import example_batch, two_stage_gpt
+    from piper.frontend.capture import capture
+    from piper.job.mfu import flops_per_item
+
+    program = capture(two_stage_gpt(), example_batch(4))
+    matrices = 4 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 61 * 64
+    assert flops_per_item(program) == 6 * matrices + 4 * 3 * 2 * 64 * (16 + 16) * 4
+
+
+def test_the_peak_comes_from_the_flag_else_a_gemm_measured_on_the_cpu():
+    from piper.job.mfu import peak_flops
+
+    assert peak_flops("cpu", 5e12) == (5e12, "--peak-flops")
+    peak, source = peak_flops("cpu")
+    assert peak > 1e6 and "GEMM" in source

@@ -3,6 +3,7 @@ and the examples; `StepReport` is its progress and `--metrics` lines, by the job
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from rich.console import Console
@@ -28,6 +29,9 @@ class StepReport:
         self.console = console or Console(log_path=False)
         self.metrics, self.append = metrics, append
         self.done = None                  # the steps done when the last one reported ended
+        # MFU beside the throughput (`piper.job.mfu`): the model's training FLOPs per token (or sample)
+        # and the peak FLOP/s of all devices together; 0 leaves it out.
+        self.flops_per_item = self.peak_flops = 0.0
         self.restarts = 0
         self.what = "tokens" if unit == "tok" else unit          # the metrics' name for what a step processes
         self._progress = self._task = self._out = None
@@ -61,18 +65,22 @@ class StepReport:
         speed = self.tokens_per_batch / seconds if seconds > 0 else float("inf")
         self._progress.update(self._task, completed=number, loss=f"{loss:.4f}", speed=f"{speed:,.0f}",
                               step_s=f"{seconds:.3f}")
+        mfu = self.flops_per_item * speed / self.peak_flops if self.peak_flops and math.isfinite(speed) else None
         if self._out is not None:
-            self._out.write(json.dumps({"step": number, "loss": loss, "step_s": seconds,
-                                        f"{self.what}_per_s": speed, self.what: self.tokens_per_batch * number,
-                                        "time": time.perf_counter() - self._began,
-                                        "restarts": self.restarts}) + "\n")
+            row = {"step": number, "loss": loss, "step_s": seconds, f"{self.what}_per_s": speed,
+                   self.what: self.tokens_per_batch * number, "time": time.perf_counter() - self._began,
+                   "restarts": self.restarts}
+            if mfu is not None:
+                row["mfu"] = mfu
+            self._out.write(json.dumps(row) + "\n")
             self._out.flush()
         if first or number % 10 == 0 or number == self.steps:
             # A plain line, not `console.log`: that adds this file's name and line (`train.py:66`), which
             # tell a user nothing, and lays the line out as a table cut at the console's width.
             self._progress.console.print(
                 f"[{time.strftime('%H:%M:%S')}] step {number:3d}  loss {loss:.4f}  {seconds:.3f} s  "
-                f"{speed:,.0f} {self.unit}/s", markup=False, highlight=False, soft_wrap=True)
+                f"{speed:,.0f} {self.unit}/s" + (f"  MFU {100 * mfu:.2f}%" if mfu is not None else ""),
+                markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:
