@@ -46,20 +46,21 @@ class NormScaled(torch.optim.Optimizer):
                     p.sub_(group["lr"] / state["updates"] * p.grad / (1.0 + p.norm()))
 
 
-def train_against_one_device(strategy, mesh, optimizer, *, hook=None, model=None, batches=None):
-    """(losses, one device's losses, parameters, one device's parameters) after 3 steps."""
+def train_against_one_device(strategy, mesh, optimizer, *, hook=None, model=None, batches=None, clip=None):
+    """(losses, one device's losses, parameters, one device's parameters) after 3 steps (gradients
+    clipped to a global norm of `clip` first, if given)."""
     model = model if model is not None else gpt(2, torch.float64)
     batches = batches if batches is not None else gpt_batches()
     reference = copy.deepcopy(model)
     with piper.compile(copy.deepcopy(model), batches[0], strategy=strategy, mesh=mesh, optimizer=optimizer,
-                       progress=False) as job:
+                       clip_grad_norm=clip, progress=False) as job:
         losses = [job.step(*b) for b in batches]
         state = job.state_dict()
         if hook is not None:
             hook(job, model)
     build = optimizer.build if isinstance(optimizer, param_groups.PerGroup) else None
     ref_losses, ref_state = single_device(
-        reference, batches, (lambda _: build(reference.named_parameters())) if build else optimizer)
+        reference, batches, (lambda _: build(reference.named_parameters())) if build else optimizer, clip)
     return losses, ref_losses, state, ref_state
 
 
@@ -192,8 +193,11 @@ def test_muon_and_adamw_equal_one_device(name):
         strategy, mesh = None, None
     else:
         strategy, mesh = data_parallel(*ZERO.get(int(name[-1]) if name != "dp" else 0, ())), {"dp": 2}
-    hook = (lambda job, model: held.update(state_bytes_as_predicted(job, model, optimizer)))
-    assert_same_training(train_against_one_device(strategy, mesh, optimizer, hook=hook), rtol=1e-9, atol=1e-9)
+    hook = (lambda job, model: held.update(state_bytes_as_predicted(job, model, optimizer), norm=job.grad_norm()))
+    clip = 0.5 if name == "zero2" else None      # the GPT's gradient norm is about 2.4: every step clips
+    assert_same_training(train_against_one_device(strategy, mesh, optimizer, hook=hook, clip=clip),
+                         rtol=1e-9, atol=1e-9)
+    assert clip is None or held.pop("norm") > 2 * clip
     if name.startswith("zero"):     # each device holds the state of its own share of the matrices
         assert held[0] != held[1]
 
