@@ -79,7 +79,7 @@ class StepReport:
             # tell a user nothing, and lays the line out as a table cut at the console's width.
             self._progress.console.print(
                 f"[{time.strftime('%H:%M:%S')}] step {number:3d}  loss {loss:.4f}  {seconds:.3f} s  "
-                f"{speed:,.0f} {self.unit}/s" + (f"  MFU {100 * mfu:.2f}%" if mfu is not None else ""),
+                f"{speed:,.0f} {self.unit}/s" + (f"  MFU {100 * mfu:.3g}%" if mfu is not None else ""),
                 markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
