@@ -38,12 +38,31 @@ def test_the_pages_exist_and_the_readme_links_them():
 
 @pytest.mark.parametrize("code", list(blocks("python")))
 def test_python_blocks_run(code, request, monkeypatch, tmp_path):
+    """Each block runs and shows what it says: its own asserts, else the check of
+    tests/doc_block_checks.py on its globals and what it printed."""
+    import zlib
+
+    from tests.doc_block_checks import checks_for
+
+    checks = checks_for(code)
+    assert checks or re.search(r"^\s*assert ", code, re.M), (
+        "this block asserts nothing: add an assert of what it shows, or a check to tests/doc_block_checks.py")
     if "piper.compile(" in code:
         request.getfixturevalue("ray_cluster")
     monkeypatch.chdir(REPO)
-    path = tmp_path / "doc_block.py"
+    # A real module, TorchDynamo looks classes up in it, and one name per block: Dynamo keeps the
+    # first module of a name, so a later block's globals (`F`) were looked up in an earlier one's.
+    name = f"doc_block_{zlib.crc32(code.encode()):08x}"
+    path = tmp_path / f"{name}.py"
     path.write_text(code, encoding="utf-8")
-    runpy.run_path(str(path), run_name="doc_block")     # a real module: TorchDynamo looks classes up in it
+    printed = []
+
+    def record(*args, sep=" ", end="\n", **kw):     # the block's own print calls, not piper's progress
+        printed.extend(sep.join(map(str, args)).splitlines())
+        print(*args, sep=sep, end=end, **kw)
+    ns = runpy.run_path(str(path), init_globals={"print": record}, run_name=name)
+    for check in checks:
+        check(ns, printed)
 
 
 @pytest.mark.parametrize("script", list(blocks("pps")))
