@@ -91,3 +91,15 @@ def test_a_loop_whose_ifs_could_pass_the_step_limit_goes_the_general_way(monkeyp
             "        if i < 0: F(MB=0)\n        if i < 0: F(MB=0)\n")
     fast, general = _run(text, False, monkeypatch), _run(text, True, monkeypatch)
     assert fast == general and "loop-limit" in repr(fast[0])
+
+
+def test_a_schedule_far_longer_than_the_model_names_the_missing_regions_as_a_range(tmp_path, capsys):
+    """4,096 stages on a model of 64 regions listed 4,032 names (30 KB in one message)."""
+    path = tmp_path / "long.pps"
+    path.write_text("mesh pp=4096\nuse gpipe(microbatches=8) on pp\n")
+    assert main(["check", "--format", "json", str(path), "--regions", "PP=64"]) == 1
+    import json
+
+    found = json.loads(capsys.readouterr().out)
+    assert found[0]["code"] == "unknown-region" and len(found[0]["message"]) < 200, found[0]["message"]
+    assert "PP=64..4095 (4,032 regions) do not exist" in found[0]["message"]

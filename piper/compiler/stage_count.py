@@ -77,7 +77,7 @@ def _too_many(places, tag: str, indices: set[int], have: set[int], *, annotated:
     several = len(indices) > len(devices)
     return Diagnostic(
         "unknown-region", f"the strategy places {len(indices)} `{tag}` regions (`{tag}=0..{max(indices)}`), and the "
-        f"model has {len(have)}: {', '.join(f'{tag}={i}' for i in extra)} "
+        f"model has {len(have)}: {_listed(tag, extra)} "
         f"{'do' if len(extra) > 1 else 'does'} not exist", span=first.trace[0],
         labels=(Label(first.span, f"places {tag}={extra[0]}"),) if first.span is not None else (),
         notes=(f"this schedule needs {len(indices)} `{tag}` regions on this mesh"
@@ -86,6 +86,15 @@ def _too_many(places, tag: str, indices: set[int], have: set[int], *, annotated:
              + ("shrink the pipeline axis or `virtual`, or use a schedule with one region per device "
                 "(`one_f_one_b`)" if several else f"or shrink the pipeline axis to {len(have)} device"
                 f"{'s' if len(have) != 1 else ''}"))
+
+
+def _listed(tag: str, extra: list[int], most: int = 8) -> str:
+    """The missing regions, named: a run of them as a range past `most` (a 4,096-stage schedule on a
+    model of 64 regions would list 4,032)."""
+    if len(extra) <= most or extra != list(range(extra[0], extra[-1] + 1)):
+        shown = ", ".join(f"{tag}={i}" for i in extra[:most])
+        return shown + (f" and {len(extra) - most:,} more" if len(extra) > most else "")
+    return f"{tag}={extra[0]}..{extra[-1]} ({len(extra):,} regions)"
 
 
 def _no_regions(first, tag: str, indices: set[int]) -> Diagnostic:
