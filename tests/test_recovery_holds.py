@@ -151,7 +151,7 @@ def test_a_trace_labels_steps_with_the_job_s_numbers():
 
     recorded = [{"clock": (0.0, 0.0), "steps": [(1.0, [], {}, 0), (2.0, [], {}, 0)]}]
     doc = run_trace(Compiled, recorded, steps_done=15)
-    assert [e["name"] for e in doc["traceEvents"] if e.get("cat") == "step"] == ["step 13", "step 14"]
+    assert [e["name"] for e in doc["traceEvents"] if e.get("cat") == "step"] == ["step 14", "step 15"]
 
 
 MODEL_FILE = """
@@ -358,7 +358,7 @@ def test_piper_run_resumes_with_restarts_from_the_last_whole_checkpoint(tmp_path
     for step in (5, 6):                     # the same steps as the first run, from the same state
         assert again[step] == pytest.approx(_losses(first)[step], rel=1e-9)
     doc = json.loads(trace.read_text())
-    assert sorted({e["name"] for e in doc["traceEvents"] if e.get("cat") == "step"}) == ["step 6", "step 7"]
+    assert sorted({e["name"] for e in doc["traceEvents"] if e.get("cat") == "step"}) == ["step 7", "step 8"]
     assert (ckpt / "step-8").is_dir()
 
 

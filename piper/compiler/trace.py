@@ -131,7 +131,8 @@ def run_trace(compiled, recorded: list[dict], *, steps: int | None = None, meta:
     """A real run's last `steps` steps (default: every step the workers kept) as a trace document.
 
     `steps_done`: the job's steps so far (`job.steps`, a loaded checkpoint's included), so the steps
-    are labelled with the job's own numbers (the last one `steps_done - 1`); without it, from 0.
+    are labelled with the job's own numbers, from 1 as everywhere a user reads them (the last one
+    `steps_done`); without it, the kept steps are numbered as the workers kept them, from 1.
 
     `recorded[rank]` is what `Worker.trace()` returned: the clocks of that
     process (perf_counter, time) at one instant, and per step its start, its
@@ -150,7 +151,7 @@ def run_trace(compiled, recorded: list[dict], *, steps: int | None = None, meta:
         first = len(rec["steps"]) - len(kept)
         if steps_done is not None:
             first = steps_done - len(kept)
-        for number, (t0, actions, done, main) in enumerate(kept, first):
+        for number, (t0, actions, done, main) in enumerate(kept, first + 1):
             lanes = {main: 0}
             end_of_step = t0
             for key, start, end, thread in actions:
