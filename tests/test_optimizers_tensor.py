@@ -158,20 +158,7 @@ def test_owners_balance_and_hold_whole_parameters():
         assert all(lo <= e.offset and e.offset + e.numel <= hi for e in whole.entries if e.name in owned[i])
 
 
-def test_tensor_updates_are_refused_under_tensor_parallelism():
-    """Not yet gathered for their update: refused at compile, before any worker starts, rather
-    than each tp index stepping its piece of a matrix (another model)."""
-    from examples.llama_tp import batches, make_model
-    from tests.test_tensor_parallel import strategy
-
-    model = make_model(stages=1, vocab=96)
-    with pytest.raises(piper.PiperError, match=r"`shard \.\.\. over tp` divides") as err:
-        piper.compile(model, batches(batch=4, vocab=96)[0], strategy=strategy(), mesh={"tp": 2},
-                      optimizer=piper.per_group(RECIPE), progress=False)
-    assert err.value.code == "bad-optimizer" and "ZeRO-1/2/3" in str(err.value)
-
-
-def test_tensor_updates_are_refused_under_shard_experts():
+def test_tensor_updates_of_expert_weights_are_refused_under_shard_experts():
     from tests.test_experts import EP, Tiny, moe_layer, script, tiny_batches
 
     model = Tiny(1, moe_layer()).double()
@@ -180,6 +167,21 @@ def test_tensor_updates_are_refused_under_shard_experts():
                       optimizer=piper.per_group({"**@2d": MUON, "**@3d": torch.optim.Adafactor, "*": ADAMW}),
                       progress=False)
     assert err.value.code == "bad-optimizer"
+
+
+@pytest.mark.full
+@pytest.mark.usefixtures("ray_cluster")
+def test_muon_on_the_matrices_beside_experts_divided_over_dp():
+    """The expert weights (3-D) by AdamW in their rows under `shard experts`, the other matrices by
+    Muon in the flat units: equal to one device."""
+    from tests.test_experts import EP, Tiny, moe_layer, script, tiny_batches
+
+    model = Tiny(1, moe_layer()).double()
+    named = dict(model.named_parameters())
+    assert any(p.dim() == 3 for p in named.values()) and any(p.dim() == 2 for p in named.values())
+    result = train_against_one_device(script("use zero1() on dp\n" + EP), {"dp": 2}, piper.per_group(RECIPE),
+                                      model=model, batches=tiny_batches(steps=3))
+    assert_same_training(result, rtol=1e-9, atol=1e-9)
 
 
 # ---- equal to one device
@@ -219,6 +221,29 @@ def test_muon_and_adamw_under_pipeline_and_zero1():
     strategy = pipeline(4, order=one_f_one_b, batch_axis="dp", zero=ZERO[1])
     assert_same_training(train_against_one_device(strategy, {"dp": 2, "pp": 2}, piper.per_group(RECIPE)),
                          rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("mesh, zero", [
+    ({"tp": 2}, 0),
+    pytest.param({"dp": 2, "tp": 2}, 1, marks=pytest.mark.full),
+    pytest.param({"dp": 2, "pp": 2, "tp": 2}, 3, marks=pytest.mark.full),
+], ids=["tp2-sp", "dp2-tp2-zero1", "dp2-pp2-tp2-zero3-1f1b"])
+def test_muon_and_adamw_under_tensor_parallelism(mesh, zero):
+    """examples/llama_tp.py's plan with sequence parallelism: each divided matrix is gathered whole
+    over tp for its update (its momentum whole on every tp index) and divided again."""
+    from examples.llama_tp import batches, make_model
+    from tests.test_tensor_parallel import strategy
+
+    optimizer = piper.per_group(RECIPE)
+    held = {}
+    plan = strategy(sequence=True, dp=(f"zero{zero}" if zero else "dp") if "dp" in mesh else None, pp="pp" in mesh)
+    stages, batch = (2, 8) if "pp" in mesh else (1, 4)
+    result = train_against_one_device(
+        plan, mesh, optimizer, model=make_model(stages=stages, vocab=96),
+        batches=[batches(batch=batch, vocab=96)[0]] * 3,
+        hook=lambda job, model: held.update(state_bytes_as_predicted(job, model, optimizer)))
+    assert_same_training(result, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -273,5 +298,40 @@ def test_a_muon_checkpoint_of_zero1_loads_elsewhere_and_goes_on_as_one_device(tm
                        progress=False) as job:
         job.load(tmp_path / "step-2")
         losses.append(job.step(*batches[2]))
+        state = job.state_dict()
+    assert_same_training((losses, ref_losses, state, ref_state), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.full        # beside the GPT checkpoint test of the default suite
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("save, load", [
+    (({"tp": 2}, None), ({}, None)),
+    (({"dp": 4}, "zero1"), ({"dp": 2, "tp": 2}, "zero3")),
+], ids=["tp2-to-one-device", "zero1-dp4-to-zero3-dp2-tp2"])
+def test_a_muon_checkpoint_crosses_tensor_parallelism(tmp_path, save, load):
+    """examples/llama_tp.py: Muon's whole momentum written once (tp index 0, or each matrix's owner),
+    read whole where tp divides the matrix or another device owns it; the next step as one device's."""
+    from examples.llama_tp import batches, make_model
+    from tests.test_tensor_parallel import strategy
+
+    def plan(mesh, dp):
+        if not mesh:
+            return None
+        if "tp" in mesh:
+            return strategy(sequence=True, dp=dp if "dp" in mesh else None)
+        return data_parallel(*ZERO[int(dp[-1])])
+
+    optimizer = piper.per_group(RECIPE)
+    data = [batches(batch=4, vocab=96)[0]] * 3
+    reference = make_model(stages=1, vocab=96)
+    ref_losses, ref_state = single_device(reference, data, lambda _: optimizer.build(reference.named_parameters()))
+    with piper.compile(make_model(stages=1, vocab=96), data[0], strategy=plan(*save), mesh=save[0] or None,
+                       optimizer=optimizer, progress=False) as job:
+        losses = [job.step(*b) for b in data[:2]]
+        job.save(tmp_path / "step-2")
+    with piper.compile(make_model(stages=1, vocab=96, seed=7), data[0], strategy=plan(*load), mesh=load[0] or None,
+                       optimizer=optimizer, progress=False) as job:
+        job.load(tmp_path / "step-2")
+        losses.append(job.step(*data[2]))
         state = job.state_dict()
     assert_same_training((losses, ref_losses, state, ref_state), rtol=1e-9, atol=1e-9)

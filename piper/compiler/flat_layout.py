@@ -246,16 +246,15 @@ def job_layouts(compiled, program, optimizer=None) -> dict:
 
 
 def _refuse_divided(compiled, program, whole, experts) -> None:
-    """bad-optimizer for per-tensor updates under tp or `shard experts`, whose gather of a divided
-    parameter for its update is not built yet: stepping each piece would train another model."""
+    """bad-optimizer for per-tensor updates under `shard experts`, whose gather of a divided expert
+    weight for its update is not built yet: stepping each piece would train another model. (Under
+    tp the update gathers a divided parameter whole: `unit_gradients._gather_divided`.)"""
     from ..frontend.optim_check import refuse_sharded
 
-    supported = "one device, dp, ZeRO-1/2/3 (each parameter updated whole by one owner), pp"
-    tensor = getattr(program, "tensor", None)
-    if tensor is not None and tensor.size > 1:
-        refuse_sharded("shard ... over tp", [n for n in whole if n in tensor.dims] or sorted(whole), supported)
-    if experts:
-        refuse_sharded("shard experts", [n for n in whole if n in experts] or sorted(whole), supported)
+    supported = "one device, dp, ZeRO-1/2/3 (each parameter updated whole by one owner), pp, tp"
+    divided = [n for n in whole if n in experts]
+    if divided:
+        refuse_sharded("shard experts", divided, supported)
 
 
 def at_index(mesh, axis: str, devices, index: int) -> tuple[int, ...]:

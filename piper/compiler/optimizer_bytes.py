@@ -26,13 +26,24 @@ def unit_state_bytes(layout, zero: int, index: int, optimizer, cache: dict | Non
     for bucket in layout.buckets:
         dtype = _dtype(bucket.dtype)
         size = torch.empty((), dtype=dtype).element_size()
-        if bucket.whole:
+        if bucket.whole and bucket.tensor == "divided" and layout.tensor_size > 1:
+            # under tp the update gathers a divided parameter whole: its state and that copy
+            total += sum(_elements(optimizer, bucket.param_group, layout.global_shape(e), dtype, cache)
+                         + _numel(layout.global_shape(e)) for e in bucket.owned(index, zero)) * size
+        elif bucket.whole:
             total += sum(_elements(optimizer, bucket.param_group, e.shape, dtype, cache)
                          for e in bucket.owned(index, zero)) * size
         else:
             per = _elements(optimizer, bucket.param_group, (PROBE,), dtype, cache) / PROBE
             total += int(per * (bucket.padded if zero == 0 else bucket.shard_size)) * size
     return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _dtype(dtype) -> torch.dtype:

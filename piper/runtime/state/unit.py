@@ -44,9 +44,17 @@ class Unit(UnitGradients):
             self.grad_shard.append(None)
             self.leaves.update((e.name, leaf) for leaf, e in leaves)
             self._by_bucket.append(leaves)
-        # per bucket, the parameters this member updates whole (`Bucket.whole`): views of its shard
-        self.whole: list[list[tuple[torch.Tensor, object]]] = [
-            _whole_views(b, shard, self.index, zero) if b.whole else [] for b, shard in zip(layout.buckets, self.shard)]
+        # per bucket, the parameters this member updates whole (`Bucket.whole`): views of its shard,
+        # or under tp, for a divided parameter, a whole copy the update gathers its pieces into
+        # (`pieces`: the views of this device's pieces, None where nothing is divided)
+        self.whole: list[list[tuple[torch.Tensor, object]]] = []
+        self.pieces: list[list[torch.Tensor] | None] = []
+        for b, shard in zip(layout.buckets, self.shard):
+            views = _whole_views(b, shard, self.index, zero) if b.whole else []
+            divided = b.whole and b.tensor == "divided" and layout.tensor_size > 1
+            self.pieces.append([view for view, _ in views] if divided else None)
+            self.whole.append([(torch.zeros(layout.global_shape(e), dtype=b.dtype, device=device).requires_grad_(), e)
+                               for _, e in views] if divided else views)
         stepped, groups = [], []
         for bucket, shard, whole in zip(layout.buckets, self.shard, self.whole):
             tensors = [view for view, _ in whole] if bucket.whole else [shard]
@@ -62,7 +70,8 @@ class Unit(UnitGradients):
         return {"params": [*self.full, *self.shard],
                 "grads": [*self.flat_grad, *self.grad_shard, *(g for sent in self.in_flight for g in sent)],
                 "optimizer": [v for state in self.optimizer.state.values() for v in state.values()
-                              if torch.is_tensor(v) and v.dim() > 0]}    # not Adam's step counts
+                              if torch.is_tensor(v) and v.dim() > 0]     # not Adam's step counts
+                + [whole for ws, ps in zip(self.whole, self.pieces) if ps is not None for whole, _ in ws]}
 
     def count(self) -> None:
         """Recount `held`, the bytes of everything in `_tensors` alive now. Called where buffers

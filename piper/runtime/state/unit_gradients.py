@@ -90,14 +90,31 @@ class UnitGradients:
                 shard.grad = grad
                 continue
             base = 0 if self.zero == 0 else bucket.bounds(self.index)[0]
-            for view, e in self.whole[i]:       # each parameter whole, in its own shape
-                view.grad = None if grad is None else grad[e.offset - base:e.offset - base + e.numel].view(e.shape)
+            for k, (param, e) in enumerate(self.whole[i]):       # each parameter whole, in its own shape
+                g = None if grad is None else grad[e.offset - base:e.offset - base + e.numel].view(e.shape)
+                if self.pieces[i] is None:
+                    param.grad = g
+                else:
+                    self._gather_divided(param, self.pieces[i][k], e, g)
         self.optimizer.step()
+        for i, pieces in enumerate(self.pieces):
+            for piece, (whole, e) in zip(pieces or (), self.whole[i]):      # divide the update again
+                piece.detach().copy_(whole.detach().chunk(self.layout.tensor_size, e.tp_dim)[self.layout.tensor_index])
         for shard, whole in zip(self.shard, self.whole):
             shard.grad = None
-            for view, _ in whole:
-                view.grad = None
+            for param, _ in whole:
+                param.grad = None
         self.release_grads()      # and counts: the optimizer's state appears at its first step
+
+    def _gather_divided(self, whole: torch.Tensor, piece: torch.Tensor, e, grad) -> None:
+        """Under tp, a divided parameter this member updates: its pieces and its gradient's
+        gathered whole over the tp group into `whole` (the tp peers own the same parameters and
+        take them in the same order), so the optimizer sees the matrix one device would; `step`
+        keeps this device's piece of the result. The gathers run inside the update action."""
+        group = self.tensor_groups[0]
+        assert group.index == self.layout.tensor_index and group.size == self.layout.tensor_size
+        whole.detach().copy_(group.all_gather(piece.detach(), e.tp_dim))
+        whole.grad = None if grad is None else group.all_gather(grad.contiguous(), e.tp_dim)
 
     def _shard_grad(self, i: int):
         """The gradient of bucket `i`'s shard (the whole bucket under plain dp), None without one."""

@@ -12,11 +12,15 @@ from __future__ import annotations
 import torch
 
 
-def whole_state(unit, b: int) -> dict[str, dict]:
-    """{parameter name: {state key: Chunks or value}} for bucket `b` of `unit` (a `whole` one)."""
+def whole_state(unit, b: int, saving: bool = False) -> dict[str, dict]:
+    """{parameter name: {state key: Chunks or value}} for bucket `b` of `unit` (a `whole` one).
+    Under tp every tp index holds the same whole state (a divided parameter is updated whole on
+    each): tp index 0 writes it, every index reads it."""
     from .checkpoint import Chunks
 
     out: dict[str, dict] = {}
+    if saving and unit.layout.tensor_index > 0:
+        return out
     for view, e in unit.whole[b]:
         for key, value in unit.optimizer.state.get(view, {}).items():
             if torch.is_tensor(value) and value.dim() > 0:
