@@ -247,15 +247,18 @@ def test_muon_and_adamw_under_tensor_parallelism(mesh, zero):
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_adafactor_alone_under_zero2():
+@pytest.mark.parametrize("where", ["zero2-dp2", pytest.param("1f1b-pp2", marks=pytest.mark.full)])
+def test_adafactor_alone(where):
     """On a Llama without biases: the GPT's attention-key biases have a true gradient of zero, so
     theirs is rounding noise, which Adafactor scales to a learning-rate-sized step either way. One
     batch three times: random tokens' loss rises on the next batch whatever the optimizer."""
     from examples.llama_tp import batches, make_model
 
     adafactor = functools.partial(torch.optim.Adafactor, lr=0.01)
-    result = train_against_one_device(data_parallel(*ZERO[2]), {"dp": 2}, adafactor,
-                                      model=make_model(stages=1, vocab=96), batches=[batches(batch=4, vocab=96)[0]] * 3)
+    strategy, mesh = (data_parallel(*ZERO[2]), {"dp": 2}) if where == "zero2-dp2" else \
+        (pipeline(4, order=one_f_one_b), {"pp": 2})
+    result = train_against_one_device(strategy, mesh, adafactor, model=make_model(stages=2, vocab=96),
+                                      batches=[batches(batch=4, vocab=96)[0]] * 3)
     assert_same_training(result, rtol=1e-9, atol=1e-9)
 
 
