@@ -33,7 +33,7 @@ def test_nonfinite_gradients_stop_the_step_that_made_them(clip):
             job.step(*XY)
         assert err.value.code == "non-finite"
         text = str(err.value)
-        assert "the gradients of step 0 hold inf or NaN" in text and "rank 0" in text and "rank 1" in text
+        assert "the gradients of step 1 hold inf or NaN" in text and "rank 0" in text and "rank 1" in text
         assert ("the global gradient norm" if clip else "unit 0") in text
         after = job.state_dict()              # every device found them, so none stepped
     for name, value in before.items():

@@ -236,15 +236,15 @@ def test_a_non_finite_loss_stops_naming_its_step_or_is_skipped():
     job.steps = 2
     with pytest.raises(piper.PiperError) as err:
         check_finite(job, float("nan"))
-    assert err.value.code == "non-finite" and "the loss of step 1 is nan" in str(err.value)
-    assert "step 0's loss was finite" in str(err.value)
+    assert err.value.code == "non-finite" and "the loss of step 2 is nan" in str(err.value)
+    assert "step 1's loss was finite" in str(err.value)
     skip = SimpleNamespace(steps=0, training=SimpleNamespace(nonfinite="skip"))
     for k in range(SKIPPED_IN_A_ROW - 1):
         skip.steps += 1
         check_finite(skip, float("inf"))
     assert skip.skipped_steps == SKIPPED_IN_A_ROW - 1
     skip.steps += 1
-    with pytest.raises(piper.PiperError, match=f"steps 0-{SKIPPED_IN_A_ROW - 1} all had a non-finite loss"):
+    with pytest.raises(piper.PiperError, match=f"steps 1-{SKIPPED_IN_A_ROW} all had a non-finite loss"):
         check_finite(skip, float("inf"))
     with pytest.raises(piper.PiperError) as err:
         piper.compile(torch.nn.Linear(2, 1), (torch.zeros(2, 2),), nonfinite="ignore")
@@ -398,7 +398,7 @@ def test_a_worker_killed_while_saving_restarts_and_ends_as_an_uninterrupted_run(
 def test_an_infinite_learning_rate_stops_at_the_step_it_spoils(tmp_path, capsys):
     assert _run(tmp_path, "--lr", "inf", "--optimizer", "sgd") == 1
     text = _text(capsys)
-    assert "error[non-finite]" in text and "the loss of step 1 is nan" in text and "step 0's loss was finite" in text
+    assert "error[non-finite]" in text and "the loss of step 2 is nan" in text and "step 1's loss was finite" in text
 
 
 @pytest.mark.usefixtures("ray_cluster")

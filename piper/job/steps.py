@@ -142,11 +142,12 @@ SKIPPED_IN_A_ROW = 25
 
 
 def check_finite(job, loss: float, skipped: dict | None = None) -> None:
-    """After step `job.steps - 1`: raise `non-finite` naming it when its loss is inf or NaN, or when
+    """After step `job.steps` (numbered from 1, as every message numbers steps): raise `non-finite` naming
+    it when its loss is inf or NaN, or when
     a device found an inf or NaN in the gradients it was about to step with (`skipped`: rank ->
     what held it; that device skipped the update), under `nonfinite="skip"` only after
     `SKIPPED_IN_A_ROW` such steps in a row, the others skipped."""
-    step = job.steps - 1
+    step = job.steps
     if skipped and math.isfinite(loss):       # a non-finite loss says more: reported below
         where = "; ".join(f"rank {rank}: {', '.join(what)}" for rank, what in sorted(skipped.items()))
         raise error("non-finite", f"the gradients of step {step} hold inf or NaN ({where}), its loss {loss}",
@@ -167,7 +168,7 @@ def check_finite(job, loss: float, skipped: dict | None = None) -> None:
         first = step - job.nonfinite_in_a_row + 1
         notes = (f"steps {first}-{step} all had a non-finite loss; their updates were skipped, so the "
                  "parameters are non-finite themselves or the data is",)
-    elif step > 0:
+    elif step > 1:
         notes = (f"step {step - 1}'s loss was finite: its update made the parameters non-finite (a learning "
                  "rate too large, e.g. --lr inf), or this step's batch holds inf/NaN, or the model overflows",)
     else:
