@@ -208,12 +208,18 @@ def test_muon_and_adamw_equal_one_device(name):
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_muon_and_adamw_over_four_devices_with_uneven_owners(zero):
-    optimizer = piper.per_group(RECIPE)
-    held = {}
-    hook = (lambda job, model: held.update(state_bytes_as_predicted(job, model, optimizer)))
+    """The attention's input matrices in a Muon group of their own (a bucket of one matrix per unit:
+    fewer than the devices), the other matrices in another (more than the devices)."""
+    optimizer = piper.per_group({"**.attn.c_attn.weight": functools.partial(torch.optim.Muon, lr=0.01), **RECIPE})
+    held, sizes = {}, []
+
+    def hook(job, model):
+        held.update(state_bytes_as_predicted(job, model, optimizer))
+        sizes.extend(len(b.entries) for layout in job.layouts.values() for b in layout.buckets if b.whole)
     assert_same_training(train_against_one_device(data_parallel(*ZERO[zero]), {"dp": 4}, optimizer, hook=hook),
                          rtol=1e-9, atol=1e-9)
     assert len(set(held.values())) > 1
+    assert min(sizes) < 4 < max(sizes), sizes     # a bucket of fewer matrices than devices, one of more
 
 
 @pytest.mark.usefixtures("ray_cluster")
