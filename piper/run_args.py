@@ -12,7 +12,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad")
 
 def add_run_arguments(run) -> None:
     """Every flag of `piper run`."""
-    run.add_argument("script", metavar="SCRIPT")
+    run.add_argument("script", metavar="SCRIPT", nargs="?", help="the strategy (or `script = ...` in --config)")
     run.add_argument("--model", metavar="PATH.py:FACTORY",
                      help="a function (or class) in PATH.py that builds the model with no arguments")
     run.add_argument("--mesh", metavar="AXIS=SIZE,...", help="the mesh (default: the script's own)")
