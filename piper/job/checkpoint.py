@@ -5,12 +5,13 @@ format that any strategy on any mesh can load.
     job.load("ckpt/step-100")      # into a job of any strategy and mesh: resharded on read
 
 A checkpoint is a DCP directory (`.metadata`, one `__R_0.distcp` file per writing
-worker R, and `piper.json`: each file's size and CRC-32) holding
+worker R, and `piper.json`: each file's size and CRC-32, and the checkpoint's id) holding
 
     model.<name>                   every parameter and persistent buffer, model.state_dict() names and shapes
     optim.state.<name>.<key>       the optimizer's state per parameter (AdamW: exp_avg, exp_avg_sq, step)
     piper.<key>                    step, strategy, mesh, world_size, zero, microbatches, format, checksums
                                    (and data_position, the global batches read, for a job with data=)
+    piper.ids.<R>                  the checkpoint's id, in worker R's own data file
 
 so it does not depend on the strategy that wrote it: regions, pipeline stages,
 flat ZeRO units and expert rows under `shard experts` are the job's business,
@@ -19,7 +20,16 @@ not the file's (see
 
 A save is atomic (written beside the path, renamed into place); a load first
 verifies every file's checksum and reads everything as data only, running no
-code a crafted file names (`piper.runtime.state.checkpoint_files`); `verify_checkpoint`
+code a crafted file names (`piper.runtime.state.checkpoint_files`), and every file
+through `piper.user_files` (regular files inside the folder, bounded sizes).
+
+The files of one checkpoint are bound together by a random id (`uuid4`), written into
+`piper.json` and each file's entry there, into `.metadata` (DCP's `save_id`) and into
+each data file (`piper.ids.<R>`): a file copied in from another checkpoint, even of the
+same model and with its `piper.json` entry, carries the other id and is refused, and
+every file the index needs must be listed. Checkpoints saved before the id was written
+(no `checkpoint_id` in `piper.json`, no `piper.ids` in the index) load as before, their
+files still checked by size and CRC-32. `verify_checkpoint`
 does the checking alone, and `to_torch_save(dir, file)` turns a checkpoint into
 one `torch.save` file that `torch.load(file, weights_only=True)["model"]` loads
 into the plain model.
@@ -33,12 +43,18 @@ import shutil
 import uuid
 
 from ..frontend import loss_scaling
-from ..diagnostics import error
+from ..diagnostics import PiperError, clip, error
 
-FORMAT = 1                  # the layout of the entries below; checksums add a file, not a format
+FORMAT = 1                  # the layout of the entries below; checksums and ids add entries, not a format
 METADATA = ".metadata"
-MANIFEST = "piper.json"     # {"checksums": "crc32", "files": {name: {"bytes": n, "crc32": c}}}
+# {"checksums": "crc32", "checkpoint_id": id, "files": {name: {"bytes": n, "crc32": c, "checkpoint_id": id}}}
+MANIFEST = "piper.json"
 CHECKSUM = "crc32"
+IDS = "ids"                 # piper.ids.<rank>
+# About 110 bytes a file (name, size, CRC-32, id, indented): 16 MiB is some 150,000 data files.
+MAX_MANIFEST_BYTES = 16 << 20
+# Steps and batch counts are whole numbers a float64 holds exactly; no run takes 2**53 steps.
+MAX_STEP = 2 ** 53
 
 
 def describe_strategy(strategy, overrides=None) -> str:
@@ -97,11 +113,12 @@ def save(job, path) -> str:
         staging = _staging_dir(target)
     except OSError as exc:                           # a parent that cannot be written
         raise _save_failed(f"{type(exc).__name__}: {exc}") from None
+    identity = uuid.uuid4().hex
     try:
-        files = write(job, staging)
+        files = write(job, staging, identity=identity)
         try:
             files[METADATA] = _files().checksum(os.path.join(staging, METADATA))
-            _write_manifest(staging, files)
+            _write_manifest(staging, files, identity)
             _swap_into_place(staging, target)
         except OSError as exc:                       # the driver's part: a full disk, permissions
             raise _save_failed(f"{type(exc).__name__}: {exc}") from None
@@ -116,9 +133,10 @@ def _save_failed(why: str):
                  hint="make room or pick a writable path (on a cluster, one every node mounts), then save again")
 
 
-def write(job, directory, *, checksums: bool = True) -> dict[str, dict]:
-    """Every worker writes its shards into `directory` (rank 0 the buffers and `piper.*`), in
-    place; {file: checkpoint_files.checksum} of the data files ({} without `checksums`).
+def write(job, directory, *, checksums: bool = True, identity: str | None = None) -> dict[str, dict]:
+    """Every worker writes its shards into `directory` (rank 0 the buffers and `piper.*`; each
+    rank `identity` as its `piper.ids.<rank>`, and into `.metadata`), in place; {file:
+    checkpoint_files.checksum} of the data files ({} without `checksums`).
     `save` is this into a staging directory, plus the manifest and the rename."""
     meta = {"format": FORMAT, "step": job.steps, "strategy": job.strategy, "mesh": dict(job.mesh.axes),
             "world_size": job.mesh.world_size, "zero": job.compiled.zero, "microbatches": job.microbatches}
@@ -140,7 +158,13 @@ def write(job, directory, *, checksums: bool = True) -> dict[str, dict]:
                     copies.setdefault(e.name, []).append(u)
     skip = {(u, name) for name, units in copies.items() for u in units[1:]}
     directory = os.fspath(directory)
-    refs = [a.save_checkpoint.remote(directory, first if rank == 0 else {}, job.aliases, skip, checksums)
+    def extra(rank: int) -> dict:
+        mine = {k: dict(v) for k, v in first.items()} if rank == 0 else {}
+        if identity is not None:
+            mine.setdefault("piper", {})[IDS] = {str(rank): identity}
+        return mine
+
+    refs = [a.save_checkpoint.remote(directory, extra(rank), job.aliases, skip, checksums)
             for rank, a in enumerate(job.actors)]
     results = job._get(refs, "save")
     failed = [r["error"] for r in results if "error" in r]
@@ -184,9 +208,14 @@ def _staging_dir(path: str) -> str:
     return staging
 
 
-def _write_manifest(directory: str, files: dict[str, dict]) -> None:
-    """MANIFEST: the size and checksum of every file, flushed to disk with the directory."""
-    text = json.dumps({"checksums": CHECKSUM, "files": dict(sorted(files.items()))}, indent=1)
+def _write_manifest(directory: str, files: dict[str, dict], identity: str | None = None) -> None:
+    """MANIFEST: the size and checksum of every file (and the checkpoint's `identity`, in each
+    file's entry too), flushed to disk with the directory."""
+    head: dict = {"checksums": CHECKSUM}
+    if identity is not None:
+        head["checkpoint_id"] = identity
+        files = {name: {**sums, "checkpoint_id": identity} for name, sums in files.items()}
+    text = json.dumps({**head, "files": dict(sorted(files.items()))}, indent=1)
     with open(os.path.join(directory, MANIFEST), "w") as f:
         f.write(text + "\n")
         f.flush()
@@ -261,21 +290,55 @@ _FIX = ("pass the directory job.save(path) wrote (it holds a `.metadata` file); 
 
 def read_metadata(path):
     """The DCP metadata of checkpoint `path`, read without running code
-    (`runtime.state.checkpoint_files.MetadataUnpickler`), or a `not-a-checkpoint` error saying why not."""
+    (`runtime.state.checkpoint_files.MetadataUnpickler`) through `user_files` (a regular file
+    inside the checkpoint), or a `not-a-checkpoint` (`unreadable-file`) error saying why not."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         what = "is a file" if os.path.exists(path) else "does not exist"
         raise error("not-a-checkpoint", f"{path} {what}, so it is not a checkpoint directory", hint=_FIX)
-    if not os.path.exists(os.path.join(path, METADATA)):
+    if not os.path.lexists(os.path.join(path, METADATA)):
         raise error("not-a-checkpoint", f"{path} has no `.metadata` file: it is not a finished checkpoint "
                     "(an interrupted save leaves none)", hint=_FIX)
     try:
-        return _files().Reader(path).read_metadata()
+        md = _files().Reader(path).read_metadata()
     except _files().UnsafeFile as exc:
         raise _unsafe(path, METADATA, exc) from None
+    except PiperError:
+        raise
     except Exception as exc:
         raise error("not-a-checkpoint", f"cannot read the checkpoint metadata in {path}: "
-                    f"{type(exc).__name__}: {exc}", hint=_FIX) from None
+                    f"{type(exc).__name__}: {clip(exc, 200)}", hint=_FIX) from None
+    _check_shape(path, md)
+    return md
+
+
+def _check_shape(path: str, md) -> None:
+    """The metadata holds what DCP's does (a crafted pickle may build these classes with
+    anything inside): `not-a-checkpoint` otherwise, so nothing later meets a surprise."""
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, MetadataIndex,
+                                                       TensorStorageMetadata)
+
+    def bad(why: str):
+        return _unsafe(path, METADATA, f"its index is malformed ({why})")
+
+    keys, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    planner = getattr(md, "planner_data", None)
+    if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(
+            v, (TensorStorageMetadata, BytesStorageMetadata)) for k, v in keys.items()):
+        raise bad("its entries are not named tensors and items")
+    if not isinstance(storage, dict):
+        raise bad("no table of where each entry is stored")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) or not all(
+                type(getattr(info, a, None)) is int and getattr(info, a) >= 0 for a in ("offset", "length")):
+            raise bad("an entry's place in its file is not two whole numbers")
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise _unsafe(path, METADATA, f"it names data outside the checkpoint directory ({clip(repr(name), 80)})")
+    if planner is not None and not (isinstance(planner, dict) and all(
+            isinstance(k, str) and isinstance(v, (tuple, list)) and v and all(isinstance(p, (str, int)) for p in v)
+            for k, v in planner.items())):
+        raise bad("the places of its entries are not lists of names")
 
 
 def _unsafe(path: str, name: str, exc) -> Exception:
@@ -288,9 +351,11 @@ def _unsafe(path: str, name: str, exc) -> Exception:
 def verify_checkpoint(path) -> None:
     """Check that `path` is a whole checkpoint that loads without running code, or raise
     `PiperError`: `not-a-checkpoint` (no `.metadata`, a crafted one, an item that is not plain
-    data) or `checkpoint-corrupt` (a data file missing or shorter than its index says, or a
-    file whose size or CRC-32 differs from what the save recorded in `piper.json`). Reads
-    every byte once (CRC-32, about 2 GB/s per core, files in parallel); loads nothing.
+    data, a step out of range), `checkpoint-corrupt` (a data file missing or shorter than its
+    index says, a file whose size or CRC-32 differs from what the save recorded in `piper.json`,
+    a file the index needs that `piper.json` does not list, a file of another checkpoint) or
+    `unreadable-file` (a file that is not a regular one inside the folder: a FIFO, a device).
+    Reads every byte once (CRC-32, about 2 GB/s per core, files in parallel); loads nothing.
     A checkpoint torch wrote has no `piper.json`: only its index and items are checked.
 
         verify_checkpoint("ckpt/step-100")        # None, or raises
@@ -301,36 +366,36 @@ def verify_checkpoint(path) -> None:
 def _verify(path: str):
     """`verify_checkpoint`; returns the DCP metadata."""
     md = read_metadata(path)
-    try:
-        storage = {info.relative_path: 0 for info in md.storage_data.values()}
-        for info in md.storage_data.values():
-            storage[info.relative_path] = max(storage[info.relative_path], int(info.offset) + int(info.length))
-        keys = dict(md.state_dict_metadata)
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise error("not-a-checkpoint", f"the checkpoint metadata in {path} is malformed: "
-                    f"{type(exc).__name__}: {exc}", hint=_FIX) from None
-    for name in storage:
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise _unsafe(path, METADATA, f"it names data outside the checkpoint directory ({name!r})")
     manifest = _read_manifest(path)
+    storage: dict[str, int] = {}
+    for info in md.storage_data.values():
+        storage[info.relative_path] = max(storage.get(info.relative_path, 0), info.offset + info.length)
+    keys = md.state_dict_metadata
     if manifest is None and "piper.checksums" in keys:
         raise error("checkpoint-corrupt", f"{os.path.join(path, MANIFEST)} is missing: the checkpoint's "
                     "files cannot be checked", hint=_CORRUPT_FIX)
     for name, end in sorted(storage.items()):
         full = os.path.join(path, name)
-        if not os.path.isfile(full):
+        size = _size(path, name)
+        if size is None:
             raise error("checkpoint-corrupt", f"{full} is missing: the checkpoint's index names it",
                         hint=_CORRUPT_FIX)
-        if os.path.getsize(full) < end:
-            raise error("checkpoint-corrupt", f"{full} holds {os.path.getsize(full)} bytes, and the "
+        if size < end:
+            raise error("checkpoint-corrupt", f"{full} holds {size} bytes, and the "
                         f"checkpoint's index reads up to byte {end}: it was cut short", hint=_CORRUPT_FIX)
     if manifest is not None:
-        unlisted = sorted(set(storage) - set(manifest))
+        files, identity = manifest
+        unlisted = sorted((set(storage) | {METADATA}) - set(files))
         if unlisted:
             raise error("checkpoint-corrupt", f"{os.path.join(path, unlisted[0])} has no checksum in "
                         f"{MANIFEST}: the checkpoint was changed after its save", hint=_CORRUPT_FIX)
-        _check_sums(path, manifest)
-    _check_items(path, md)
+        _check_sums(path, files)
+        _check_identity(path, md, files, identity)
+    items = _check_items(path, md)
+    if "piper.step" in keys:
+        _check_info(path, items.get("piper"))
+    if manifest is not None and manifest[1] is not None:
+        _check_ids(path, md, items, manifest[1])
     return md
 
 
@@ -338,45 +403,76 @@ _CORRUPT_FIX = ("load an earlier checkpoint, or copy this one again from where i
                 "(`piper.job.checkpoint.verify_checkpoint(path)` checks one)")
 
 
-def _read_manifest(path: str) -> dict[str, dict] | None:
-    """{file: {"bytes", "crc32"}} from MANIFEST, None without one; `not-a-checkpoint` if malformed."""
-    full = os.path.join(path, MANIFEST)
-    if not os.path.exists(full):
-        return None
-    bad = error("not-a-checkpoint", f"{full} is not the manifest job.save writes", hint=_FIX)
-    if os.path.getsize(full) > 64 << 20:                # a few hundred bytes per data file
-        raise bad
+def _size(path: str, name: str) -> int | None:
+    """The size of checkpoint file `name`, None when it is missing; `unreadable-file` when it is
+    not a regular file inside the checkpoint (a FIFO, a device, a link out of the folder)."""
+    from ..user_files import regular_file
+
     try:
-        with open(full, encoding="utf-8") as f:
-            text = json.load(f)
-    except (OSError, ValueError, RecursionError):
+        return regular_file(os.path.join(path, name), what="the checkpoint file", inside=path)
+    except PiperError as err:
+        if err.code == "file-not-found":
+            return None
+        raise
+
+
+def _read_manifest(path: str) -> tuple[dict[str, dict], str | None] | None:
+    """({file: {"bytes", "crc32"[, "checkpoint_id"]}}, the checkpoint's id or None) from MANIFEST,
+    None without one; `not-a-checkpoint` if malformed, `unreadable-file` if not a regular file."""
+    from ..user_files import read_text
+
+    full = os.path.join(path, MANIFEST)
+    try:
+        text = read_text(full, limit=MAX_MANIFEST_BYTES, what="the checkpoint manifest", inside=path)
+    except PiperError as err:
+        if err.code == "file-not-found":
+            return None
+        raise
+    bad = error("not-a-checkpoint", f"{full} is not the manifest job.save writes", hint=_FIX)
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
         raise bad from None
-    files = text.get("files") if isinstance(text, dict) else None
-    if (text.get("checksums") if isinstance(text, dict) else None) != CHECKSUM or not isinstance(files, dict) \
-            or not all(isinstance(k, str) and os.path.basename(k) == k and isinstance(v, dict)
-                       and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), int)
+    if not isinstance(data, dict):
+        raise bad
+    files, identity = data.get("files"), data.get("checkpoint_id")
+    if data.get("checksums") != CHECKSUM or not isinstance(files, dict) \
+            or not (identity is None or _is_id(identity)) \
+            or not all(isinstance(k, str) and os.path.basename(k) == k and k not in ("", ".", "..")
+                       and isinstance(v, dict) and type(v.get("bytes")) is int and v["bytes"] >= 0
+                       and type(v.get("crc32")) is int and 0 <= v["crc32"] < 2 ** 32
+                       and (identity is None or _is_id(v.get("checkpoint_id")))
                        for k, v in files.items()):
         raise bad
-    return files
+    return files, identity
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{32}", value) is not None
 
 
 def _check_sums(path: str, manifest: dict[str, dict]) -> None:
-    """Every file of `manifest` has its size and CRC-32, or `checkpoint-corrupt` naming the first that has not."""
+    """Every file of `manifest` has its size and CRC-32, or `checkpoint-corrupt` naming the first
+    that has not (`unreadable-file` for one that is not a regular file inside the checkpoint)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(manifest)
+    sizes = {name: _size(path, name) for name in names}     # special files refused before any is read
 
     def check(name):
         full = os.path.join(path, name)
-        if not os.path.isfile(full):
+        if sizes[name] is None:
             return f"{full} is missing"
-        if os.path.getsize(full) != manifest[name]["bytes"]:
-            return f"{full} holds {os.path.getsize(full)} bytes, and {manifest[name]['bytes']} were saved"
-        got = _files().checksum(full)["crc32"]
-        if got != manifest[name]["crc32"]:
-            return (f"{full} does not match its checksum (CRC-32 {got:08x}, saved {manifest[name]['crc32']:08x}): "
-                    "it was damaged or changed after the save")
+        if sizes[name] != manifest[name]["bytes"]:
+            return f"{full} holds {sizes[name]} bytes, and {manifest[name]['bytes']} were saved"
+        got = _files().checksum(full, inside=path)
+        if got["bytes"] != manifest[name]["bytes"]:
+            return f"{full} holds {got['bytes']} bytes, and {manifest[name]['bytes']} were saved"
+        if got["crc32"] != manifest[name]["crc32"]:
+            return (f"{full} does not match its checksum (CRC-32 {got['crc32']:08x}, saved "
+                    f"{manifest[name]['crc32']:08x}): it was damaged or changed after the save")
         return None
 
-    names = sorted(manifest)
     with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:   # zlib lets go of the GIL
         problems = [p for p in pool.map(check, names) if p]
     if problems:
@@ -385,14 +481,83 @@ def _check_sums(path: str, manifest: dict[str, dict]) -> None:
                     hint=_CORRUPT_FIX)
 
 
-def _check_items(path: str, md) -> None:
+_MIXED = "files of two checkpoints were mixed"
+
+
+def _mixed(full: str, why: str):
+    return error("checkpoint-corrupt", f"{full} belongs to another checkpoint: {why}",
+                 notes=(_MIXED + ": each file of a checkpoint carries the id its save drew, in piper.json "
+                                 "and in the file",), hint=_CORRUPT_FIX)
+
+
+def _check_identity(path: str, md, files: dict[str, dict], identity: str | None) -> None:
+    """The manifest's id is in every file's entry and is `.metadata`'s save id; a checkpoint saved
+    before ids has none anywhere (an index holding `piper.ids` needs a manifest holding the id)."""
+    saved = getattr(getattr(md, "storage_meta", None), "save_id", None)
+    has_ids = any(k.startswith(f"piper.{IDS}.") for k in md.state_dict_metadata)
+    if identity is None:
+        if has_ids:
+            raise error("checkpoint-corrupt", f"{os.path.join(path, MANIFEST)} has no checkpoint id, and the "
+                        "checkpoint's index says it was saved with one: the manifest was replaced",
+                        hint=_CORRUPT_FIX)
+        return
+    for name, entry in sorted(files.items()):
+        if entry["checkpoint_id"] != identity:
+            raise _mixed(os.path.join(path, name), f"its entry in {MANIFEST} holds id {entry['checkpoint_id']}, "
+                         f"and the checkpoint's is {identity}")
+    if saved != identity or not has_ids:
+        raise _mixed(os.path.join(path, METADATA), f"its save id is {clip(repr(saved), 40)}, and the "
+                     f"checkpoint's is {identity}")
+
+
+def _check_ids(path: str, md, items: dict, identity: str) -> None:
+    """Every data file holds a `piper.ids.<rank>` equal to the checkpoint's id."""
+    ids = items.get("piper", {}).get(IDS) if isinstance(items.get("piper"), dict) else None
+    ids = ids if isinstance(ids, dict) else {}
+    holder = {index.fqn[len(f"piper.{IDS}."):]: info.relative_path for index, info in md.storage_data.items()
+              if index.fqn.startswith(f"piper.{IDS}.")}
+    for rank, name in sorted(holder.items()):
+        if ids.get(rank) != identity:
+            raise _mixed(os.path.join(path, name), f"it holds id {clip(repr(ids.get(rank)), 40)}, and the "
+                         f"checkpoint's is {identity}")
+    without = sorted({info.relative_path for info in md.storage_data.values()} - set(holder.values()))
+    if without:
+        raise _mixed(os.path.join(path, without[0]), "it holds no id of this checkpoint")
+
+
+def _check_items(path: str, md) -> dict:
     """Read every non-tensor item (Piper's metadata, optimizer counts) as data here, so a
-    crafted one is refused before any worker reads the checkpoint."""
+    crafted one is refused before any worker reads the checkpoint; returns them, nested."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     items = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
-    if items:
-        _read_nested(path, md, items, lambda fqn: None)
+    return _read_nested(path, md, items, lambda fqn: None) if items else {}
+
+
+def _check_info(path: str, info) -> dict:
+    """Piper's `piper.*` entries as job.save writes them: a format this Piper reads, a step and a
+    data position of 0 <= n < MAX_STEP; `not-a-checkpoint` otherwise."""
+    found = info.get("format", FORMAT) if isinstance(info, dict) else None
+    if not _count(found) or not _count(info.get("step")):
+        raise _unsafe(path, METADATA, "its `piper.*` entries are not the step count and format job.save writes")
+    if found > FORMAT:
+        raise error("not-a-checkpoint", f"{os.fspath(path)} is in checkpoint format {found}, newer than "
+                    f"this Piper's {FORMAT}", hint="load it with the Piper that wrote it, or upgrade Piper")
+    for key in ("step", "data_position"):
+        if key in info and not (_count(info[key]) and info[key] < MAX_STEP):
+            raise _unsafe(path, METADATA, f"its `piper.{key}` is {_shown_count(info[key])}, not a count of "
+                          f"0 to 2**53")
+    return info
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 0          # bool is no count
+
+
+def _shown_count(value) -> str:
+    if type(value) is int and abs(value) >= 10 ** 30:
+        return f"a {value.bit_length()}-bit number"
+    return clip(repr(value), 40)
 
 
 def read_info(path, md=None) -> dict:
@@ -407,13 +572,7 @@ def read_info(path, md=None) -> dict:
     keys = md.state_dict_metadata
     if "piper.step" in keys:
         info = _read_nested(path, md, [k for k in keys if k.startswith("piper.")], lambda fqn: None).get("piper")
-        found = info.get("format", FORMAT) if isinstance(info, dict) else None
-        if not isinstance(found, int) or not isinstance(info.get("step"), int):
-            raise _unsafe(path, METADATA, "its `piper.*` entries are not the step count and format job.save writes")
-        if found > FORMAT:
-            raise error("not-a-checkpoint", f"{os.fspath(path)} is in checkpoint format {found}, newer than "
-                        f"this Piper's {FORMAT}", hint="load it with the Piper that wrote it, or upgrade Piper")
-        return info
+        return _check_info(path, info)
     if not any(k.startswith("model.") for k in keys):
         raise error("not-a-checkpoint", f"{os.fspath(path)} is a DCP checkpoint, but holds no model "
                     "(no `model.*` keys)", hint="pass a directory job.save(path) wrote, or one saved from "
@@ -423,10 +582,20 @@ def read_info(path, md=None) -> dict:
     if counts:
         import torch
 
-        state = _read_nested(path, md, counts[:1], lambda fqn: torch.zeros(keys[fqn].size))
-        for part in _place(md, counts[0]):
-            state = state[part]
-        step = int(state)
+        try:
+            state = _read_nested(path, md, counts[:1], lambda fqn: torch.zeros(keys[fqn].size))
+            for part in _place(md, counts[0]):
+                state = state[part]
+            value = float(state)
+        except PiperError:
+            raise
+        except Exception as exc:
+            raise _unsafe(path, METADATA, f"its optimizer's step count cannot be read ({type(exc).__name__})") \
+                from None
+        if not (0 <= value < MAX_STEP and value == int(value)):
+            raise _unsafe(path, METADATA, f"its optimizer's step count is {clip(repr(value), 40)}, not a count "
+                          "of 0 to 2**53")
+        step = int(value)
     return {"format": None, "step": step, "strategy": "unknown (not written by Piper)", "mesh": None}
 
 
@@ -470,6 +639,8 @@ def _read_here(state: dict, path, *, whole: bool = False) -> None:
                 _files().load(state, path, _files().LoadPlanner(), no_dist=True)
     except BaseException as exc:
         cause = _cause(exc)
+        if isinstance(cause, PiperError):               # a file user_files refused (a FIFO, a device)
+            raise cause from None
         if isinstance(cause, _files().UnsafeFile):
             raise _unsafe(path, "", cause) from None
         if cause is not exc or isinstance(exc, Exception):
@@ -588,7 +759,7 @@ def load(job, path) -> dict:
     if buffers:                     # the driver's copy, which new workers would start from
         _read_here({"model": {k: job._buffers[k] for k in buffers}}, path)
     loss_scaling.restore(job, info.get("loss_scale"))
-    job.steps = int(info["step"])
+    job.steps = int(info["step"])                   # 0 <= step < MAX_STEP (`_check_info`)
     if "data_position" in info:
         job.data_position = int(info["data_position"])
     return info

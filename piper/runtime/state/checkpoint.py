@@ -45,6 +45,7 @@ from . import checkpoint_files
 from .whole_state import restore_values, whole_state
 
 MODEL, OPTIM, META = "model", "optim", "piper"
+IDS = "ids"          # piper.ids.<rank>: the id of the checkpoint, in each rank's own data file
 
 
 def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -261,7 +262,8 @@ def optimizer_layout(executor, with_state: bool) -> dict[str, dict[str, str]]:
 
 def save(executor, path: str, extra: dict, aliases: dict[str, str], skip=(), checksums: bool = True) -> dict:
     """Write this rank's shards into the checkpoint `path` (all ranks call it at once).
-    `extra` adds entries this rank writes (rank 0: buffers and metadata); each of
+    `extra` adds entries this rank writes (rank 0: buffers and metadata; every rank its
+    `piper.ids.<rank>`, the checkpoint's id, written into its own data file); each of
     `aliases` (tied parameters' other names) is written as the parameter it names.
     Returns {"bytes": what this rank's data takes (tensors only), "files": {name:
     checkpoint_files.checksum} of the data files it wrote ({} without `checksums`)}."""
@@ -282,7 +284,10 @@ def save(executor, path: str, extra: dict, aliases: dict[str, str], skip=(), che
         state.setdefault(key, {}).update(value)
     fault = getattr(executor, "fault", None)         # a test's `PIPER_FAULT=... action=save` (named only)
     at_save = fault is not None and fault.fault.action == "save"
-    writer = checkpoint_files.Writer(path, after_write=(lambda: fault("save")) if at_save else None)
+    # `piper.ids.<rank>`: the checkpoint's id, which the driver hands every rank; also DCP's save id in `.metadata`.
+    ids = extra.get(META, {}).get(IDS, {})
+    writer = checkpoint_files.Writer(path, after_write=(lambda: fault("save")) if at_save else None,
+                                     identity=next(iter(ids.values()), None))
     with torch.no_grad():
         dcp.save(state, storage_writer=writer, planner=SavePlanner())
     n_bytes = sum(v.numel() * v.element_size() for c in _leaves(state) if isinstance(c, Chunks)

@@ -11,13 +11,20 @@ real checkpoints hold: Piper's and torch's `get_state_dict` layout), and every
 non-tensor item by `torch.load(weights_only=True)` (tensors already are). A file
 naming anything else raises `UnsafeFile` before any of it is built.
 
+Every file is opened through `piper.user_files`: a regular file inside the checkpoint's
+folder (a FIFO would block the open, a link to `/dev/zero` fill the memory, a link out
+of the folder read another's file), `.metadata` at most `MAX_METADATA_BYTES`.
+
 Writing. `Writer` is DCP's `FileSystemWriter` that remembers the data files this
 rank wrote, so `checksums` can record the size and CRC-32 of each (zlib's, about
 2 GB/s: it catches every flipped byte and every burst of up to 32 bits; it is a
 check against damage, not against someone who rewrites the file and its checksum).
+Given the checkpoint's `identity`, it writes it into `.metadata` as DCP's `save_id`,
+so the index names the checkpoint it belongs to (`piper.job.checkpoint` checks it).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -25,6 +32,9 @@ import zlib
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from ... import user_files
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -47,6 +57,10 @@ ALLOWED = {
     ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),  # Python 3.13's module
 }
 _CHUNK = 16 << 20            # bytes read at a time for a checksum
+# DCP's index takes about 250 bytes a chunk (measured: 1,000 one-chunk tensors, a 245 KB
+# `.metadata`); 4 GiB is 16 million chunks, a model of 2,000 tensors x 3 states x 1,024
+# devices x 2-3 boxes each. A larger file is not an index Piper or torch wrote.
+MAX_METADATA_BYTES = 4 << 30
 
 
 class UnsafeFile(pickle.UnpicklingError):
@@ -85,21 +99,53 @@ def load_item(value: io.BytesIO):
         raise UnsafeFile(f"an item names something other than data: {str(exc).splitlines()[0]}") from None
 
 
-class Reader(FileSystemReader):
-    """DCP's `FileSystemReader` reading `.metadata` with `MetadataUnpickler`. DCP turns a
-    failed read into an AssertionError of text: `refused` keeps the `UnsafeFile` (`load`)."""
+class RegularFiles(FileSystem):
+    """DCP's file system, opening every file it reads with `user_files.open_regular`: a regular
+    file inside `folder`, opened without blocking."""
 
-    refused: UnsafeFile | None = None
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = os.fspath(folder)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "r" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:
+            fd = user_files.open_regular(path, inside=self.folder)
+        except user_files.Refused as refused:
+            raise refused.error(path, "the checkpoint file") from None
+        with os.fdopen(fd, "rb") as stream:
+            yield stream
+
+
+class Reader(FileSystemReader):
+    """DCP's `FileSystemReader` reading `.metadata` with `MetadataUnpickler` and every file through
+    `user_files` (`RegularFiles`). DCP turns a failed read into an AssertionError of text:
+    `refused` keeps the `UnsafeFile` or the PiperError (`load`)."""
+
+    refused: Exception | None = None
+
+    def __init__(self, path, *args, **kwargs):
+        super().__init__(path, *args, **kwargs)
+        self.fs = RegularFiles(self.path)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-            try:
-                metadata = load_metadata(stream)
-            except UnsafeFile as exc:
+        from ...diagnostics import PiperError
+
+        try:
+            data = user_files.read_bytes(self._get_metadata_path(kwargs.get("rank")), limit=MAX_METADATA_BYTES,
+                                         what="the checkpoint index", inside=self.path)
+            metadata = load_metadata(io.BytesIO(data))
+        except (UnsafeFile, PiperError) as exc:
+            # DCP then asks for the rank's own index (`__0.metadata`), which is seldom there: keep the first.
+            if self.refused is None and getattr(exc, "code", None) != "file-not-found":
                 self.refused = exc
-                raise
+            raise
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -143,13 +189,21 @@ class WholeLoadPlanner(SafeItems, _EmptyStateDictLoadPlanner):
 
 
 class Writer(FileSystemWriter):
-    """DCP's `FileSystemWriter` that keeps the names of the data files it wrote (`written`)
-    and calls `after_write()` once they are written (a test's injected fault)."""
+    """DCP's `FileSystemWriter` that keeps the names of the data files it wrote (`written`),
+    calls `after_write()` once they are written (a test's injected fault) and, given an
+    `identity`, writes it as the save's id into `.metadata` (`storage_meta.save_id`)."""
 
-    def __init__(self, path, after_write=None, **kwargs):
+    def __init__(self, path, after_write=None, identity: str | None = None, **kwargs):
         super().__init__(path, **kwargs)
         self.written: list[str] = []
         self.after_write = after_write
+        self.identity = identity
+        self.reset()
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)          # DCP calls it at each save, drawing a new save_id
+        if getattr(self, "identity", None):
+            self.save_id = self.identity
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
@@ -159,19 +213,16 @@ class Writer(FileSystemWriter):
         return future
 
 
-def checksum(path) -> dict:
-    """{"bytes": size, "crc32": CRC-32} of the file at `path`, read in 16 MiB pieces."""
+def checksum(path, inside=None) -> dict:
+    """{"bytes": size, "crc32": CRC-32} of the regular file at `path` (inside the folder `inside`,
+    where given), read in 16 MiB pieces (`user_files.chunks`)."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(_CHUNK)
-            if not block:
-                break
-            crc = zlib.crc32(block, crc)
-            size += len(block)
+    for block in user_files.chunks(path, what="the checkpoint file", inside=inside, size=_CHUNK):
+        crc = zlib.crc32(block, crc)
+        size += len(block)
     return {"bytes": size, "crc32": crc}
 
 
 def checksums(directory, names) -> dict[str, dict]:
     """`checksum` of each of `names` in `directory`."""
-    return {name: checksum(os.path.join(directory, name)) for name in names}
+    return {name: checksum(os.path.join(directory, name), inside=directory) for name in names}
