@@ -200,9 +200,9 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
     report = StepReport(steps, tokens_per_batch=count, unit=unit, console=console,
                         metrics=getattr(args, "metrics", None), append=bool(getattr(args, "resume", False)))
 
-    def on_step(step, loss, seconds):
+    def on_step(step, loss, seconds, metrics=None):
         report.step(step, loss, seconds)
-        observers[0](step + 1, loss, seconds, count / seconds, unit)
+        observers[0](step + 1, loss, seconds, count / seconds, unit, metrics)
 
     def on_restart(r):
         report.restarts += 1
@@ -228,9 +228,11 @@ def _train(args, model, module, batch_size: int, steps: int, optimizer, count: i
         with report:
             if resume and checkpoints is not None and not _has_checkpoints(directory):
                 console.print(f"no checkpoint in {directory} yet: starting from the first step")
+            # Workers that read their own data step on without a call per step (`job.train`).
             losses, restarts = train(start_job, data, steps, max_restarts=getattr(args, "max_restarts", 0) or 0,
                                      checkpoints=checkpoints, resume=resume, on_step=on_step,
-                                     on_restart=on_restart, finish=finish)
+                                     on_restart=on_restart, finish=finish, worker_read=worker_read,
+                                     eval_every=args.eval_every, on_eval=lambda s: observers[0].evaluate(s))
     except KeyboardInterrupt:
         _interrupted(args, report, steps, bool(started), console)
         return 130

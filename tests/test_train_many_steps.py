@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import piper
+import piper.job.checkpoint
 from examples import llama_tp, moe
+from piper.job import Job
 from piper.dsl.script import load_strategy
 from tests.test_data import blocks
 from tests.helpers import wait_gone
@@ -133,7 +135,7 @@ def test_a_worker_killed_mid_train_is_named():
 
 
 def test_train_needs_data_and_whole_numbers():
-    job = piper.job.Job.__new__(piper.job.Job)
+    job = Job.__new__(Job)
     job._closed, job.data, job.val_data = False, None, None
     with pytest.raises(piper.PiperError, match="without data="):
         job.train(3)
@@ -143,3 +145,37 @@ def test_train_needs_data_and_whole_numbers():
         with pytest.raises(piper.PiperError) as err:
             job.train(kw.pop("steps"), **kw)
         assert err.value.code == "bad-inputs"
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_piper_run_with_data_read_by_the_workers_trains_through_train(tmp_path, monkeypatch):
+    """`piper run --data` never calls `job.step`: its steps run as `job.train`'s stretches, cut where a
+    checkpoint and an evaluation are due, and the progress, metrics and checkpoints are as before."""
+    import json
+
+    import numpy as np
+
+    from examples.gpt import _corpus_tokens
+    from piper.cli import main
+
+    tokens = _corpus_tokens()[1].numpy().astype(np.uint16)
+    tokens[:4000].tofile(tmp_path / "train.bin")
+    tokens[4000:6000].tofile(tmp_path / "val.bin")
+    (tmp_path / "job.pps").write_text("mesh dp=2\nuse dp() on dp\n")
+    stretches = []
+    real_train = Job.train
+
+    def train(job, steps, **kw):
+        stretches.append(steps)
+        return real_train(job, steps, **kw)
+
+    monkeypatch.setattr(Job, "step", lambda *a, **k: pytest.fail("piper run --data called job.step"))
+    monkeypatch.setattr(Job, "train", train)
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", str(tmp_path / "job.pps"), "--model", "examples/gpt.py:small_gpt", "--steps", "5",
+                 "--batch-size", "4", "--data", str(tmp_path / "train.bin"), "--val-data", str(tmp_path / "val.bin"),
+                 "--block-size", "32", "--eval-every", "3", "--eval-batches", "1", "--checkpoint-dir",
+                 str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--metrics", str(metrics)]) == 0
+    assert stretches == [2, 1, 1, 1]                        # to the saves at 2 and 4, the evaluation at 3, the end
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == ["step-4", "step-5"]

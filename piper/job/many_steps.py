@@ -31,7 +31,8 @@ class JobTrain:
               save_every: int | None = None, save_dir=None, on_metrics=None) -> list[dict]:
         """Run `steps` steps of the job's `data=` on the workers and return each step's metrics
         (`step`, the job's step number after it; `loss`; `tokens`; `seconds`, the slowest device's;
-        `skipped`, the non-finite steps skipped so far; `lr_scale`, the schedule's multiplier), with
+        `skipped`, the non-finite steps skipped so far; `lr_scale`, the schedule's multiplier;
+        `grad_norm`, the global gradient norm before clipping with `clip_grad_norm=`, else None), with
         `eval_loss` on the steps where an evaluation ran. Every `eval_every` steps (of the job's
         count) the loss of the first `eval_batches` batches of `val_data=` is measured, and every
         `save_every` steps the job is saved as `save_dir/step-N` (the last two kept, as `piper run`
@@ -99,7 +100,8 @@ class JobTrain:
     def _metrics(self, index: int, records: list[dict]) -> dict:
         losses = [loss for rec in records for loss in rec["losses"]]
         return {"step": index + 1, "loss": float(sum(losses) / len(losses)), "tokens": self._tokens(),
-                "seconds": max(rec["seconds"] for rec in records), "lr_scale": records[0]["lr_scale"]}
+                "seconds": max(rec["seconds"] for rec in records), "lr_scale": records[0]["lr_scale"],
+                "grad_norm": records[0]["grad_norm"]}
 
     def _tokens(self) -> int:
         """Tokens (elements of the first input) in one global batch of the job's data."""

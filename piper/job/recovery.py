@@ -170,7 +170,8 @@ class Restart:
 
 
 def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Checkpoints | None = None,
-          resume: bool = False, on_step=None, on_restart=None, finish=None) -> tuple[list[float], list[Restart]]:
+          resume: bool = False, on_step=None, on_restart=None, finish=None, worker_read: bool = False,
+          eval_every: int | None = None, on_eval=None) -> tuple[list[float], list[Restart]]:
     """Run the job `start_job()` gives up to `steps` steps, restarting up to `max_restarts` times.
 
     `resume` starts from the newest whole checkpoint in `checkpoints`; without it, a restart
@@ -181,18 +182,45 @@ def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Ch
     lost while a checkpoint is written or while `finish` runs restarts the job too: training
     goes on from the last checkpoint, then the save or `finish` runs again.
 
+    With `worker_read` (a job whose workers read their own data) the steps run as `job.train`'s
+    stretches, without a call per step, each ending where a checkpoint or an evaluation is due:
+    `on_step(step, loss, seconds, metrics)` is told of each step as the workers report it, then
+    the checkpoint is saved and `on_eval(steps done)` runs every `eval_every` steps, in that order.
+
     Returns (the loss of every step this run trained, from the step it started at (0, or the
     resumed checkpoint's: `checkpoints.loaded`), the restarts). Errors other than a lost or
     stalled worker, and the failure after the last allowed restart, are raised as they are.
     """
     restarts: list[Restart] = []
     losses: dict[int, float] = {}
+    reached = 0                       # under `worker_read`: the last step the workers reported
     job = start_job()
     try:
         step = first = checkpoints.restore(job) if checkpoints is not None and resume else 0
         while True:
             during = "step"
             try:
+                while worker_read and step < steps:
+                    during = "step"
+                    until = min([steps] + [(step // every + 1) * every for every in
+                                           (checkpoints.every if checkpoints is not None else None, eval_every)
+                                           if every])
+
+                    def each(number, metrics):
+                        nonlocal reached
+                        if "loss" in metrics:
+                            losses[number - 1], reached = metrics["loss"], number
+                            if on_step is not None:
+                                on_step(number - 1, metrics["loss"], metrics["seconds"], metrics)
+
+                    job.train(until - step, on_metrics=each)
+                    step = until
+                    if checkpoints is not None:
+                        during = "save"
+                        checkpoints.after_step(job, step, last=step == steps)
+                    if on_eval is not None and eval_every and step % eval_every == 0:
+                        during = "step"
+                        on_eval(step)
                 while step < steps:
                     during = "step"
                     start = time.perf_counter()
@@ -213,6 +241,7 @@ def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Ch
             except PiperError as err:
                 if err.code not in RECOVERABLE or len(restarts) >= max_restarts:
                     raise
+                step = max(step, reached)        # the last step a stretch reported before the failure
                 failed, detected_at = time.perf_counter(), time.time()
                 job.close()
                 job = start_job()
@@ -223,7 +252,7 @@ def train(start_job, data, steps: int, *, max_restarts: int = 0, checkpoints: Ch
                                         during))
                 if on_restart is not None:
                     on_restart(restarts[-1])
-                step = resumed
+                step = reached = resumed
     finally:
         job.close()
     return [losses[i] for i in range(first, steps)], restarts

@@ -43,7 +43,8 @@ class TrainLoop:
         """Steps on global batches `first`, `first + 1`, ... of the job's training data, one per entry
         of `scales` (each step's learning-rate multiplier, or None), until they are done or a step
         stops the run (`stops`). Returns each step's record here: this device's losses, the seconds
-        the step took, what made this device skip its update (if anything), the multiplier."""
+        the step took, what made this device skip its update (if anything), the multiplier, the global
+        gradient norm before clipping (with `clip_grad_norm=`; None without)."""
         import torch.distributed as dist
 
         self.train_log = []
@@ -58,8 +59,10 @@ class TrainLoop:
                 dist.all_reduce(agreed)
             total, count, skipping = agreed.tolist()
             stop, in_a_row = stops(total / count, skipping > 0, skip_mode, in_a_row, limit)
+            clip = self.executor.clip
             self.train_log.append({"losses": list(losses), "seconds": time.perf_counter() - start,
-                                   "nonfinite": list(skipped), "lr_scale": scale})
+                                   "nonfinite": list(skipped), "lr_scale": scale,
+                                   "grad_norm": clip.norm if clip is not None else None})
             if stop:
                 break
         return list(self.train_log)
