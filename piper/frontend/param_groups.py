@@ -51,7 +51,7 @@ class Grouped:
     def make(self, tensors, groups) -> torch.optim.Optimizer:
         """The optimizer over `tensors`, `groups[i]` the group of `tensors[i]` (groups with no
         tensor here are left out). Under `per_group` one optimizer per class and defaults,
-        stepped together (`combined.Combined`)."""
+        stepped together (`combined_optimizer.Combined`)."""
         from .combined_optimizer import Combined
 
         found: dict[int, list] = {}
@@ -62,8 +62,12 @@ class Grouped:
         for g in sorted(found):
             cls, defaults = self.maker(g)
             by_maker.setdefault((cls, repr(sorted(defaults.items()))), []).append(g)
-        built = [self.maker(gs[0])[0]([{"params": found[g], **self.options[g]} for g in gs], **self.maker(gs[0])[1])
-                 for gs in by_maker.values()]
+        built = []
+        for gs in by_maker.values():
+            cls, defaults = self.maker(gs[0])
+            built.append(cls([{"params": found[g], **self.options[g]} for g in gs], **defaults))
+        # one optimizer as torch builds it; a Combined under per_group, or with none here (a
+        # member that owns no parameter of a per-tensor optimizer's bucket)
         return built[0] if len(built) == 1 and not self.makers else Combined(built)
 
 
