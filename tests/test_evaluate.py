@@ -135,10 +135,12 @@ def test_evaluate_equals_one_device_and_changes_nothing(name):
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_a_failing_evaluation_leaves_the_checkpoint_of_its_step_saved(tmp_path, monkeypatch):
+@pytest.mark.parametrize("worker_read", [False, True], ids=["batches-from-the-driver", "data-file"])
+def test_a_failing_evaluation_leaves_the_checkpoint_of_its_step_saved(tmp_path, monkeypatch, worker_read):
     """`piper run --eval-every 1 --checkpoint-every 1`: step 1's checkpoint is written before its
     evaluation runs, so an evaluation that fails (a worker raising at its first action) costs no
-    checkpoint: training could resume from step 1."""
+    checkpoint: training could resume from step 1. Both loops of `recovery.train`: a `job.step` per
+    step (the model file's batches) and `job.train`'s stretches (`--data`, the workers reading)."""
     import numpy as np
 
     from examples.gpt import _corpus_tokens
@@ -154,8 +156,10 @@ def test_a_failing_evaluation_leaves_the_checkpoint_of_its_step_saved(tmp_path, 
     monkeypatch.setenv("PIPER_FAULT", "rank=0 do=raise step=1")
     ckpt = tmp_path / "ckpt"
     argv = ["run", str(tmp_path / "job.pps"), "--model", "examples/gpt.py:two_stage_gpt", "--steps", "3",
-            "--batch-size", "4", "--data", str(tmp_path / "train.bin"), "--val-data", str(tmp_path / "val.bin"),
-            "--block-size", "16", "--eval-every", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+            "--batch-size", "4", "--val-data", str(tmp_path / "val.bin"), "--block-size", "16",
+            "--eval-every", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    if worker_read:
+        argv += ["--data", str(tmp_path / "train.bin")]
     try:
         code = main(argv)
     except piper.PiperError as err:
