@@ -80,6 +80,40 @@ def _mixed_precision_steps(model, batches, dtype, microbatches, shards, fp16):
     return losses, master.state_dict()
 
 
+def low_precision_reference(model, batches, optimizer, *, microbatches: int = 1, shards: int = 1):
+    """One device training a model held in 16 bits (no master weights, `model.to(bfloat16)`),
+    cut, seeded and summed as Piper does (`mixed_precision_reference`), the gradients summed in
+    the model's dtype as Piper's gradient buffers and reductions hold them; one thread. Returns
+    (losses, state_dict)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = copy.deepcopy(model)
+        opt = optimizer(list(model.parameters()))
+        pieces = microbatches * shards
+        losses = []
+        for batch in batches:
+            cut = list(zip(*(x.chunk(pieces) for x in batch)))
+            sums, step_losses = [], []
+            for s in range(shards):
+                acc = None
+                for piece in cut[s * microbatches:(s + 1) * microbatches]:
+                    model.zero_grad(set_to_none=True)
+                    loss = model(*piece)
+                    loss.backward(torch.full((), 1.0 / pieces, dtype=loss.dtype))
+                    grads = [p.grad for p in model.parameters()]
+                    acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+                    step_losses.append(loss.item())
+                sums.append(acc)
+            for i, p in enumerate(model.parameters()):
+                p.grad = functools.reduce(torch.add, (acc[i] for acc in sums))
+            opt.step()
+            losses.append(sum(step_losses) / len(step_losses))
+        return losses, model.state_dict()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_bitwise(losses, state, ref_losses, ref_state):
     assert losses == ref_losses
     for name, ref in ref_state.items():
