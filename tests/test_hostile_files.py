@@ -72,6 +72,7 @@ def test_a_special_config_file_is_refused_by_name(tmp_path, kind):
     ("steps = 1979-05-27\n", "`steps` = datetime.date(1979, 5, 27) is not a whole number"),
     ("model = 3\n", "(line 1): `model` = 3 is not a string"),
     ("timeout = -inf\n", "`timeout` = -inf is not a finite number"),
+    ("steps = 1\nset = \"warmup-cosine\"\n", "(line 2): `set` takes NAME=VALUE, not `warmup-cosine`"),
 ])
 def test_configs_that_crashed_the_reader_are_bad_config_naming_key_and_line(tmp_path, text, needle):
     (tmp_path / "run.toml").write_text(text)
