@@ -35,6 +35,10 @@ class Refused(Exception):
         super().__init__(reason)
         self.code, self.reason, self.hint = code, reason, hint
 
+    def error(self, path, what: str) -> PiperError:
+        """This refusal as the PiperError the readers raise: "`what` `path` `reason`"."""
+        return error(self.code, f"{what} `{clip(os.fspath(path), 120)}` {self.reason}", hint=self.hint)
+
 
 def kind(mode: int) -> str:
     """What a file of `st_mode` `mode` is, in words ("a pipe (FIFO)")."""
@@ -122,13 +126,9 @@ def read_open(fd: int, count: int) -> bytes:
     return b"".join(parts)
 
 
-def _error(path, what: str, refused: Refused) -> PiperError:
-    return error(refused.code, f"{what} `{clip(os.fspath(path), 120)}` {refused.reason}", hint=refused.hint)
-
-
 def _too_large(path, what: str, size: str, limit: int) -> PiperError:
-    return error("unreadable-file", f"{what} `{clip(os.fspath(path), 120)}` is {size} bytes, over the "
-                 f"{limit:,} this file may be", hint="check that this is the file you meant")
+    return error("unreadable-file", f"{what} `{clip(os.fspath(path), 120)}` is {size}, over the "
+                 f"{limit:,} bytes this file may be", hint="check that this is the file you meant")
 
 
 def regular_file(path, *, what: str, limit: int | None = None, inside=None) -> int:
@@ -137,13 +137,13 @@ def regular_file(path, *, what: str, limit: int | None = None, inside=None) -> i
     try:
         fd = open_regular(path, inside=inside)
     except Refused as refused:
-        raise _error(path, what, refused) from None
+        raise refused.error(path, what) from None
     try:
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)
     if limit is not None and size > limit:
-        raise _too_large(path, what, f"{size:,}", limit)
+        raise _too_large(path, what, f"{size:,} bytes", limit)
     return size
 
 
@@ -159,14 +159,14 @@ def read_bytes(path, *, limit: int, what: str, inside=None) -> bytes:
         fd = open_regular(path, inside=inside)
         try:
             if os.fstat(fd).st_size > limit:         # known before reading any of it (a sparse 100 GB file)
-                raise _too_large(path, what, f"{os.fstat(fd).st_size:,}", limit)
+                raise _too_large(path, what, f"{os.fstat(fd).st_size:,} bytes", limit)
             data = read_open(fd, limit + 1)
         finally:
             os.close(fd)
     except Refused as refused:
-        raise _error(path, what, refused) from None
+        raise refused.error(path, what) from None
     if len(data) > limit:
-        raise _too_large(path, what, "over", limit) from None
+        raise _too_large(path, what, f"more than {limit:,} bytes (it grew while read)", limit) from None
     return data
 
 
@@ -177,8 +177,8 @@ def read_text(path, *, limit: int, what: str, inside=None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise _error(path, what, Refused("unreadable-file", f"is not UTF-8 text (byte {exc.start:,}, line {line})",
-                                         "save the file as UTF-8")) from None
+        raise Refused("unreadable-file", f"is not UTF-8 text (byte {exc.start:,}, line {line})",
+                      "save the file as UTF-8").error(path, what) from None
 
 
 def chunks(path, *, what: str, inside=None, size: int = CHUNK):
@@ -187,13 +187,13 @@ def chunks(path, *, what: str, inside=None, size: int = CHUNK):
     try:
         fd = open_regular(path, inside=inside)
     except Refused as refused:
-        raise _error(path, what, refused) from None
+        raise refused.error(path, what) from None
     try:
         while True:
             try:
                 piece = os.read(fd, size)
             except OSError as exc:
-                raise _error(path, what, Refused("unreadable-file", f"cannot be read ({exc.strerror or exc})")) from None
+                raise Refused("unreadable-file", f"cannot be read ({exc.strerror or exc})").error(path, what) from None
             if not piece:
                 return
             yield piece

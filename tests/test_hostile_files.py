@@ -137,7 +137,7 @@ def test_user_files_reads_regular_files_and_refuses_the_rest(tmp_path):
     (tmp_path / "ok.txt").write_bytes(b"x = 1")
     assert user_files.read_text(tmp_path / "ok.txt", limit=5, what="the config") == "x = 1"
     assert list(user_files.chunks(tmp_path / "ok.txt", what="a file", size=2)) == [b"x ", b"= ", b"1"]
-    with pytest.raises(PiperError, match="is 5 bytes, over the 4 this file may be"):
+    with pytest.raises(PiperError, match="is 5 bytes, over the 4 bytes this file may be"):
         user_files.read_bytes(tmp_path / "ok.txt", limit=4, what="the config")
     with open(tmp_path / "sparse", "wb") as f:      # 100 GB on paper: refused by its size, nothing read
         f.truncate(100 << 30)
