@@ -3,7 +3,8 @@
 
     piper run job.pps --model examples/gpt.py:small_gpt --config run.toml --steps 300
 
-    # run.toml: sections are for the reader; every key is a flag's name ('-' or '_')
+    # run.toml: sections are for the reader; every key is a flag's name ('-' or '_'),
+    # `model` and the strategy `script` too (`piper run --config run.toml` alone then runs)
     [training]
     steps = 200
     batch_size = 16
