@@ -51,7 +51,8 @@ def test_quick_run_of_the_compiler_suite_writes_numbers(tmp_path):
     text = report.read_text()
     assert "## 6. `compiler`" in text and "Not implemented yet." not in text
     assert "--suite compiler --quick" in text          # each suite says how to reproduce it
-    assert "torch:" in text and "cores:" in text         # the machine header
+    section = text.split("## 6. `compiler`")[1]           # each section says its run: when, commit, machine
+    assert "- run: " in section and ", commit " in section and "- machine: cores " in section and " torch " in section
     compiler = json.loads(metrics.read_text())["compiler"]
     assert any(k.endswith(".seconds") for k in compiler) and any(k.endswith(".nodes_per_s") for k in compiler)
     for value in compiler.values():
