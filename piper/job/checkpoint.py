@@ -538,7 +538,7 @@ def _check_info(path: str, info) -> dict:
     """Piper's `piper.*` entries as job.save writes them: a format this Piper reads, a step and a
     data position of 0 <= n < MAX_STEP; `not-a-checkpoint` otherwise."""
     found = info.get("format", FORMAT) if isinstance(info, dict) else None
-    if not _count(found) or not _count(info.get("step")):
+    if not _count(found) or type(info.get("step")) is not int:       # bool is no step
         raise _unsafe(path, METADATA, "its `piper.*` entries are not the step count and format job.save writes")
     if found > FORMAT:
         raise error("not-a-checkpoint", f"{os.fspath(path)} is in checkpoint format {found}, newer than "
