@@ -56,3 +56,15 @@ def test_a_batch_size_that_the_shards_do_not_divide_is_said_before_the_batch_is_
     with pytest.raises(PiperError) as err:
         compile_script(script, model_spec=MODEL, batch_size=10 ** 15)
     assert err.value.diagnostics[0].code == "indivisible-batch"
+
+
+def test_a_shard_line_in_a_loop_matches_its_patterns_once(tmp_path, capsys, monkeypatch):
+    """8,193 turns of the 7 patterns matched 57,351 patterns against the model's names (past 5 s)."""
+    import piper.frontend.tensor_parallel as tensor_parallel
+
+    calls, match = [], tensor_parallel.match_names
+    monkeypatch.setattr(tensor_parallel, "match_names", lambda *args: calls.append(args[0]) or match(*args))
+    lines = TP.replace("shard", "    shard").replace('    shard vocab of "embed", "head" over tp\n', "")
+    code, codes = _check(tmp_path, capsys, "mesh tp=2\nfor q in 0..50:\n" + lines)
+    assert codes == ["sharded-twice"], codes       # said by the plan, after the model's capture
+    assert len(calls) == len(set(calls)) == 7, len(calls)
