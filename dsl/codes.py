@@ -168,6 +168,7 @@ JOBS = {
     "param-in-two-groups": "a parameter in two of the optimizer's parameter groups",
     "param-not-in-group": "parameter groups that leave out some of the model's parameters",
     "no-decay-unmatched": "a `no_decay` pattern of `piper.param_groups` that names no parameter (warning)",
+    "optimizer-pattern-unmatched": "a `piper.per_group` pattern that takes no parameter (warning)",
     "bad-lr-schedule": "`lr_schedule=` that is not a function of the step returning a multiplier >= 0",
     "bad-config": "`piper run --config` with a key that is no flag, a value of the wrong kind, or bad TOML",
     "bad-dataset": "`data=` that is not a dataset of samples forward takes, or a batch_size that does not fit it",

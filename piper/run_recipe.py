@@ -60,7 +60,7 @@ def apply_config(args) -> None:
         key = parts[-1]
         dest = key.replace("-", "_")
         if dest not in known:
-            raise config.error(parts, f"`{_shown(key)}` is not a flag of piper run",
+            raise config.refusal(parts, f"`{_shown(key)}` is not a flag of piper run",
                                hint=did_you_mean(dest, sorted(known)) or "keys are the flags' names, e.g. "
                                                                           "steps, lr, batch_size, lr_schedule")
         if dest in given:
@@ -73,7 +73,7 @@ def apply_config(args) -> None:
         try:
             args.overrides = _parse_sets(args.set)
         except UsageError as exc:          # `set = "x"`: what --set x says, as the file's own error
-            raise config.error(("set",), _shown(str(exc).replace("--set takes", "`set` takes"), 200),
+            raise config.refusal(("set",), _shown(str(exc).replace("--set takes", "`set` takes"), 200),
                                hint='write set = ["NAME=VALUE"], or NAME = VALUE under [set]') from None
 
 
@@ -114,7 +114,7 @@ class Config:
     def __init__(self, path, text: str):
         self.path, self.text = path, text
 
-    def error(self, parts, message: str, hint: str | None = None, line: int | None = None):
+    def refusal(self, parts, message: str, hint: str | None = None, line: int | None = None):
         line = line if line is not None else self.line_of(parts)
         where = f" (line {line})" if line else ""
         return error("bad-config", f"--config {clip(self.path, 120)}{where}: {message}", hint=hint)
@@ -124,17 +124,17 @@ class Config:
 
         depth, line = _nesting(self.text)
         if depth > MAX_NESTING:
-            raise self.error((), f"brackets nest {depth} deep; a config nests at most {MAX_NESTING}",
+            raise self.refusal((), f"brackets nest {depth} deep; a config nests at most {MAX_NESTING}",
                              hint="write each flag as key = value under a [section]", line=line)
         try:
             return tomllib.loads(self.text)
         except tomllib.TOMLDecodeError as exc:
-            raise self.error((), f"not valid TOML: {_shown(exc, 200)}",
+            raise self.refusal((), f"not valid TOML: {_shown(exc, 200)}",
                              hint="write key = value lines under [section] headers") from None
         except (ValueError, RecursionError) as exc:        # an integer of over 4,300 digits
             digits = re.search(r"\d{4000,}", self.text)
             line = self.text.count("\n", 0, digits.start()) + 1 if digits else None
-            raise self.error((), f"not valid TOML: {_shown(exc, 120)}", line=line,
+            raise self.refusal((), f"not valid TOML: {_shown(exc, 120)}", line=line,
                              hint="write numbers of at most 19 digits") from None
 
     def line_of(self, parts) -> int | None:
@@ -210,7 +210,7 @@ def _flatten(config: Config, table: dict):
             parts = prefix + (key,)
             if isinstance(value, dict) and key.replace("-", "_") not in ("mesh", "set"):
                 if len(parts) >= MAX_NESTING:
-                    raise config.error(parts, f"`{_shown('.'.join(parts[:3]))}...` nests tables "
+                    raise config.refusal(parts, f"`{_shown('.'.join(parts[:3]))}...` nests tables "
                                        f"{len(parts)} deep; a config nests at most {MAX_NESTING}",
                                        hint="write each flag as key = value under a [section]")
                 items.append((parts, value))
@@ -237,7 +237,7 @@ def _value(config: Config, parts, dest, value, action):
     key = _shown(parts[-1])
 
     def bad(what: str, hint: str):
-        return config.error(parts, f"`{key}` = {_shown_value(value)} {what}", hint=hint)
+        return config.refusal(parts, f"`{key}` = {_shown_value(value)} {what}", hint=hint)
 
     if dest == "mesh" and isinstance(value, dict):
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < INT_RANGE for v in value.values()):

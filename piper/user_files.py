@@ -35,7 +35,7 @@ class Refused(Exception):
         super().__init__(reason)
         self.code, self.reason, self.hint = code, reason, hint
 
-    def error(self, path, what: str) -> PiperError:
+    def diagnostic(self, path, what: str) -> PiperError:
         """This refusal as the PiperError the readers raise: "`what` `path` `reason`"."""
         return error(self.code, f"{what} `{clip(os.fspath(path), 120)}` {self.reason}", hint=self.hint)
 
@@ -137,7 +137,7 @@ def regular_file(path, *, what: str, limit: int | None = None, inside=None) -> i
     try:
         fd = open_regular(path, inside=inside)
     except Refused as refused:
-        raise refused.error(path, what) from None
+        raise refused.diagnostic(path, what) from None
     try:
         size = os.fstat(fd).st_size
     finally:
@@ -164,7 +164,7 @@ def read_bytes(path, *, limit: int, what: str, inside=None) -> bytes:
         finally:
             os.close(fd)
     except Refused as refused:
-        raise refused.error(path, what) from None
+        raise refused.diagnostic(path, what) from None
     if len(data) > limit:
         raise _too_large(path, what, f"more than {limit:,} bytes (it grew while read)", limit) from None
     return data
@@ -178,7 +178,7 @@ def read_text(path, *, limit: int, what: str, inside=None) -> str:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise Refused("unreadable-file", f"is not UTF-8 text (byte {exc.start:,}, line {line})",
-                      "save the file as UTF-8").error(path, what) from None
+                      "save the file as UTF-8").diagnostic(path, what) from None
 
 
 def chunks(path, *, what: str, inside=None, size: int = CHUNK):
@@ -187,13 +187,13 @@ def chunks(path, *, what: str, inside=None, size: int = CHUNK):
     try:
         fd = open_regular(path, inside=inside)
     except Refused as refused:
-        raise refused.error(path, what) from None
+        raise refused.diagnostic(path, what) from None
     try:
         while True:
             try:
                 piece = os.read(fd, size)
             except OSError as exc:
-                raise Refused("unreadable-file", f"cannot be read ({exc.strerror or exc})").error(path, what) from None
+                raise Refused("unreadable-file", f"cannot be read ({exc.strerror or exc})").diagnostic(path, what) from None
             if not piece:
                 return
             yield piece

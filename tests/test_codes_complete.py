@@ -29,6 +29,7 @@ FORWARDERS = {
     ("piper/cli.py", "_note"),                # _note(code, ...) -> Diagnostic(code, ...)
     ("dsl/outcomes.py", "fail"),              # self.fail(code, ...) -> Diagnostic(code, ...)
     ("dsl/syntax_errors.py", "_token"),       # code = match(...) or _rule_of_thumb(...): EXAMPLES' keys
+    ("piper/user_files.py", "diagnostic"),    # Refused(code, ...).diagnostic(...) -> error(code, ...)
 }
 
 

@@ -33,6 +33,7 @@ TOP_LEVEL = {
     "piper.tensor_ops": "front end",  # the collectives of tensor parallelism, as ops capture records
     "piper.nn": "front end",       # the modules a model is written with (experts, annotations)
     "piper.data": "runtime",       # datasets the workers read; the driver hands them over
+    "piper.data_order": "base",    # the shuffled order computed per index: piper.data's, no torch
     "piper.run_args": "top",       # the flags of `piper run` / `piper tune`, for the command line
     "piper.run_paths": "top",      # output paths `piper run` checks before starting
     "piper.run_recipe": "top",     # `piper run`'s recipe flags and --config files: reads the command line

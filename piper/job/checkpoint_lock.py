@@ -50,7 +50,7 @@ def _holder(fd: int) -> str:
         return "a process whose note cannot be read"
 
 
-def _note(fd: int) -> None:
+def _write_holder(fd: int) -> None:
     """Write this process's note over the file's old one."""
     note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
             "command": " ".join(["piper", *sys.argv[1:]]) if sys.argv else "piper"}
@@ -77,7 +77,7 @@ def acquire(directory: str) -> int:
     except OSError:
         os.close(fd)
         raise
-    _note(fd)
+    _write_holder(fd)
     return fd
 
 

@@ -176,7 +176,7 @@ def unit_state(unit, *, saving: bool) -> tuple[dict, dict]:
         else:
             params.update(_chunks(bucket, unit.full[b], 0, *((lo, hi) if saving else whole), layout))
         if bucket.whole:          # each parameter's state whole, on its owner (`whole_state.py`)
-            optim.update(whole_state(unit, b, saving))
+            optim.update(whole_state(unit, b, Chunks, saving))
             continue
         shard = unit.shard[b]
         base = 0 if unit.zero == 0 else lo          # the optimizer steps the whole unit under plain dp

@@ -116,7 +116,7 @@ class RegularFiles(FileSystem):
         try:
             fd = user_files.open_regular(path, inside=self.folder)
         except user_files.Refused as refused:
-            raise refused.error(path, "the checkpoint file") from None
+            raise refused.diagnostic(path, "the checkpoint file") from None
         with os.fdopen(fd, "rb") as stream:
             yield stream
 

@@ -12,19 +12,18 @@ from __future__ import annotations
 import torch
 
 
-def whole_state(unit, b: int, saving: bool = False) -> dict[str, dict]:
-    """{parameter name: {state key: Chunks or value}} for bucket `b` of `unit` (a `whole` one).
+def whole_state(unit, b: int, chunks, saving: bool = False) -> dict[str, dict]:
+    """{parameter name: {state key: chunks or value}} for bucket `b` of `unit` (a `whole` one), each
+    tensor as one box of `chunks` (`checkpoint.Chunks`, handed in: that module imports this one).
     Under tp every tp index holds the same whole state (a divided parameter is updated whole on
     each): tp index 0 writes it, every index reads it."""
-    from .checkpoint import Chunks
-
     out: dict[str, dict] = {}
     if saving and unit.layout.tensor_index > 0:
         return out
     for view, e in unit.whole[b]:
         for key, value in unit.optimizer.state.get(view, {}).items():
             if torch.is_tensor(value) and value.dim() > 0:
-                out.setdefault(e.name, {})[key] = Chunks(tuple(value.shape), [((0,) * value.dim(), value)])
+                out.setdefault(e.name, {})[key] = chunks(tuple(value.shape), [((0,) * value.dim(), value)])
             else:          # a step count
                 out.setdefault(e.name, {})[key] = value
     return out
