@@ -24,18 +24,15 @@ tests/test_fuzz_checkpoints.py runs a few hundred cases of it (drawn by hypothes
 """
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import os
 import random
 import shutil
-import signal
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.fuzz_scripts import ADDRESS_SPACE, BAD, CASE_SECONDS, Worker as ScriptWorker, _alarm, _TimeUp
+from benchmarks.fuzz_scripts import BAD, CASE_SECONDS, Worker as ScriptWorker, cli, drive, run_limited, serve
 
 FILES = (".metadata", "__0_0.distcp", "piper.json")
 STEPS = [-3, -1, 0, 2**53 - 1, 2**53, 10**30, True, 1.5, "3", None, [3], {"a": 1}]
@@ -266,51 +263,34 @@ def _special(full: str, kind: str, scratch: str) -> None:
 
 def run_case(base: str, other: str, folder: str, edits: list[dict], seconds: float = CASE_SECONDS) -> dict:
     """`verify_checkpoint` of a copy of `base` with `edits` applied, under the CPU alarm."""
-    from piper.diagnostics import PiperError
     from piper.job.checkpoint import verify_checkpoint
 
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(base, folder)
     apply(folder, other, edits, os.path.dirname(folder))
-    start = time.process_time()
-    signal.setitimer(signal.ITIMER_PROF, seconds)
-    try:
-        verify_checkpoint(folder)
-        outcome, detail = "accepted", ""
-    except _TimeUp:
-        outcome, detail = "timeout", ""
-    except MemoryError:
-        outcome, detail = "memory", ""
-    except PiperError as error:
-        outcome, detail = "ok", error.diagnostics[0].code
-    except BaseException as error:     # noqa: BLE001 - what the fuzz is looking for
-        import traceback
 
-        outcome, detail = "internal", (f"{type(error).__name__}: {error} @ "
-                                       f"{traceback.format_exc().splitlines()[-3].strip()}")[:400]
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-    return {"outcome": outcome, "seconds": round(time.process_time() - start, 3), "detail": detail,
-            "codes": [detail] if outcome == "ok" else []}
+    def act():
+        verify_checkpoint(folder)
+        return "accepted", ""            # verified: right only where the edits changed nothing it needs
+
+    result = run_limited(act, seconds, where=True)
+    return {**result, "codes": [result["detail"]] if result["outcome"] == "ok" else []}
 
 
 def worker(seconds: float = CASE_SECONDS) -> None:
     """Read cases (JSON lines: name, text = the edits as JSON) from stdin; outcomes to stdout."""
-    import resource
     import warnings
 
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+    def prepare(scratch):
+        small_checkpoint(os.path.join(scratch, "a"), seed=0)
+        small_checkpoint(os.path.join(scratch, "b"), seed=1)
+
+    def one(scratch, item, secs):
+        return run_case(os.path.join(scratch, "a"), os.path.join(scratch, "b"), os.path.join(scratch, "case"),
+                        json.loads(item["text"]), secs)
+
     warnings.simplefilter("ignore")
-    signal.signal(signal.SIGPROF, _alarm)
-    with tempfile.TemporaryDirectory(prefix="piper-fuzz-ckpt-") as scratch:
-        base, other = os.path.join(scratch, "a"), os.path.join(scratch, "b")
-        small_checkpoint(base, seed=0)
-        small_checkpoint(other, seed=1)
-        for line in sys.stdin:
-            item = json.loads(line)
-            result = run_case(base, other, os.path.join(scratch, "case"), json.loads(item["text"]), seconds)
-            sys.stdout.write(json.dumps(result) + "\n")
-            sys.stdout.flush()
+    serve(one, seconds, prefix="piper-fuzz-ckpt-", prepare=prepare)
 
 
 class Worker(ScriptWorker):
@@ -318,71 +298,18 @@ class Worker(ScriptWorker):
 
     MODULE = "benchmarks.fuzz_checkpoints"
 
-    def _start(self):
-        import subprocess
-
-        repo = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        return subprocess.Popen([sys.executable, "-m", self.MODULE, "--worker", "--case-seconds",
-                                 str(self.case_seconds)], cwd=repo, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, encoding="utf-8",
-                                errors="surrogateescape", env=env)
-
 
 def fuzz(cases: int, seed: int, *, make_case=case, worker_class=Worker, minutes: float | None = None,
          show: bool = False, report=print, failures_to: str | None = None) -> dict:
     """Run `cases` cases (or until `minutes` pass): counts per outcome, the slowest case, the failures."""
-    rng = random.Random(seed)
-    counts = dict.fromkeys(("ok", "accepted") + BAD, 0)
-    failures, slowest, start = [], 0.0, time.monotonic()
-    runner = worker_class()
-    try:
-        for i in range(cases):
-            if minutes is not None and time.monotonic() - start > minutes * 60:
-                break
-            text = json.dumps(make_case(rng))
-            result = runner.run("case", text)
-            counts[result["outcome"]] += 1
-            slowest = max(slowest, result.get("seconds") or 0.0)
-            if result["outcome"] in BAD:
-                failures.append({"text": text, **result})
-                if failures_to:
-                    with open(failures_to, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(failures[-1]) + "\n")
-                if show:
-                    report(f"--- case {i}: {result['outcome']} {result['detail']}\n{text[:2000]}")
-            if (i + 1) % 1000 == 0:
-                report(f"{i + 1:,} cases: {counts} ({time.monotonic() - start:.0f} s; slowest case {slowest:.2f} s CPU)")
-    finally:
-        runner.close()
-    import resource
-
-    return {"cases": sum(counts.values()), "counts": counts, "seconds": round(time.monotonic() - start, 1),
-            "slowest_case_seconds": slowest,
-            "max_worker_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
-            "failures": failures}
+    return drive(lambda rng: ("case", json.dumps(make_case(rng))), seed, worker_class(), cases, minutes=minutes,
+                 show=show, report=report, failures_to=failures_to, outcomes=("ok", "accepted") + BAD,
+                 show_chars=2000, record_name=False, progress_rss=False)
 
 
 def main(argv=None, *, run_worker=worker, make_case=case, worker_class=Worker) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--cases", type=int, default=100_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--minutes", type=float, help="stop after this long, whatever --cases says")
-    parser.add_argument("--show-failures", action="store_true")
-    parser.add_argument("--out", help="write the summary and every failing case here (JSON)")
-    parser.add_argument("--case-seconds", type=float, default=CASE_SECONDS, help="CPU seconds a case may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        run_worker(args.case_seconds)
-        return 0
-    summary = fuzz(args.cases, args.seed, make_case=make_case, worker_class=worker_class, minutes=args.minutes,
-                   show=args.show_failures, report=lambda line: print(line, flush=True),
-                   failures_to=args.out + ".failures" if args.out else None)
-    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
-    return 0 if not summary["failures"] else 1
+    return cli(argv, (__doc__ or "").split("\n")[0],
+               functools.partial(fuzz, make_case=make_case, worker_class=worker_class), run_worker)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
-import tempfile
-import time
 
 from benchmarks import fuzz_checkpoints
-from benchmarks.fuzz_scripts import ADDRESS_SPACE, CASE_SECONDS, _alarm, _TimeUp
+from benchmarks.fuzz_scripts import CASE_SECONDS, run_limited, serve
 
 SEEDS = [
     '[training]\nsteps = 200\nbatch_size = 16\nlr = 3e-4\nweight_decay = 0.1\nlr_schedule = "warmup-cosine"\n'
@@ -102,7 +99,6 @@ def run_case(folder: str, item: dict, seconds: float = CASE_SECONDS) -> dict:
     """The config check of `item`'s config: read, applied to `piper run`'s flags, checked."""
     from piper import run_recipe
     from piper.cli import build_parser
-    from piper.diagnostics import PiperError
     from piper.job import checkpoint
 
     path = os.path.join(folder, "run.toml")
@@ -112,43 +108,24 @@ def run_case(folder: str, item: dict, seconds: float = CASE_SECONDS) -> dict:
     else:
         with open(path, "wb") as f:
             f.write(item["text"].encode("latin-1"))
-    start = time.process_time()
-    signal.setitimer(signal.ITIMER_PROF, seconds)
-    try:
+
+    def act():
         args = build_parser().parse_args(["run", "job.pps", "--config", path])
         run_recipe.apply_config(args)
         problem = run_recipe.check(args) or checkpoint.check_run_flags(args)
-        outcome, detail = "ok", "checked" if problem is None else "problem"
-    except _TimeUp:
-        outcome, detail = "timeout", ""
-    except MemoryError:
-        outcome, detail = "memory", ""
-    except PiperError as error:
-        outcome, detail = "ok", error.diagnostics[0].code
-    except BaseException as error:     # noqa: BLE001 - what the fuzz is looking for
-        import traceback
+        return "ok", "checked" if problem is None else "problem"
 
-        outcome, detail = "internal", (f"{type(error).__name__}: {error} @ "
-                                       f"{traceback.format_exc().splitlines()[-3].strip()}")[:400]
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-    return {"outcome": outcome, "seconds": round(time.process_time() - start, 3), "detail": detail,
-            "codes": [detail] if outcome == "ok" else []}
+    result = run_limited(act, seconds, where=True)
+    return {**result, "codes": [result["detail"]] if result["outcome"] == "ok" else []}
 
 
 def worker(seconds: float = CASE_SECONDS) -> None:
     """Read cases (JSON lines: name, text = the case as JSON) from stdin; outcomes to stdout."""
-    import resource
+    def prepare(folder):
+        from piper.job import checkpoint  # noqa: F401 - loaded once, outside the cases' time
 
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
-    signal.signal(signal.SIGPROF, _alarm)
-    from piper.job import checkpoint  # noqa: F401 - loaded once, outside the cases' time
-
-    with tempfile.TemporaryDirectory(prefix="piper-fuzz-config-") as folder:
-        for line in sys.stdin:
-            result = run_case(folder, json.loads(json.loads(line)["text"]), seconds)
-            sys.stdout.write(json.dumps(result) + "\n")
-            sys.stdout.flush()
+    serve(lambda folder, item, secs: run_case(folder, json.loads(item["text"]), secs), seconds,
+          prefix="piper-fuzz-config-", prepare=prepare)
 
 
 class Worker(fuzz_checkpoints.Worker):

@@ -129,58 +129,97 @@ def _alarm(signum, frame):
     raise _TimeUp
 
 
-def run_case(folder: str, name: str, text: str, seconds: float = CASE_SECONDS) -> dict:
-    """`piper check --format json` on `text`, saved as `folder/name`: the outcome, its seconds, and
-    what went wrong where it did."""
-    from piper.cli import main
+def run_limited(act, seconds: float = CASE_SECONDS, *, where: bool = False) -> dict:
+    """`act()` (which returns its outcome and detail) under the CPU alarm of `seconds`, its ending
+    classified: `timeout` (the alarm), `memory` (MemoryError), `ok` (the project's own PiperError,
+    its first code the detail), `internal` (any other exception; with `where`, the line it came from).
+    Every fuzzer's one case runs through here."""
     from piper.diagnostics import PiperError
+
+    start = time.process_time()
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        outcome, detail = act()
+    except _TimeUp:
+        outcome, detail = "timeout", ""
+    except MemoryError:
+        outcome, detail = "memory", ""
+    except PiperError as error:        # the project's own: a diagnostic
+        outcome, detail = "ok", error.diagnostics[0].code
+    except BaseException as error:     # noqa: BLE001 - what the fuzz is looking for
+        if where:
+            import traceback
+
+            detail = (f"{type(error).__name__}: {error} @ "
+                      f"{traceback.format_exc().splitlines()[-3].strip()}")[:400]
+        else:
+            detail = f"{type(error).__name__}: {error}"[:300]
+        outcome = "internal"
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+    return {"outcome": outcome, "seconds": round(time.process_time() - start, 3), "detail": detail}
+
+
+def check_case(folder: str, name: str, text: str, seconds: float = CASE_SECONDS, extra: tuple = ()) -> dict:
+    """`piper check --format json` (then `extra`) on `text`, saved as `folder/name`: the outcome, its
+    seconds, what went wrong where it did, and the codes of the diagnostics."""
+    from piper.cli import main
 
     path = os.path.join(folder, name)
     with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(text)
     out, err = io.StringIO(), io.StringIO()
-    start = time.process_time()
-    signal.setitimer(signal.ITIMER_PROF, seconds)
-    try:
+
+    def act():
         with redirect_stdout(out), redirect_stderr(err):
-            main(["check", "--format", "json", path])
-        outcome, detail = "ok", ""
-    except _TimeUp:
-        outcome, detail = "timeout", ""
-    except MemoryError:
-        outcome, detail = "memory", ""
-    except PiperError as error:        # the project's own: a diagnostic, though main should have printed it
-        outcome, detail = "ok", error.diagnostics[0].code
-    except BaseException as error:     # noqa: BLE001 - what the fuzz is looking for
-        outcome, detail = "internal", f"{type(error).__name__}: {error}"[:300]
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-    seconds = time.process_time() - start
-    if outcome == "ok" and "internal-error" in out.getvalue() + err.getvalue():
-        outcome, detail = "internal", (out.getvalue() + err.getvalue())[:300]
+            main(["check", "--format", "json", path, *extra])
+        return "ok", ""
+
+    result = run_limited(act, seconds)
+    if result["outcome"] == "ok" and "internal-error" in out.getvalue() + err.getvalue():
+        result.update(outcome="internal", detail=(out.getvalue() + err.getvalue())[:300])
     try:
-        codes = sorted({d["code"] for d in json.loads(out.getvalue() or "[]")})
+        result["codes"] = sorted({d["code"] for d in json.loads(out.getvalue() or "[]")})
     except (ValueError, TypeError, KeyError):
-        codes = []
-    return {"outcome": outcome, "seconds": round(seconds, 3), "detail": detail, "codes": codes}
+        result["codes"] = []
+    return result
+
+
+def run_case(folder: str, name: str, text: str, seconds: float = CASE_SECONDS) -> dict:
+    """`piper check --format json` on `text`, saved as `folder/name` (`check_case`)."""
+    return check_case(folder, name, text, seconds)
+
+
+def serve(run_one, seconds: float = CASE_SECONDS, *, prefix: str, prepare=None, prepare_unlimited: bool = False):
+    """A worker's loop: cases (JSON lines) from stdin, each `run_one(folder, case, seconds)` in a scratch
+    folder, outcomes (JSON lines) to stdout; under the address-space limit and the alarm's handler,
+    set before `prepare(folder)` (the worker's one-off setup) or, with `prepare_unlimited`, after it."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+        signal.signal(signal.SIGPROF, _alarm)
+
+    if not prepare_unlimited:
+        limit()
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        if prepare is not None:
+            prepare(folder)
+        if prepare_unlimited:
+            limit()
+        for line in sys.stdin:
+            result = run_one(folder, json.loads(line), seconds)
+            sys.stdout.write(json.dumps(result) + "\n")
+            sys.stdout.flush()
 
 
 def worker(seconds: float = CASE_SECONDS) -> None:
     """Read cases (JSON lines: name, text) from stdin; write outcomes (JSON lines) to stdout; a case
     past `seconds` of CPU time is a time-out."""
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
     os.environ["PIPER_DEBUG"] = "1"      # exceptions reach run_case instead of an internal-error line
-    signal.signal(signal.SIGPROF, _alarm)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 1000))
-    reply = sys.stdout
-    with tempfile.TemporaryDirectory(prefix="piper-fuzz-") as folder:
-        for line in sys.stdin:
-            item = json.loads(line)
-            result = run_case(folder, item["name"], item["text"], seconds)
-            reply.write(json.dumps(result) + "\n")
-            reply.flush()
+    serve(lambda folder, item, secs: run_case(folder, item["name"], item["text"], secs), seconds,
+          prefix="piper-fuzz-")
 
 
 class Worker:
@@ -194,9 +233,11 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self.cases = 0
 
+    MODULE = "benchmarks.fuzz_scripts"    # the module whose `--worker` runs the cases
+
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        return subprocess.Popen([sys.executable, "-m", "benchmarks.fuzz_scripts", "--worker",
+        return subprocess.Popen([sys.executable, "-m", self.MODULE, "--worker",
                                  "--case-seconds", str(self.case_seconds)], cwd=str(REPO),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, encoding="utf-8", errors="surrogateescape", env=env)
@@ -257,43 +298,54 @@ class Worker:
             self.proc = None
 
 
-def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = False, report=print,
-         failures_to: str | None = None, slow_over: float | None = None) -> dict:
-    """Run `cases` cases (or until `minutes` pass); counts per outcome, the slowest case, the failures
-    (each also appended to `failures_to`, one JSON line, as it happens; so is every `ok` case over
-    `slow_over` CPU seconds, to find what is near the time-out)."""
+def drive(make_case, seed: int, runner, cases: int, *, minutes: float | None = None, show: bool = False,
+          report=print, failures_to: str | None = None, slow_over: float | None = None,
+          outcomes: tuple = ("ok",) + BAD, every: int = 1000, show_name: bool = False,
+          show_chars: int | None = None, record_name: bool = True, progress_rss: bool = True) -> dict:
+    """Every fuzzer's parent loop: `cases` cases of `make_case(rng)` (name, text) through `runner` (a
+    `Worker`, which restarts a dead one), or until `minutes` pass; counts per outcome, the slowest case,
+    the failures (each also appended to `failures_to`, one JSON line, as it happens; so is every `ok`
+    case over `slow_over` CPU seconds, to find what is near the time-out), a progress line every
+    `every` cases."""
     rng = random.Random(seed)
-    counts = dict.fromkeys(("ok",) + BAD, 0)
-    failures, slowest, start = [], (0.0, None), time.monotonic()
-    runner = Worker()
+    counts = dict.fromkeys(outcomes, 0)
+    failures, slowest, start = [], 0.0, time.monotonic()
     try:
         for i in range(cases):
             if minutes is not None and time.monotonic() - start > minutes * 60:
                 break
-            name, text = case(rng)
+            name, text = make_case(rng)
             result = runner.run(name, text)
             counts[result["outcome"]] += 1
-            if result["seconds"] is not None and result["seconds"] > slowest[0]:
-                slowest = (result["seconds"], text)
+            slowest = max(slowest, result.get("seconds") or 0.0)
             if slow_over is not None and result["outcome"] == "ok" and (result["seconds"] or 0) > slow_over \
                     and failures_to:
                 with open(failures_to, "a", encoding="utf-8") as f:
                     f.write(json.dumps({"name": name, "text": text, **result, "outcome": "slow"}) + "\n")
             if result["outcome"] in BAD:
-                failures.append({"name": name, "text": text, **result})
+                failures.append({"name": name, "text": text, **result} if record_name else {"text": text, **result})
                 if failures_to:
                     with open(failures_to, "a", encoding="utf-8") as f:
                         f.write(json.dumps(failures[-1]) + "\n")
                 if show:
-                    report(f"--- case {i} ({name}): {result['outcome']} {result['detail']}\n{text}")
-            if (i + 1) % 1000 == 0:
+                    report(f"--- case {i}{f' ({name})' if show_name else ''}: {result['outcome']} "
+                           f"{result['detail']}\n{text[:show_chars] if show_chars else text}")
+            if (i + 1) % every == 0:
+                rss = f"; largest worker {_children_rss_mb():.0f} MB so far" if progress_rss else ""
                 report(f"{i + 1:,} cases: {counts} ({time.monotonic() - start:.0f} s; slowest case "
-                       f"{slowest[0]:.2f} s CPU; largest worker {_children_rss_mb():.0f} MB so far)")
+                       f"{slowest:.2f} s CPU{rss})")
     finally:
         runner.close()
     return {"cases": sum(counts.values()), "counts": counts, "seconds": round(time.monotonic() - start, 1),
-            "slowest_case_seconds": slowest[0], "max_worker_rss_mb": round(_children_rss_mb(), 1),
+            "slowest_case_seconds": slowest, "max_worker_rss_mb": round(_children_rss_mb(), 1),
             "failures": failures}
+
+
+def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = False, report=print,
+         failures_to: str | None = None, slow_over: float | None = None) -> dict:
+    """Run `cases` cases (or until `minutes` pass) through `drive`."""
+    return drive(case, seed, Worker(), cases, minutes=minutes, show=show, report=report,
+                 failures_to=failures_to, slow_over=slow_over, show_name=True)
 
 
 def _children_rss_mb() -> float:
@@ -303,28 +355,38 @@ def _children_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def cli(argv, description: str, run_fuzz, run_worker=None, *, slow: bool = False) -> int:
+    """Every fuzzer's command line: the flags, the worker (with `run_worker`: `--case-seconds`, `--worker`),
+    the run by `run_fuzz(cases, seed, ...)` and its summary; 1 where a case failed."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--cases", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, help="stop after this long, whatever --cases says")
     parser.add_argument("--show-failures", action="store_true")
     parser.add_argument("--out", help="write the summary and every failing case here (JSON)")
-    parser.add_argument("--slow", type=float, help="also write `ok` cases over this many CPU seconds to --out's "
-                        "failures file")
-    parser.add_argument("--case-seconds", type=float, default=CASE_SECONDS, help="CPU seconds a case may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    if slow:
+        parser.add_argument("--slow", type=float, help="also write `ok` cases over this many CPU seconds to "
+                            "--out's failures file")
+    if run_worker is not None:
+        parser.add_argument("--case-seconds", type=float, default=CASE_SECONDS,
+                            help="CPU seconds a case may take")
+        parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.case_seconds)
+    if run_worker is not None and args.worker:
+        run_worker(args.case_seconds)
         return 0
-    summary = fuzz(args.cases, args.seed, minutes=args.minutes, show=args.show_failures,
-                   report=lambda line: print(line, flush=True),
-                   failures_to=args.out + ".failures" if args.out else None, slow_over=args.slow)
+    extra = {"slow_over": args.slow} if slow else {}
+    summary = run_fuzz(args.cases, args.seed, minutes=args.minutes, show=args.show_failures,
+                       report=lambda line: print(line, flush=True),
+                       failures_to=args.out + ".failures" if args.out else None, **extra)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
     return 0 if not summary["failures"] else 1
+
+
+def main(argv=None) -> int:
+    return cli(argv, __doc__.split("\n")[0], fuzz, worker, slow=True)
 
 
 if __name__ == "__main__":

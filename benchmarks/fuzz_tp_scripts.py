@@ -14,13 +14,10 @@ tests/test_fuzz_scripts.py runs a few hundred of them (drawn by hypothesis) in t
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
-from pathlib import Path
 
-from .fuzz_scripts import BAD, Worker, _children_rss_mb, mutate
+from .fuzz_scripts import Worker, cli, drive, mutate
 
 REAL = ["blocks.*.attn.q", "blocks.*.attn.k", "blocks.*.attn.v", "blocks.*.mlp.gate", "blocks.*.mlp.up",
         "blocks.*.attn.o", "blocks.*.mlp.down", "embed", "head", "**.q_proj", "**.o_proj", "**.embed_tokens",
@@ -88,52 +85,11 @@ def case(rng: random.Random) -> tuple[str, str]:
 def fuzz(cases: int, seed: int, *, minutes: float | None = None, show: bool = False, report=print,
          failures_to: str | None = None) -> dict:
     """`benchmarks.fuzz_scripts.fuzz` over these cases."""
-    import time
-
-    rng = random.Random(seed)
-    counts = dict.fromkeys(("ok",) + BAD, 0)
-    failures, slowest, start = [], 0.0, time.monotonic()
-    runner = Worker()
-    try:
-        for i in range(cases):
-            if minutes is not None and time.monotonic() - start > minutes * 60:
-                break
-            name, text = case(rng)
-            result = runner.run(name, text)
-            counts[result["outcome"]] += 1
-            slowest = max(slowest, result["seconds"] or 0.0)
-            if result["outcome"] in BAD:
-                failures.append({"name": name, "text": text, **result})
-                if failures_to:
-                    with open(failures_to, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(failures[-1]) + "\n")
-                if show:
-                    report(f"--- case {i}: {result['outcome']} {result['detail']}\n{text}")
-            if (i + 1) % 1000 == 0:
-                report(f"{i + 1:,} cases: {counts} ({time.monotonic() - start:.0f} s; slowest case "
-                       f"{slowest:.2f} s CPU; largest worker {_children_rss_mb():.0f} MB so far)")
-    finally:
-        runner.close()
-    return {"cases": sum(counts.values()), "counts": counts, "seconds": round(time.monotonic() - start, 1),
-            "slowest_case_seconds": slowest, "max_worker_rss_mb": round(_children_rss_mb(), 1),
-            "failures": failures}
+    return drive(case, seed, Worker(), cases, minutes=minutes, show=show, report=report, failures_to=failures_to)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", type=int, default=100_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--minutes", type=float, help="stop after this long, whatever --cases says")
-    parser.add_argument("--show-failures", action="store_true")
-    parser.add_argument("--out", help="write the summary and every failing case here (JSON)")
-    args = parser.parse_args(argv)
-    summary = fuzz(args.cases, args.seed, minutes=args.minutes, show=args.show_failures,
-                   report=lambda line: print(line, flush=True),
-                   failures_to=args.out + ".failures" if args.out else None)
-    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
-    return 0 if not summary["failures"] else 1
+    return cli(argv, __doc__.split("\n")[0], fuzz)
 
 
 if __name__ == "__main__":
