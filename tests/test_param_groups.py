@@ -167,3 +167,12 @@ def test_a_resumed_run_continues_the_schedule_under_another_strategy(tmp_path):
     ref_losses, ref_state = one_device(copy.deepcopy(model), batches)
     assert_same((first + rest, ref_losses, state, ref_state), tol=1e-9)
 
+
+
+@pytest.mark.parametrize("suffix", ["@" + "9" * 5000 + "d", "@²d", "@100d", "@d", "@2x"])
+def test_a_per_group_dimension_suffix_that_is_no_small_number_is_a_diagnostic(suffix):
+    from piper.frontend.param_groups import _split_dims
+
+    with pytest.raises(piper.PiperError) as err:
+        _split_dims("**.weight" + suffix)
+    assert err.value.code == "bad-param-groups" and len(str(err.value)) < 1000

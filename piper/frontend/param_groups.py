@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..diagnostics import Diagnostic, PiperWarning, error
+from ..diagnostics import Diagnostic, PiperWarning, clip, error
 from .modules import match_names
 
 
@@ -218,9 +218,11 @@ def _split_dims(key: str) -> tuple[str, int | None]:
     pattern, _, suffix = key.rpartition("@")
     if suffix == "matrix":
         return pattern, 2
-    if len(suffix) >= 2 and suffix.endswith("d") and suffix[:-1].isdigit():
-        return pattern, int(suffix[:-1])
-    raise error("bad-param-groups", f"per_group's pattern `{key}` ends in `@{suffix}`, which is not a number of "
+    # ASCII digits, at most 2 (no tensor has 100 dimensions): int() of 5,000 digits or of `²` raises.
+    number = suffix[:-1]
+    if suffix.endswith("d") and 1 <= len(number) <= 2 and number.isascii() and number.isdigit():
+        return pattern, int(number)
+    raise error("bad-param-groups", f"per_group's pattern `{clip(key)}` ends in `@{clip(suffix)}`, which is not a number of "
                 "dimensions", hint="write @2d for matrices (or @matrix), @1d for vectors")
 
 
