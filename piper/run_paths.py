@@ -80,15 +80,23 @@ def file_problem(path: str) -> str | None:
     return _probe_file(full)
 
 
-def folder_problem(path: str) -> str | None:
-    """What stops `path` from being a folder files are written into, or None: the folder is created
-    when missing (with those above it) and a probe file is written in it."""
-    full = os.path.abspath(path)
+def _not_a_folder(full: str) -> str | None:
+    """Why the absolute path `full` cannot become a folder: it or a folder above it is a file."""
     if os.path.exists(full) and not os.path.isdir(full):
         return "is a file, and a directory is written there"
     found = _nearest_existing(full)
     if not os.path.isdir(found):
         return f"is under {found}, which is a file"
+    return None
+
+
+def folder_problem(path: str) -> str | None:
+    """What stops `path` from being a folder files are written into, or None: the folder is created
+    when missing (with those above it) and a probe file is written in it."""
+    full = os.path.abspath(path)
+    problem = _not_a_folder(full)
+    if problem:
+        return problem
     try:
         os.makedirs(full, exist_ok=True)
     except OSError as exc:
@@ -112,11 +120,9 @@ def directory_problem(path: str) -> str | None:
     """What stops `path` from being written as a directory that `job.save` renames into place (so its
     parent is created and a probe named like the staging folder is written beside it), or None."""
     full = os.path.abspath(path)
-    if os.path.exists(full) and not os.path.isdir(full):
-        return "is a file, and a directory is written there"
-    found = _nearest_existing(full)
-    if not os.path.isdir(found):
-        return f"is under {found}, which is a file"
+    problem = _not_a_folder(full)
+    if problem:
+        return problem
     parent, name = os.path.split(full)
     try:
         os.makedirs(parent, exist_ok=True)

@@ -12,34 +12,10 @@ from piper.cli import main
 from piper.diagnostics import PiperError
 from piper.job import checkpoint_lock
 from piper.job.recovery import Checkpoints, checkpoint_problem
+from tests.test_recovery_holds import MODEL_FILE      # the same two-stage model, trained by piper run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODEL_FILE = """
-import torch
-import piper
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(4, 8, dtype=torch.float64)
-        self.b = torch.nn.Linear(8, 1, dtype=torch.float64)
-
-    def forward(self, x, y):
-        with piper.annotate("PP"):
-            h = torch.tanh(self.a(x))
-        with piper.annotate("PP"):
-            return ((self.b(h).squeeze(-1) - y) ** 2).mean()
-
-def make():
-    return Net()
-
-def training_batches(batch_size):
-    g = torch.Generator().manual_seed(1)
-    while True:
-        yield (torch.randn(batch_size, 4, generator=g, dtype=torch.float64),
-               torch.randn(batch_size, generator=g, dtype=torch.float64))
-"""
 
 HOLD = """
 import sys, time
