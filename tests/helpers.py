@@ -93,3 +93,24 @@ def _gloo_rank(fn, rank: int, world: int, port: int, out):
         out.put((rank, fn(rank)))
     finally:
         dist.destroy_process_group()
+
+
+def raised(call, *args, **kwargs) -> BaseException | None:
+    """What `call` raises, run in a thread: a hang guard only (a FIFO opened plainly blocks for ever);
+    the test asserts the diagnostic."""
+    import threading
+
+    out = []
+
+    def target():
+        try:
+            call(*args, **kwargs)
+            out.append(None)
+        except BaseException as exc:      # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), f"{getattr(call, '__name__', call)} blocked on a special file"
+    return out[0]

@@ -5,7 +5,6 @@ left out of `piper.json`, and steps out of range."""
 import json
 import os
 import shutil
-import threading
 
 import pytest
 
@@ -14,27 +13,9 @@ from benchmarks.fuzz_checkpoints import small_checkpoint
 from piper.job import checkpoint
 from piper.job.recovery import Checkpoints
 from piper.runtime.state import checkpoint_files
+from tests.helpers import raised
 
 SHARD = "__0_0.distcp"
-
-
-def raised(call, *args) -> BaseException | None:
-    """What `call(*args)` raises, run in a thread: a hang guard only (opening a FIFO plainly waits
-    for a writer for ever); the tests assert the diagnostic."""
-    out = []
-
-    def target():
-        try:
-            call(*args)
-            out.append(None)
-        except BaseException as exc:      # noqa: BLE001 - handed to the test
-            out.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(120)
-    assert not thread.is_alive(), f"{getattr(call, '__name__', call)} blocked on a special file"
-    return out[0]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ folder, and TOML that used to crash the config reader (inf, nan, a number for a 
 parts, brackets nested thousands deep, bytes that are not UTF-8); `user_files`, the one reader.
 Also `--config` giving `model` and the strategy script, as every other flag."""
 import os
-import threading
 
 import pytest
 
@@ -11,29 +10,11 @@ from piper import run_recipe as recipe
 from piper import user_files
 from piper.cli import build_parser
 from piper.diagnostics import PiperError
+from tests.helpers import raised
 
 
 def parse(*argv):
     return build_parser().parse_args(["run", *argv])
-
-
-def raised(call, *args, **kwargs) -> BaseException | None:
-    """What `call` raises, run in a thread: a hang guard only (a FIFO opened plainly blocks for ever),
-    the test asserts the diagnostic."""
-    out = []
-
-    def target():
-        try:
-            call(*args, **kwargs)
-            out.append(None)
-        except BaseException as exc:      # noqa: BLE001 - handed to the test
-            out.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(120)
-    assert not thread.is_alive(), f"{call.__name__} blocked on a special file"
-    return out[0]
 
 
 def special(path, kind: str) -> None:
